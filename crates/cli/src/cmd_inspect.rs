@@ -1,0 +1,97 @@
+use anyhow::{bail, Result};
+use sluice_model::hf::HfCheckpoint;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// A Hugging Face model directory or a GGUF file.
+    path: PathBuf,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Whether a tensor name belongs to a routed expert.
+fn is_routed_expert(name: &str) -> bool {
+    name.contains(".experts.") || name.contains("_exps.")
+}
+
+pub fn main(a: Args) -> Result<()> {
+    if !a.path.is_dir() {
+        bail!(
+            "{}: expected a Hugging Face model directory",
+            a.path.display()
+        );
+    }
+    let ck = HfCheckpoint::open(&a.path)?;
+    let c = &ck.config;
+    let mut dtypes: BTreeMap<String, usize> = BTreeMap::new();
+    let (mut dense, mut experts, mut count) = (0usize, 0usize, 0usize);
+    for name in ck.st.names() {
+        let info = ck.st.info(name).expect("listed");
+        let bytes = info.end - info.start;
+        count += 1;
+        *dtypes.entry(info.dtype.clone()).or_default() += bytes;
+        if is_routed_expert(name) {
+            experts += bytes;
+        } else {
+            dense += bytes;
+        }
+    }
+    let moe = c.moe.as_ref();
+    let v = serde_json::json!({
+        "path": a.path.display().to_string(),
+        "format": "safetensors",
+        "architecture": c.arch.name(),
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden,
+        "layers": c.n_layer,
+        "heads": c.n_head,
+        "kv_heads": c.n_head_kv,
+        "head_dim": c.head_dim,
+        "ffn": c.ff,
+        "experts": moe.map(|m| m.n_expert),
+        "experts_per_token": moe.map(|m| m.n_expert_used),
+        "expert_ffn": moe.map(|m| m.expert_ff),
+        "sparse_layers": c.sparse_layer.iter().filter(|s| **s).count(),
+        "max_position": c.max_position,
+        "tensors": count,
+        "dense_bytes": dense,
+        "expert_bytes": experts,
+        "dtype_bytes": dtypes,
+    });
+    if a.json {
+        println!("{v}");
+        return Ok(());
+    }
+    let mib = |b: usize| b as f64 / (1u64 << 20) as f64;
+    println!("{}  ({})", a.path.display(), c.arch.name());
+    println!(
+        "  dims: vocab {}  hidden {}  layers {}  heads {}/{} kv  head_dim {}  ffn {}",
+        c.vocab_size, c.hidden, c.n_layer, c.n_head, c.n_head_kv, c.head_dim, c.ff
+    );
+    if let Some(m) = moe {
+        println!(
+            "  experts: {} per layer, top-{}, ffn {}, {} of {} layers sparse{}",
+            m.n_expert,
+            m.n_expert_used,
+            m.expert_ff,
+            c.sparse_layer.iter().filter(|s| **s).count(),
+            c.n_layer,
+            m.shared_expert_ff
+                .map(|s| format!(", shared expert ffn {s}"))
+                .unwrap_or_default()
+        );
+    }
+    println!("  tensors: {count}");
+    println!(
+        "  dense weights: {:.2} MiB   routed experts: {:.2} MiB",
+        mib(dense),
+        mib(experts)
+    );
+    for (d, b) in &dtypes {
+        println!("  {d}: {:.2} MiB", mib(*b));
+    }
+    Ok(())
+}

@@ -1,0 +1,14 @@
+//! Checkpoint formats: safetensors, GGUF, Hugging Face configs, tokenizers and chat templates.
+//! Everything here reads files and validates them; nothing computes.
+
+pub mod blob;
+pub mod error;
+pub mod gguf_tokenizer;
+pub mod json_config;
+pub mod safetensors;
+pub mod tokenizer;
+
+pub use blob::Blob;
+pub use error::{FormatError, Result};
+pub use json_config::JsonConfig;
+pub use tokenizer::{TextStream, Tokenizer};

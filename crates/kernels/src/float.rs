@@ -1,0 +1,382 @@
+//! Dot products and matrix-vector tiles for float weights (F32, F16, BF16) against f32
+//! activations.
+//!
+//! The reduction order is part of the contract: a dot product of length `k` keeps 16 lane
+//! accumulators, lane `l` accumulates elements `16c + l` with a fused multiply-add, in order of
+//! `c`; a final partial chunk is zero-padded; the lanes are then summed as a tree (8, 4, 2, 1).
+//! The scalar reference, the AVX2 and the AVX-512 variants all follow it, so they agree to the
+//! bit, and a row's result never depends on which other rows or tokens share the tile.
+
+use crate::dtype::DType;
+use half::{bf16, f16};
+
+pub const LANES: usize = 16;
+
+/// Tree-sums 16 lane accumulators in the fixed order (8, 4, 2, 1).
+#[inline(always)]
+pub fn reduce16(mut a: [f32; LANES]) -> f32 {
+    let mut w = LANES / 2;
+    while w > 0 {
+        for l in 0..w {
+            a[l] += a[l + w];
+        }
+        w /= 2;
+    }
+    a[0]
+}
+
+/// Element `i` of a float row stored as `dtype`.
+#[inline(always)]
+pub fn load_elem(dtype: DType, row: &[u8], i: usize) -> f32 {
+    match dtype {
+        DType::F32 => {
+            f32::from_le_bytes([row[4 * i], row[4 * i + 1], row[4 * i + 2], row[4 * i + 3]])
+        }
+        DType::BF16 => bf16::from_bits(u16::from_le_bytes([row[2 * i], row[2 * i + 1]])).to_f32(),
+        DType::F16 => f16::from_bits(u16::from_le_bytes([row[2 * i], row[2 * i + 1]])).to_f32(),
+        _ => panic!("load_elem on block type {dtype}"),
+    }
+}
+
+/// Scalar reference: dot product of a stored float row with `x`, in the contract's order.
+pub fn dot_ref(dtype: DType, row: &[u8], x: &[f32]) -> f32 {
+    let k = x.len();
+    let mut acc = [0f32; LANES];
+    for c in 0..k.div_ceil(LANES) {
+        for (l, a) in acc.iter_mut().enumerate() {
+            let i = c * LANES + l;
+            let (w, xv) = if i < k {
+                (load_elem(dtype, row, i), x[i])
+            } else {
+                (0.0, 0.0)
+            };
+            *a = w.mul_add(xv, *a);
+        }
+    }
+    reduce16(acc)
+}
+
+/// f32 · f32 in the contract's order (attention scores use it).
+#[inline]
+pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    debug_assert_eq!(a.len(), b.len());
+    // SAFETY: lengths are equal; the pointers cover `a.len()` f32 each.
+    let bytes = unsafe { std::slice::from_raw_parts(a.as_ptr() as *const u8, a.len() * 4) };
+    let mut out = [0f32; 1];
+    tile(crate::cpu::isa(), DType::F32, &[bytes], &[b], &mut out, 1);
+    out[0]
+}
+
+/// Computes `out[t * ldo + r] = dot(rows[r], xs[t])` for up to 8 rows and 4 tokens.
+pub fn tile(
+    isa: crate::cpu::Isa,
+    dtype: DType,
+    rows: &[&[u8]],
+    xs: &[&[f32]],
+    out: &mut [f32],
+    ldo: usize,
+) {
+    use crate::cpu::Isa;
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `isa` was detected (or lowered) from this CPU's features.
+        Isa::Avx512 => unsafe { x86::tile_avx512(dtype, rows, xs, out, ldo) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx2 => unsafe { x86::tile_avx2(dtype, rows, xs, out, ldo) },
+        _ => {
+            for (r, row) in rows.iter().enumerate() {
+                for (t, x) in xs.iter().enumerate() {
+                    out[t * ldo + r] = dot_ref(dtype, row, x);
+                }
+            }
+        }
+    }
+}
+
+/// Widens a zero-padded final chunk of a row (fewer than 16 elements) to f32.
+#[inline(always)]
+fn tail_f32(dtype: DType, row: &[u8], start: usize, k: usize) -> [f32; LANES] {
+    let mut t = [0f32; LANES];
+    for (l, v) in t.iter_mut().enumerate().take(k - start) {
+        *v = load_elem(dtype, row, start + l);
+    }
+    t
+}
+
+#[inline(always)]
+fn tail_x(x: &[f32], start: usize) -> [f32; LANES] {
+    let mut t = [0f32; LANES];
+    t[..x.len() - start].copy_from_slice(&x[start..]);
+    t
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    macro_rules! dispatch_rt {
+        ($f:ident, $dtype:expr, $rows:expr, $xs:expr, $out:expr, $ldo:expr) => {{
+            macro_rules! by_t {
+                ($r:literal) => {
+                    match $xs.len() {
+                        1 => $f::<$r, 1>($dtype, $rows, $xs, $out, $ldo),
+                        2 => $f::<$r, 2>($dtype, $rows, $xs, $out, $ldo),
+                        3 => $f::<$r, 3>($dtype, $rows, $xs, $out, $ldo),
+                        4 => $f::<$r, 4>($dtype, $rows, $xs, $out, $ldo),
+                        n => panic!("tile of {n} tokens"),
+                    }
+                };
+            }
+            match $rows.len() {
+                1 => by_t!(1),
+                2 => by_t!(2),
+                3 => by_t!(3),
+                4 => by_t!(4),
+                5 => by_t!(5),
+                6 => by_t!(6),
+                7 => by_t!(7),
+                8 => by_t!(8),
+                n => panic!("tile of {n} rows"),
+            }
+        }};
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")]
+    pub unsafe fn tile_avx512(
+        dtype: DType,
+        rows: &[&[u8]],
+        xs: &[&[f32]],
+        out: &mut [f32],
+        ldo: usize,
+    ) {
+        dispatch_rt!(tile512, dtype, rows, xs, out, ldo)
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn tile_avx2(
+        dtype: DType,
+        rows: &[&[u8]],
+        xs: &[&[f32]],
+        out: &mut [f32],
+        ldo: usize,
+    ) {
+        dispatch_rt!(tile256, dtype, rows, xs, out, ldo)
+    }
+
+    #[inline(always)]
+    unsafe fn load16(dtype: DType, p: *const u8) -> __m512 {
+        match dtype {
+            DType::F32 => _mm512_loadu_ps(p as *const f32),
+            DType::BF16 => {
+                let h = _mm256_loadu_si256(p as *const __m256i);
+                _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
+            }
+            DType::F16 => _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)),
+            _ => unreachable!(),
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn hsum512(v: __m512) -> f32 {
+        let s8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+        hsum256(s8)
+    }
+
+    #[inline(always)]
+    unsafe fn hsum256(s8: __m256) -> f32 {
+        let s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+        let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        let s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
+        _mm_cvtss_f32(s1)
+    }
+
+    #[inline(always)]
+    unsafe fn tile512<const R: usize, const T: usize>(
+        dtype: DType,
+        rows: &[&[u8]],
+        xs: &[&[f32]],
+        out: &mut [f32],
+        ldo: usize,
+    ) {
+        let k = xs[0].len();
+        let esz = dtype.block_bytes();
+        let full = k / LANES * LANES;
+        let mut acc = [[_mm512_setzero_ps(); T]; R];
+        let wp: [*const u8; R] = std::array::from_fn(|r| rows[r].as_ptr());
+        let xp: [*const f32; T] = std::array::from_fn(|t| xs[t].as_ptr());
+        let mut i = 0;
+        while i < full {
+            let xv: [__m512; T] = std::array::from_fn(|t| _mm512_loadu_ps(xp[t].add(i)));
+            for r in 0..R {
+                let w = load16(dtype, wp[r].add(i * esz));
+                for t in 0..T {
+                    acc[r][t] = _mm512_fmadd_ps(w, xv[t], acc[r][t]);
+                }
+            }
+            i += LANES;
+        }
+        if full < k {
+            for r in 0..R {
+                let w = _mm512_loadu_ps(tail_f32(dtype, rows[r], full, k).as_ptr());
+                for t in 0..T {
+                    let xv = _mm512_loadu_ps(tail_x(xs[t], full).as_ptr());
+                    acc[r][t] = _mm512_fmadd_ps(w, xv, acc[r][t]);
+                }
+            }
+        }
+        for r in 0..R {
+            for t in 0..T {
+                out[t * ldo + r] = hsum512(acc[r][t]);
+            }
+        }
+    }
+
+    /// Loads 16 elements as two 8-lane halves (lanes 0..8, 8..16).
+    #[inline(always)]
+    unsafe fn load8x2(dtype: DType, p: *const u8) -> (__m256, __m256) {
+        match dtype {
+            DType::F32 => (
+                _mm256_loadu_ps(p as *const f32),
+                _mm256_loadu_ps((p as *const f32).add(8)),
+            ),
+            DType::BF16 => {
+                let a = _mm_loadu_si128(p as *const __m128i);
+                let b = _mm_loadu_si128(p.add(16) as *const __m128i);
+                (
+                    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(a), 16)),
+                    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16)),
+                )
+            }
+            DType::F16 => (
+                _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)),
+                _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i)),
+            ),
+            _ => unreachable!(),
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn tile256<const R: usize, const T: usize>(
+        dtype: DType,
+        rows: &[&[u8]],
+        xs: &[&[f32]],
+        out: &mut [f32],
+        ldo: usize,
+    ) {
+        let k = xs[0].len();
+        let esz = dtype.block_bytes();
+        let full = k / LANES * LANES;
+        let mut lo = [[_mm256_setzero_ps(); T]; R];
+        let mut hi = [[_mm256_setzero_ps(); T]; R];
+        let mut i = 0;
+        while i < full {
+            for r in 0..R {
+                let (wl, wh) = load8x2(dtype, rows[r].as_ptr().add(i * esz));
+                for t in 0..T {
+                    let xp = xs[t].as_ptr().add(i);
+                    lo[r][t] = _mm256_fmadd_ps(wl, _mm256_loadu_ps(xp), lo[r][t]);
+                    hi[r][t] = _mm256_fmadd_ps(wh, _mm256_loadu_ps(xp.add(8)), hi[r][t]);
+                }
+            }
+            i += LANES;
+        }
+        if full < k {
+            for r in 0..R {
+                let w = tail_f32(dtype, rows[r], full, k);
+                for t in 0..T {
+                    let x = tail_x(xs[t], full);
+                    lo[r][t] = _mm256_fmadd_ps(
+                        _mm256_loadu_ps(w.as_ptr()),
+                        _mm256_loadu_ps(x.as_ptr()),
+                        lo[r][t],
+                    );
+                    hi[r][t] = _mm256_fmadd_ps(
+                        _mm256_loadu_ps(w.as_ptr().add(8)),
+                        _mm256_loadu_ps(x.as_ptr().add(8)),
+                        hi[r][t],
+                    );
+                }
+            }
+        }
+        for r in 0..R {
+            for t in 0..T {
+                out[t * ldo + r] = hsum256(_mm256_add_ps(lo[r][t], hi[r][t]));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::Isa;
+
+    fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed;
+        (0..n)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    fn encode(dtype: DType, v: &[f32]) -> Vec<u8> {
+        match dtype {
+            DType::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            DType::BF16 => v
+                .iter()
+                .flat_map(|x| bf16::from_f32(*x).to_bits().to_le_bytes())
+                .collect(),
+            DType::F16 => v
+                .iter()
+                .flat_map(|x| f16::from_f32(*x).to_bits().to_le_bytes())
+                .collect(),
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn every_isa_matches_the_reference_bit_for_bit() {
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            for k in [1usize, 15, 16, 17, 64, 100, 256] {
+                let rows: Vec<Vec<u8>> = (0..8)
+                    .map(|r| encode(dtype, &rand_vec(k, r as u64 + 1)))
+                    .collect();
+                let xs: Vec<Vec<f32>> = (0..4).map(|t| rand_vec(k, 100 + t as u64)).collect();
+                let rr: Vec<&[u8]> = rows.iter().map(|r| r.as_slice()).collect();
+                let xr: Vec<&[f32]> = xs.iter().map(|x| x.as_slice()).collect();
+                for isa in Isa::supported() {
+                    for nr in 1..=8 {
+                        for nt in 1..=4 {
+                            let mut out = vec![0f32; 4 * 8];
+                            tile(isa, dtype, &rr[..nr], &xr[..nt], &mut out, 8);
+                            for r in 0..nr {
+                                for t in 0..nt {
+                                    let want = dot_ref(dtype, rr[r], xr[t]);
+                                    assert_eq!(
+                                        out[t * 8 + r].to_bits(),
+                                        want.to_bits(),
+                                        "{dtype} {isa:?} k={k} r={r} t={t}"
+                                    );
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn reference_is_close_to_f64_sum() {
+        let a = rand_vec(1000, 7);
+        let b = rand_vec(1000, 8);
+        let exact: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
+        assert!((dot_f32(&a, &b) as f64 - exact).abs() < 1e-4);
+    }
+}

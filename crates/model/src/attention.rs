@@ -1,0 +1,201 @@
+//! Grouped-query self-attention with RoPE, optional QK-norm, bias and sliding window.
+
+use crate::config::{ModelConfig, QkNorm};
+use crate::error::{ModelError, Result};
+use crate::kv_cache::KvCache;
+use crate::model::{observe, Model};
+use crate::trace::Observer;
+use crate::weights::{vector, Key, TensorSource, Weight};
+use sluice_kernels::{float::dot_f32, matmul, ops, SendPtr, ThreadPool};
+
+/// A projection with an optional bias.
+pub struct Linear {
+    pub w: Weight,
+    pub b: Option<Vec<f32>>,
+}
+
+impl Linear {
+    pub fn forward(&self, pool: &ThreadPool, x: &[f32], n: usize, out: &mut [f32]) {
+        matmul(pool, self.w.mat(), x, n, out);
+        if let Some(b) = &self.b {
+            for row in out.chunks_exact_mut(b.len()) {
+                ops::add_inplace(row, b);
+            }
+        }
+    }
+}
+
+pub struct AttentionWeights {
+    /// (n_head·head_dim, hidden)
+    pub q: Linear,
+    /// (n_head_kv·head_dim, hidden)
+    pub k: Linear,
+    /// (n_head_kv·head_dim, hidden)
+    pub v: Linear,
+    /// (hidden, n_head·head_dim)
+    pub o: Linear,
+    /// (head_dim) per head, or (n_head·head_dim) over the whole projection.
+    pub q_norm: Option<Vec<f32>>,
+    pub k_norm: Option<Vec<f32>>,
+}
+
+impl AttentionWeights {
+    pub fn load(src: &dyn TensorSource, cfg: &ModelConfig, l: usize) -> Result<AttentionWeights> {
+        let origin = src.describe();
+        let (h, qd, kvd) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim());
+        let lin = |wk: Key, bk: Key, rows: usize, cols: usize, bias: bool| -> Result<Linear> {
+            let w = Weight::from_tensor(src.require(wk, Some(l))?, rows, cols, &origin)?;
+            let b = if bias {
+                Some(vector(src.require(bk, Some(l))?, rows, &origin)?)
+            } else {
+                None
+            };
+            Ok(Linear { w, b })
+        };
+        let norm = |key: Key, len: usize| -> Result<Option<Vec<f32>>> {
+            match cfg.qk_norm {
+                QkNorm::None => Ok(None),
+                _ => Ok(Some(vector(src.require(key, Some(l))?, len, &origin)?)),
+            }
+        };
+        let (qn, kn) = match cfg.qk_norm {
+            QkNorm::Full => (qd, kvd),
+            _ => (cfg.head_dim, cfg.head_dim),
+        };
+        Ok(AttentionWeights {
+            q: lin(Key::AttnQ, Key::AttnQBias, qd, h, cfg.qkv_bias)?,
+            k: lin(Key::AttnK, Key::AttnKBias, kvd, h, cfg.qkv_bias)?,
+            v: lin(Key::AttnV, Key::AttnVBias, kvd, h, cfg.qkv_bias)?,
+            o: Linear {
+                w: Weight::from_tensor(src.require(Key::AttnO, Some(l))?, h, qd, &origin)?,
+                b: src
+                    .get(Key::AttnOBias, Some(l))?
+                    .map(|t| vector(t, h, &origin))
+                    .transpose()?,
+            },
+            q_norm: norm(Key::AttnQNorm, qn)?,
+            k_norm: norm(Key::AttnKNorm, kn)?,
+        })
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.q.w.bytes() + self.k.w.bytes() + self.v.w.bytes() + self.o.w.bytes()
+    }
+}
+
+/// Self-attention of `n` tokens at positions `pos0..pos0 + n` of layer `l`; appends their keys
+/// and values to the cache and writes the output projection to `out` (n, hidden).
+#[allow(clippy::too_many_arguments)]
+pub fn attention(
+    m: &Model,
+    l: usize,
+    w: &AttentionWeights,
+    h: &[f32],
+    n: usize,
+    pos0: usize,
+    kv: &mut KvCache,
+    out: &mut [f32],
+    obs: &mut Option<&mut dyn Observer>,
+) {
+    let cfg = &m.cfg;
+    let pool = &*m.pool;
+    let (hd, nh, nkv) = (cfg.head_dim, cfg.n_head, cfg.n_head_kv);
+    let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
+    let mut q = vec![0f32; n * qd]; // (n, n_head·head_dim)
+    let mut k = vec![0f32; n * kvd]; // (n, n_head_kv·head_dim)
+    let mut v = vec![0f32; n * kvd];
+    w.q.forward(pool, h, n, &mut q);
+    w.k.forward(pool, h, n, &mut k);
+    w.v.forward(pool, h, n, &mut v);
+    if let Some(c) = cfg.clip_qkv {
+        for x in q.iter_mut().chain(k.iter_mut()).chain(v.iter_mut()) {
+            *x = x.clamp(-c, c);
+        }
+    }
+    match cfg.qk_norm {
+        QkNorm::None => {}
+        QkNorm::PerHead | QkNorm::Full => {
+            let (qn, kn) = (
+                w.q_norm.as_ref().expect("loaded"),
+                w.k_norm.as_ref().expect("loaded"),
+            );
+            for r in q.chunks_exact_mut(qn.len()) {
+                ops::rms_norm_inplace(r, qn, cfg.rms_eps);
+            }
+            for r in k.chunks_exact_mut(kn.len()) {
+                ops::rms_norm_inplace(r, kn, cfg.rms_eps);
+            }
+        }
+    }
+    observe(obs, "q", Some(l), &q, n);
+    observe(obs, "k", Some(l), &k, n);
+    observe(obs, "v", Some(l), &v, n);
+
+    // Rotate every head of q and k at its token's position.
+    let window = cfg.window[l];
+    let rope = match (&m.rope_local, window) {
+        (Some(local), Some(_)) => local,
+        _ => &m.rope,
+    };
+    let half = rope.cfg.dim / 2;
+    let (mut cos, mut sin) = (vec![0f32; half], vec![0f32; half]);
+    for t in 0..n {
+        rope.cos_sin(pos0 + t, &mut cos, &mut sin);
+        for head in q[t * qd..(t + 1) * qd].chunks_exact_mut(hd) {
+            rope.apply(head, &cos, &sin);
+        }
+        for head in k[t * kvd..(t + 1) * kvd].chunks_exact_mut(hd) {
+            rope.apply(head, &cos, &sin);
+        }
+    }
+    kv.append(l, &k, &v);
+    let (kc, vc) = kv.layer(l);
+
+    // Each (token, head) is one independent task: scores over its visible positions,
+    // softmax, weighted sum of values. Its arithmetic never depends on the other tasks.
+    let mut att = vec![0f32; n * qd]; // (n, n_head·head_dim)
+    let att_ptr = SendPtr(att.as_mut_ptr());
+    let group = nh / nkv;
+    let scale = cfg.attn_scale;
+    let qr = &q;
+    pool.for_ranges(n * nh, 1, &|tasks| {
+        let mut scores = Vec::with_capacity(pos0 + n);
+        for task in tasks {
+            let (t, head) = (task / nh, task % nh);
+            let p = pos0 + t;
+            let g = head / group;
+            let first = window.map_or(0, |w| (p + 1).saturating_sub(w));
+            let qv = &qr[t * qd + head * hd..t * qd + (head + 1) * hd];
+            scores.clear();
+            for j in first..=p {
+                scores.push(dot_f32(qv, &kc[j * kvd + g * hd..j * kvd + (g + 1) * hd]) * scale);
+            }
+            ops::softmax(&mut scores);
+            // SAFETY: task (t, head) owns this head_dim slice of `att`.
+            let o = unsafe {
+                std::slice::from_raw_parts_mut(att_ptr.get().add(t * qd + head * hd), hd)
+            };
+            o.fill(0.0);
+            for (j, s) in (first..=p).zip(&scores) {
+                ops::axpy(o, *s, &vc[j * kvd + g * hd..j * kvd + (g + 1) * hd]);
+            }
+        }
+    });
+    observe(obs, "kqv_out", Some(l), &att, n);
+    w.o.forward(pool, &att, n, out);
+    observe(obs, "attn_out", Some(l), out, n);
+}
+
+/// Checks that a family's attention switches agree with the tensors present.
+pub fn check_bias(src: &dyn TensorSource, cfg: &ModelConfig) -> Result<()> {
+    let has = src.get(Key::AttnQBias, Some(0))?.is_some();
+    if has != cfg.qkv_bias {
+        return Err(ModelError::Invalid(format!(
+            "{}: the config says attention bias is {}, but the checkpoint {} a q_proj bias",
+            src.describe(),
+            cfg.qkv_bias,
+            if has { "has" } else { "lacks" }
+        )));
+    }
+    Ok(())
+}

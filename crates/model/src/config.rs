@@ -1,0 +1,163 @@
+//! `ModelConfig`: everything the forward pass needs to know about a checkpoint, whatever file
+//! format and config dialect it came from. Family files fill it in.
+
+use crate::rope::RopeConfig;
+
+/// Model families sluice runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arch {
+    Llama,
+    Qwen2,
+    Qwen3,
+    Mixtral,
+    Qwen2Moe,
+    Qwen3Moe,
+    Olmoe,
+    Gemma3,
+}
+
+impl Arch {
+    pub fn name(self) -> &'static str {
+        match self {
+            Arch::Llama => "llama",
+            Arch::Qwen2 => "qwen2",
+            Arch::Qwen3 => "qwen3",
+            Arch::Mixtral => "mixtral",
+            Arch::Qwen2Moe => "qwen2_moe",
+            Arch::Qwen3Moe => "qwen3_moe",
+            Arch::Olmoe => "olmoe",
+            Arch::Gemma3 => "gemma3",
+        }
+    }
+}
+
+/// Where the attention applies RMSNorm to queries and keys, if anywhere.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QkNorm {
+    None,
+    /// Over each head's `head_dim` values (Qwen3, Gemma 3).
+    PerHead,
+    /// Over the whole projection before it is split into heads (OLMoE).
+    Full,
+}
+
+/// How router logits become the weights of the chosen experts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gating {
+    /// Softmax over all experts, take the top k; renormalize them to sum to 1 if `norm_topk`.
+    SoftmaxTopK { norm_topk: bool },
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct MoeConfig {
+    pub n_expert: usize,
+    pub n_expert_used: usize,
+    /// FFN width of one routed expert.
+    pub expert_ff: usize,
+    pub gating: Gating,
+    /// FFN width of the always-on shared expert (Qwen2-MoE), gated by a sigmoid.
+    pub shared_expert_ff: Option<usize>,
+}
+
+/// Activation of the gated FFN.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activation {
+    Silu,
+    GeluTanh,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelConfig {
+    pub arch: Arch,
+    pub vocab_size: usize,
+    pub hidden: usize,
+    pub n_layer: usize,
+    pub n_head: usize,
+    pub n_head_kv: usize,
+    pub head_dim: usize,
+    /// Width of the dense FFN (dense layers of MoE models included).
+    pub ff: usize,
+    pub rms_eps: f32,
+    pub rope: RopeConfig,
+    /// Gemma 3's local layers rotate with a different base.
+    pub rope_local: Option<RopeConfig>,
+    pub max_position: usize,
+    pub tie_embeddings: bool,
+    pub qkv_bias: bool,
+    pub qk_norm: QkNorm,
+    /// OLMoE's optional clamp of Q, K and V.
+    pub clip_qkv: Option<f32>,
+    pub activation: Activation,
+    pub moe: Option<MoeConfig>,
+    /// Per layer: routed experts (true) or a dense FFN (false).
+    pub sparse_layer: Vec<bool>,
+    /// Per layer: sliding-window size of the attention, if any.
+    pub window: Vec<Option<usize>>,
+    /// Attention score scale (1/sqrt(head_dim) unless the family says otherwise).
+    pub attn_scale: f32,
+    /// Gemma: embeddings multiplied by sqrt(hidden), norms weigh (1 + w), extra post-norms.
+    pub gemma: bool,
+    pub final_logit_softcap: Option<f32>,
+    pub bos_token: Option<u32>,
+    pub eos_tokens: Vec<u32>,
+}
+
+impl ModelConfig {
+    pub fn q_dim(&self) -> usize {
+        self.n_head * self.head_dim
+    }
+
+    pub fn kv_dim(&self) -> usize {
+        self.n_head_kv * self.head_dim
+    }
+
+    pub fn is_moe(&self) -> bool {
+        self.moe.is_some()
+    }
+
+    /// Checks the invariants the forward pass relies on; `source` names the config for errors.
+    pub fn validate(&self) -> Result<(), String> {
+        let must = |ok: bool, msg: String| if ok { Ok(()) } else { Err(msg) };
+        must(
+            self.hidden > 0 && self.n_layer > 0 && self.vocab_size > 0,
+            "hidden size, layers and vocabulary must be positive".into(),
+        )?;
+        must(
+            self.n_head > 0 && self.n_head_kv > 0,
+            "head counts must be positive".into(),
+        )?;
+        must(
+            self.n_head % self.n_head_kv == 0,
+            format!(
+                "{} attention heads are not a multiple of {} key/value heads",
+                self.n_head, self.n_head_kv
+            ),
+        )?;
+        must(
+            self.rope.dim <= self.head_dim && self.rope.dim % 2 == 0,
+            format!(
+                "rotary dimension {} does not fit head_dim {}",
+                self.rope.dim, self.head_dim
+            ),
+        )?;
+        must(
+            self.sparse_layer.len() == self.n_layer,
+            "per-layer sparsity has the wrong length".into(),
+        )?;
+        if let Some(m) = &self.moe {
+            must(
+                m.n_expert_used >= 1 && m.n_expert_used <= m.n_expert,
+                format!(
+                    "{} experts per token out of {} experts",
+                    m.n_expert_used, m.n_expert
+                ),
+            )?;
+        } else {
+            must(
+                !self.sparse_layer.iter().any(|s| *s),
+                "sparse layers without an MoE config".into(),
+            )?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,164 @@
+//! The seam between the MoE block and wherever expert weights live.
+//!
+//! The block asks an `ExpertSource` for the experts its router chose and receives each one as
+//! soon as its weights are resident, in whatever order they arrive; it combines outputs in the
+//! canonical (rank) order itself, so arrival order never changes a bit. A view pins the
+//! expert's memory until it is dropped. This file also holds the resident source (every expert
+//! in memory or mapped), the reference every streaming source must match.
+
+use crate::error::{ModelError, Result};
+use crate::weights::{ExpertPart, TensorSource, Weight};
+use sluice_kernels::MatRef;
+
+/// One expert's three matrices: gate and up are ff × hidden, down is hidden × ff.
+#[derive(Clone, Copy, Debug)]
+pub struct ExpertWeights<'a> {
+    pub gate: MatRef<'a>,
+    pub up: MatRef<'a>,
+    pub down: MatRef<'a>,
+}
+
+/// A resident expert, pinned while the view lives.
+pub trait ExpertView: Send {
+    fn weights(&self) -> ExpertWeights<'_>;
+}
+
+/// The experts of one request, delivered as they become resident.
+pub trait ExpertFetch<'s> {
+    /// The next resident expert with its index in the request; `None` when all were delivered.
+    #[allow(clippy::type_complexity)]
+    fn next(&mut self) -> Option<Result<(usize, Box<dyn ExpertView + 's>)>>;
+}
+
+pub trait ExpertSource: Send + Sync {
+    /// Starts making `experts` of `layer` resident.
+    fn fetch<'s>(&'s self, layer: usize, experts: &[u32]) -> Result<Box<dyn ExpertFetch<'s> + 's>>;
+
+    /// Whether `prefetch` does anything (the model skips predicting otherwise).
+    fn wants_prefetch(&self) -> bool {
+        false
+    }
+
+    /// A hint: `experts` of `layer` are likely needed next.
+    fn prefetch(&self, _layer: usize, _experts: &[u32]) {}
+
+    /// Bytes of expert weights held in memory now.
+    fn resident_bytes(&self) -> usize;
+
+    /// A line about what this source is (for `--stats` and logs).
+    fn describe(&self) -> String;
+}
+
+/// Every expert resident (in memory or in a mapped file).
+pub struct ResidentExperts {
+    /// `[layer][expert]`; empty for dense layers.
+    experts: Vec<Vec<[Weight; 3]>>,
+    bytes: usize,
+}
+
+impl ResidentExperts {
+    /// Loads all experts of the sparse layers from `src`, checking shapes.
+    pub fn load(
+        src: &dyn TensorSource,
+        cfg: &crate::config::ModelConfig,
+    ) -> Result<ResidentExperts> {
+        let Some(moe) = &cfg.moe else {
+            return Ok(ResidentExperts {
+                experts: vec![Vec::new(); cfg.n_layer],
+                bytes: 0,
+            });
+        };
+        let mut experts = Vec::with_capacity(cfg.n_layer);
+        let mut bytes = 0;
+        for l in 0..cfg.n_layer {
+            if !cfg.sparse_layer[l] {
+                experts.push(Vec::new());
+                continue;
+            }
+            let mut layer = Vec::with_capacity(moe.n_expert);
+            for e in 0..moe.n_expert {
+                let w = load_expert(src, cfg, l, e)?;
+                bytes += w.iter().map(|w| w.bytes()).sum::<usize>();
+                layer.push(w);
+            }
+            experts.push(layer);
+        }
+        Ok(ResidentExperts { experts, bytes })
+    }
+}
+
+/// One expert's three matrices from a tensor source, shape-checked.
+pub fn load_expert(
+    src: &dyn TensorSource,
+    cfg: &crate::config::ModelConfig,
+    l: usize,
+    e: usize,
+) -> Result<[Weight; 3]> {
+    let moe = cfg
+        .moe
+        .as_ref()
+        .ok_or_else(|| ModelError::Invalid("not an MoE model".into()))?;
+    let origin = src.describe();
+    let part =
+        |p: ExpertPart, rows, cols| Weight::from_tensor(src.expert(p, l, e)?, rows, cols, &origin);
+    Ok([
+        part(ExpertPart::Gate, moe.expert_ff, cfg.hidden)?,
+        part(ExpertPart::Up, moe.expert_ff, cfg.hidden)?,
+        part(ExpertPart::Down, cfg.hidden, moe.expert_ff)?,
+    ])
+}
+
+struct ResidentView<'s>(&'s [Weight; 3]);
+
+impl ExpertView for ResidentView<'_> {
+    fn weights(&self) -> ExpertWeights<'_> {
+        ExpertWeights {
+            gate: self.0[0].mat(),
+            up: self.0[1].mat(),
+            down: self.0[2].mat(),
+        }
+    }
+}
+
+struct ResidentFetch<'s> {
+    layer: &'s [[Weight; 3]],
+    experts: Vec<u32>,
+    next: usize,
+}
+
+impl<'s> ExpertFetch<'s> for ResidentFetch<'s> {
+    fn next(&mut self) -> Option<Result<(usize, Box<dyn ExpertView + 's>)>> {
+        let i = self.next;
+        let e = *self.experts.get(i)? as usize;
+        self.next += 1;
+        Some(match self.layer.get(e) {
+            Some(w) => Ok((i, Box::new(ResidentView(w)) as Box<dyn ExpertView + 's>)),
+            None => Err(ModelError::Expert(format!("expert {e} out of range"))),
+        })
+    }
+}
+
+impl ExpertSource for ResidentExperts {
+    fn fetch<'s>(&'s self, layer: usize, experts: &[u32]) -> Result<Box<dyn ExpertFetch<'s> + 's>> {
+        let l = self
+            .experts
+            .get(layer)
+            .ok_or_else(|| ModelError::Expert(format!("layer {layer} out of range")))?;
+        Ok(Box::new(ResidentFetch {
+            layer: l,
+            experts: experts.to_vec(),
+            next: 0,
+        }))
+    }
+
+    fn resident_bytes(&self) -> usize {
+        self.bytes
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "resident experts ({:.1} MiB)",
+            self.bytes as f64 / (1 << 20) as f64
+        )
+    }
+}

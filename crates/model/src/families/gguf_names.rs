@@ -1,0 +1,44 @@
+//! GGUF's tensor names (`blk.N.attn_q.weight` ...), shared by every architecture.
+
+use crate::weights::{ExpertPart, Key};
+
+pub fn name(key: Key, layer: Option<usize>) -> String {
+    let l = layer.unwrap_or(0);
+    let b = |s: &str| format!("blk.{l}.{s}");
+    match key {
+        Key::TokEmbd => "token_embd.weight".into(),
+        Key::OutputNorm => "output_norm.weight".into(),
+        Key::Output => "output.weight".into(),
+        Key::AttnNorm => b("attn_norm.weight"),
+        Key::AttnQ => b("attn_q.weight"),
+        Key::AttnK => b("attn_k.weight"),
+        Key::AttnV => b("attn_v.weight"),
+        Key::AttnO => b("attn_output.weight"),
+        Key::AttnQBias => b("attn_q.bias"),
+        Key::AttnKBias => b("attn_k.bias"),
+        Key::AttnVBias => b("attn_v.bias"),
+        Key::AttnOBias => b("attn_output.bias"),
+        Key::AttnQNorm => b("attn_q_norm.weight"),
+        Key::AttnKNorm => b("attn_k_norm.weight"),
+        Key::AttnPostNorm => b("post_attention_norm.weight"),
+        Key::FfnNorm => b("ffn_norm.weight"),
+        Key::FfnPostNorm => b("post_ffw_norm.weight"),
+        Key::FfnGate => b("ffn_gate.weight"),
+        Key::FfnUp => b("ffn_up.weight"),
+        Key::FfnDown => b("ffn_down.weight"),
+        Key::FfnGateInp => b("ffn_gate_inp.weight"),
+        Key::ShexpGate => b("ffn_gate_shexp.weight"),
+        Key::ShexpUp => b("ffn_up_shexp.weight"),
+        Key::ShexpDown => b("ffn_down_shexp.weight"),
+        Key::ShexpGateInp => b("ffn_gate_inp_shexp.weight"),
+    }
+}
+
+/// The stacked 3-D tensor holding every expert's `part` of layer `l`.
+pub fn experts(part: ExpertPart, l: usize) -> String {
+    match part {
+        ExpertPart::Gate => format!("blk.{l}.ffn_gate_exps.weight"),
+        ExpertPart::Up => format!("blk.{l}.ffn_up_exps.weight"),
+        ExpertPart::Down => format!("blk.{l}.ffn_down_exps.weight"),
+    }
+}

@@ -1,0 +1,277 @@
+//! Feed-forward blocks: the dense gated FFN and the routed mixture of experts.
+
+use crate::config::{Activation, Gating, ModelConfig};
+use crate::error::{ModelError, Result};
+use crate::model::{observe, Model};
+use crate::trace::Observer;
+use crate::weights::{Key, TensorSource, Weight};
+use sluice_kernels::{matmul, ops, MatRef, ThreadPool};
+
+/// A gated FFN: down(act(gate(x)) * up(x)).
+pub struct DenseFfnWeights {
+    /// (ff, hidden)
+    pub gate: Weight,
+    /// (ff, hidden)
+    pub up: Weight,
+    /// (hidden, ff)
+    pub down: Weight,
+}
+
+pub struct SharedExpert {
+    pub ffn: DenseFfnWeights,
+    /// (1, hidden): sigmoid gate on the shared expert's output.
+    pub gate_inp: Weight,
+}
+
+pub struct MoeWeights {
+    /// (n_expert, hidden)
+    pub router: Weight,
+    pub shared: Option<SharedExpert>,
+}
+
+pub enum FfnWeights {
+    Dense(DenseFfnWeights),
+    Moe(MoeWeights),
+}
+
+impl FfnWeights {
+    pub fn load(src: &dyn TensorSource, cfg: &ModelConfig, l: usize) -> Result<FfnWeights> {
+        let origin = src.describe();
+        let h = cfg.hidden;
+        let mat =
+            |key, rows, cols| Weight::from_tensor(src.require(key, Some(l))?, rows, cols, &origin);
+        if !cfg.sparse_layer[l] {
+            return Ok(FfnWeights::Dense(DenseFfnWeights {
+                gate: mat(Key::FfnGate, cfg.ff, h)?,
+                up: mat(Key::FfnUp, cfg.ff, h)?,
+                down: mat(Key::FfnDown, h, cfg.ff)?,
+            }));
+        }
+        let moe = cfg
+            .moe
+            .as_ref()
+            .ok_or_else(|| ModelError::Invalid("sparse layer without MoE config".into()))?;
+        let shared = match moe.shared_expert_ff {
+            None => None,
+            Some(sf) => Some(SharedExpert {
+                ffn: DenseFfnWeights {
+                    gate: mat(Key::ShexpGate, sf, h)?,
+                    up: mat(Key::ShexpUp, sf, h)?,
+                    down: mat(Key::ShexpDown, h, sf)?,
+                },
+                gate_inp: mat(Key::ShexpGateInp, 1, h)?,
+            }),
+        };
+        Ok(FfnWeights::Moe(MoeWeights {
+            router: mat(Key::FfnGateInp, moe.n_expert, h)?,
+            shared,
+        }))
+    }
+
+    /// Bytes of the resident part (router and shared expert for MoE layers).
+    pub fn dense_bytes(&self) -> usize {
+        match self {
+            FfnWeights::Dense(f) => f.gate.bytes() + f.up.bytes() + f.down.bytes(),
+            FfnWeights::Moe(m) => {
+                m.router.bytes()
+                    + m.shared.as_ref().map_or(0, |s| {
+                        s.ffn.gate.bytes()
+                            + s.ffn.up.bytes()
+                            + s.ffn.down.bytes()
+                            + s.gate_inp.bytes()
+                    })
+            }
+        }
+    }
+}
+
+fn activation(a: Activation) -> fn(f32) -> f32 {
+    match a {
+        Activation::Silu => ops::silu,
+        Activation::GeluTanh => ops::gelu_tanh,
+    }
+}
+
+/// down(act(gate·x) ⊙ up·x) for `n` rows of `x`, written to `out` (n, hidden).
+#[allow(clippy::too_many_arguments)]
+fn gated_ffn(
+    pool: &ThreadPool,
+    act: Activation,
+    gate: MatRef<'_>,
+    up: MatRef<'_>,
+    down: MatRef<'_>,
+    x: &[f32],
+    n: usize,
+    out: &mut [f32],
+) {
+    let ff = gate.rows;
+    let mut g = vec![0f32; n * ff]; // (n, ff)
+    let mut u = vec![0f32; n * ff]; // (n, ff)
+    matmul(pool, gate, x, n, &mut g);
+    matmul(pool, up, x, n, &mut u);
+    ops::glu(&mut g, &u, activation(act));
+    matmul(pool, down, &g, n, out);
+}
+
+pub fn dense_ffn(
+    pool: &ThreadPool,
+    cfg: &ModelConfig,
+    f: &DenseFfnWeights,
+    x: &[f32],
+    n: usize,
+    out: &mut [f32],
+) {
+    gated_ffn(
+        pool,
+        cfg.activation,
+        f.gate.mat(),
+        f.up.mat(),
+        f.down.mat(),
+        x,
+        n,
+        out,
+    );
+}
+
+/// The router's choice for one token: expert ids in rank order and their weights.
+pub fn route(
+    gating: Gating,
+    logits: &[f32],
+    k: usize,
+    experts: &mut Vec<u32>,
+    weights: &mut Vec<f32>,
+) {
+    match gating {
+        Gating::SoftmaxTopK { norm_topk } => {
+            let mut p = logits.to_vec();
+            ops::softmax(&mut p);
+            let mut idx: Vec<u32> = (0..p.len() as u32).collect();
+            // Highest probability first; the lower id wins a tie.
+            idx.sort_by(|a, b| p[*b as usize].total_cmp(&p[*a as usize]).then(a.cmp(b)));
+            experts.clear();
+            experts.extend_from_slice(&idx[..k]);
+            weights.clear();
+            weights.extend(experts.iter().map(|e| p[*e as usize]));
+            if norm_topk {
+                let s: f32 = weights.iter().sum();
+                weights.iter_mut().for_each(|w| *w /= s);
+            }
+        }
+    }
+}
+
+/// The routed mixture of experts for `n` tokens of layer `l`.
+///
+/// 1. the router scores every expert for every token and keeps the top k;
+/// 2. the expert source delivers each chosen expert as it becomes resident, and each expert
+///    runs on the tokens that chose it (its output per (token, rank) is kept apart);
+/// 3. each token's outputs are summed in rank order, so the result never depends on which
+///    expert arrived first or which tokens shared a batch.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_ffn(
+    m: &Model,
+    l: usize,
+    w: &MoeWeights,
+    x: &[f32],
+    n: usize,
+    pos0: usize,
+    out: &mut [f32],
+    obs: &mut Option<&mut dyn Observer>,
+) -> Result<()> {
+    let cfg = &m.cfg;
+    let moe = cfg.moe.as_ref().expect("sparse layer of an MoE model");
+    let (hd, ne, k) = (cfg.hidden, moe.n_expert, moe.n_expert_used);
+    let pool = &*m.pool;
+
+    let mut logits = vec![0f32; n * ne]; // (n, n_expert)
+    matmul(pool, w.router.mat(), x, n, &mut logits);
+    observe(obs, "ffn_moe_logits", Some(l), &logits, n);
+    let mut chosen = vec![0u32; n * k]; // (n, k) expert ids in rank order
+    let mut weights = vec![0f32; n * k]; // (n, k)
+    let (mut ex, mut wt) = (Vec::with_capacity(k), Vec::with_capacity(k));
+    for t in 0..n {
+        route(
+            moe.gating,
+            &logits[t * ne..(t + 1) * ne],
+            k,
+            &mut ex,
+            &mut wt,
+        );
+        chosen[t * k..(t + 1) * k].copy_from_slice(&ex);
+        weights[t * k..(t + 1) * k].copy_from_slice(&wt);
+        if let Some(o) = obs.as_deref_mut() {
+            o.routing(l, pos0 + t, &ex, &wt);
+        }
+    }
+
+    // Which (token, rank) slots each expert serves; experts in ascending id order.
+    let mut users: Vec<Vec<usize>> = vec![Vec::new(); ne];
+    for (slot, e) in chosen.iter().enumerate() {
+        users[*e as usize].push(slot);
+    }
+    let wanted: Vec<u32> = (0..ne as u32)
+        .filter(|e| !users[*e as usize].is_empty())
+        .collect();
+
+    let mut y = vec![0f32; n * k * hd]; // (n·k, hidden) one output row per (token, rank)
+    let mut fetch = m.experts.fetch(l, &wanted)?;
+    let mut xe = Vec::new();
+    let mut ye = Vec::new();
+    while let Some(r) = fetch.next() {
+        let (i, view) = r?;
+        let slots = &users[wanted[i] as usize];
+        let ew = view.weights();
+        xe.clear();
+        for s in slots {
+            let t = s / k;
+            xe.extend_from_slice(&x[t * hd..(t + 1) * hd]);
+        }
+        ye.resize(slots.len() * hd, 0.0);
+        gated_ffn(
+            pool,
+            cfg.activation,
+            ew.gate,
+            ew.up,
+            ew.down,
+            &xe,
+            slots.len(),
+            &mut ye,
+        );
+        for (j, s) in slots.iter().enumerate() {
+            y[s * hd..(s + 1) * hd].copy_from_slice(&ye[j * hd..(j + 1) * hd]);
+        }
+    }
+    drop(fetch);
+
+    out.fill(0.0);
+    for t in 0..n {
+        let o = &mut out[t * hd..(t + 1) * hd];
+        for r in 0..k {
+            let s = t * k + r;
+            ops::axpy(o, weights[s], &y[s * hd..(s + 1) * hd]);
+        }
+    }
+    if let Some(sh) = &w.shared {
+        let mut ys = vec![0f32; n * hd];
+        gated_ffn(
+            pool,
+            cfg.activation,
+            sh.ffn.gate.mat(),
+            sh.ffn.up.mat(),
+            sh.ffn.down.mat(),
+            x,
+            n,
+            &mut ys,
+        );
+        let mut g = vec![0f32; n];
+        matmul(pool, sh.gate_inp.mat(), x, n, &mut g);
+        for t in 0..n {
+            ops::axpy(
+                &mut out[t * hd..(t + 1) * hd],
+                ops::sigmoid(g[t]),
+                &ys[t * hd..(t + 1) * hd],
+            );
+        }
+    }
+    Ok(())
+}

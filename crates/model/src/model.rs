@@ -1,0 +1,303 @@
+//! The model: resident weights and the forward pass, top to bottom.
+//!
+//! Every family sluice supports is a pre-norm decoder:
+//!
+//! ```text
+//! x = embed(tokens)                                  // (n, hidden)
+//! for each layer:
+//!     x = x + attention(rms_norm(x))                 // GQA, RoPE, optional QK-norm and bias
+//!     x = x + ffn(rms_norm(x))                       // dense SwiGLU, or routed experts
+//! logits = rms_norm(x) · outputᵀ                     // (n, vocab)
+//! ```
+//!
+//! Family files decide the details (config dialects, tensor names, router gating); Gemma's
+//! extra post-norms and embedding scale are switches in the same flow.
+
+use crate::attention::{attention, AttentionWeights};
+use crate::config::ModelConfig;
+use crate::error::{ModelError, Result};
+use crate::expert::ExpertSource;
+use crate::ffn::{dense_ffn, moe_ffn, FfnWeights};
+use crate::kv_cache::KvCache;
+use crate::rope::Rope;
+use crate::trace::Observer;
+use crate::weights::{embedding_row, vector, Key, TensorSource, Weight};
+use sluice_kernels::{matmul, ops, ThreadPool};
+use std::sync::Arc;
+
+pub struct LayerWeights {
+    pub attn_norm: Vec<f32>,
+    pub attn: AttentionWeights,
+    pub attn_post_norm: Option<Vec<f32>>,
+    pub ffn_norm: Vec<f32>,
+    pub ffn: FfnWeights,
+    pub ffn_post_norm: Option<Vec<f32>>,
+}
+
+pub struct Model {
+    pub cfg: ModelConfig,
+    /// (vocab, hidden)
+    pub tok_embd: Weight,
+    pub layers: Vec<LayerWeights>,
+    /// (hidden)
+    pub output_norm: Vec<f32>,
+    /// (vocab, hidden); the embedding table itself when tied.
+    pub output: Weight,
+    pub rope: Rope,
+    pub rope_local: Option<Rope>,
+    pub experts: Arc<dyn ExpertSource>,
+    pub pool: Arc<ThreadPool>,
+}
+
+/// Which rows of logits a forward pass returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Logits {
+    All,
+    Last,
+    None,
+}
+
+impl Model {
+    /// Builds the model from a tensor source; `experts` serves the routed experts.
+    pub fn load(
+        cfg: ModelConfig,
+        src: &dyn TensorSource,
+        experts: Arc<dyn ExpertSource>,
+        pool: Arc<ThreadPool>,
+    ) -> Result<Model> {
+        cfg.validate()
+            .map_err(|e| ModelError::Invalid(format!("{}: {e}", src.describe())))?;
+        crate::attention::check_bias(src, &cfg)?;
+        let origin = src.describe();
+        let h = cfg.hidden;
+        let mat = |key, layer, rows, cols| {
+            Weight::from_tensor(src.require(key, layer)?, rows, cols, &origin)
+        };
+        let vec_of = |key, layer, len| vector(src.require(key, layer)?, len, &origin);
+        let opt_vec = |key, layer: Option<usize>, len| -> Result<Option<Vec<f32>>> {
+            src.get(key, layer)?
+                .map(|t| vector(t, len, &origin))
+                .transpose()
+        };
+
+        let tok_embd = mat(Key::TokEmbd, None, cfg.vocab_size, h)?;
+        let output = match src.get(Key::Output, None)? {
+            Some(t) if !cfg.tie_embeddings => Weight::from_tensor(t, cfg.vocab_size, h, &origin)?,
+            Some(t) => Weight::from_tensor(t, cfg.vocab_size, h, &origin)?,
+            None if cfg.tie_embeddings => tok_embd.clone(),
+            None => {
+                return Err(ModelError::Invalid(format!(
+                    "{origin}: missing output (lm_head) tensor"
+                )))
+            }
+        };
+        let mut layers = Vec::with_capacity(cfg.n_layer);
+        for l in 0..cfg.n_layer {
+            let attn = AttentionWeights::load(src, &cfg, l)?;
+            let ffn = FfnWeights::load(src, &cfg, l)?;
+            let gemma = cfg.gemma;
+            layers.push(LayerWeights {
+                attn_norm: vec_of(Key::AttnNorm, Some(l), h)?,
+                attn,
+                attn_post_norm: if gemma {
+                    Some(vec_of(Key::AttnPostNorm, Some(l), h)?)
+                } else {
+                    opt_vec(Key::AttnPostNorm, Some(l), h)?
+                },
+                ffn_norm: vec_of(Key::FfnNorm, Some(l), h)?,
+                ffn,
+                ffn_post_norm: if gemma {
+                    Some(vec_of(Key::FfnPostNorm, Some(l), h)?)
+                } else {
+                    opt_vec(Key::FfnPostNorm, Some(l), h)?
+                },
+            });
+        }
+        let output_norm = vec_of(Key::OutputNorm, None, h)?;
+        let rope = Rope::new(cfg.rope.clone());
+        let rope_local = cfg.rope_local.clone().map(Rope::new);
+        let mut m = Model {
+            cfg,
+            tok_embd,
+            layers,
+            output_norm,
+            output,
+            rope,
+            rope_local,
+            experts,
+            pool,
+        };
+        if m.cfg.gemma {
+            m.fold_gemma_norms();
+        }
+        Ok(m)
+    }
+
+    /// Gemma's RMSNorm weighs by (1 + w); fold the 1 in once at load.
+    fn fold_gemma_norms(&mut self) {
+        let add1 = |v: &mut Vec<f32>| v.iter_mut().for_each(|x| *x += 1.0);
+        add1(&mut self.output_norm);
+        for l in &mut self.layers {
+            add1(&mut l.attn_norm);
+            add1(&mut l.ffn_norm);
+            l.attn_post_norm.as_mut().map(add1);
+            l.ffn_post_norm.as_mut().map(add1);
+            l.attn.q_norm.as_mut().map(add1);
+            l.attn.k_norm.as_mut().map(add1);
+        }
+    }
+
+    /// A KV cache for up to `max_len` positions (the model's own maximum if 0).
+    pub fn new_cache(&self, max_len: usize) -> KvCache {
+        let max_len = if max_len == 0 {
+            self.cfg.max_position
+        } else {
+            max_len
+        };
+        KvCache::new(self.cfg.n_layer, self.cfg.kv_dim(), max_len)
+    }
+
+    /// Bytes of resident dense weights (everything but the routed experts).
+    pub fn dense_bytes(&self) -> usize {
+        let mut b = self.tok_embd.bytes();
+        if !std::ptr::eq(self.output.data.as_ptr(), self.tok_embd.data.as_ptr()) {
+            b += self.output.bytes();
+        }
+        for l in &self.layers {
+            b += l.attn.bytes() + l.ffn.dense_bytes();
+        }
+        b
+    }
+
+    /// Runs `tokens` at the next positions of `kv` and returns the requested logits
+    /// (`n × vocab` for `All`, `vocab` for `Last`).
+    ///
+    /// On error the cache is left as it was before the call.
+    pub fn forward(
+        &self,
+        kv: &mut KvCache,
+        tokens: &[u32],
+        want: Logits,
+        mut obs: Option<&mut dyn Observer>,
+    ) -> Result<Vec<f32>> {
+        let n = tokens.len();
+        let pos0 = kv.len();
+        if n == 0 {
+            return Err(ModelError::Input("no tokens to run".into()));
+        }
+        if pos0 + n > kv.max_len() {
+            return Err(ModelError::Input(format!(
+                "context full: {pos0} positions used + {n} new > {} allowed",
+                kv.max_len()
+            )));
+        }
+        if let Some(t) = tokens.iter().find(|t| **t as usize >= self.cfg.vocab_size) {
+            return Err(ModelError::Input(format!(
+                "token id {t} is outside the vocabulary of {}",
+                self.cfg.vocab_size
+            )));
+        }
+        let r = self.forward_layers(kv, tokens, want, &mut obs);
+        if r.is_err() {
+            kv.truncate(pos0);
+        }
+        r
+    }
+
+    fn forward_layers(
+        &self,
+        kv: &mut KvCache,
+        tokens: &[u32],
+        want: Logits,
+        obs: &mut Option<&mut dyn Observer>,
+    ) -> Result<Vec<f32>> {
+        let cfg = &self.cfg;
+        let (n, hd) = (tokens.len(), cfg.hidden);
+        let pos0 = kv.len();
+        let mut x = vec![0f32; n * hd]; // (n, hidden) the residual stream
+        for (t, tok) in tokens.iter().enumerate() {
+            embedding_row(&self.tok_embd, *tok as usize, &mut x[t * hd..(t + 1) * hd]);
+        }
+        if cfg.gemma {
+            // Gemma scales embeddings by sqrt(hidden).
+            let s = (hd as f32).sqrt();
+            x.iter_mut().for_each(|v| *v *= s);
+        }
+        observe(obs, "inp_embd", None, &x, n);
+
+        let mut h = vec![0f32; n * hd]; // (n, hidden) normed input of a block
+        let mut y = vec![0f32; n * hd]; // (n, hidden) output of a block
+        for (l, lw) in self.layers.iter().enumerate() {
+            rms_norm_rows(&x, &lw.attn_norm, cfg.rms_eps, &mut h);
+            observe(obs, "attn_norm", Some(l), &h, n);
+            attention(self, l, &lw.attn, &h, n, pos0, kv, &mut y, obs);
+            if let Some(w) = &lw.attn_post_norm {
+                rms_norm_rows_inplace(&mut y, w, cfg.rms_eps);
+            }
+            ops::add_inplace(&mut x, &y);
+            observe(obs, "ffn_inp", Some(l), &x, n);
+
+            rms_norm_rows(&x, &lw.ffn_norm, cfg.rms_eps, &mut h);
+            observe(obs, "ffn_norm", Some(l), &h, n);
+            match &lw.ffn {
+                FfnWeights::Dense(f) => dense_ffn(&self.pool, cfg, f, &h, n, &mut y),
+                FfnWeights::Moe(m) => moe_ffn(self, l, m, &h, n, pos0, &mut y, obs)?,
+            }
+            if let Some(w) = &lw.ffn_post_norm {
+                rms_norm_rows_inplace(&mut y, w, cfg.rms_eps);
+            }
+            observe(obs, "ffn_out", Some(l), &y, n);
+            ops::add_inplace(&mut x, &y);
+            observe(obs, "l_out", Some(l), &x, n);
+        }
+        kv.commit(n);
+
+        let rows = match want {
+            Logits::None => return Ok(Vec::new()),
+            Logits::All => 0..n,
+            Logits::Last => n - 1..n,
+        };
+        let m = rows.len();
+        let mut hn = vec![0f32; m * hd];
+        rms_norm_rows(
+            &x[rows.start * hd..rows.end * hd],
+            &self.output_norm,
+            cfg.rms_eps,
+            &mut hn,
+        );
+        observe(obs, "result_norm", None, &hn, m);
+        let mut logits = vec![0f32; m * cfg.vocab_size];
+        matmul(&self.pool, self.output.mat(), &hn, m, &mut logits);
+        if let Some(cap) = cfg.final_logit_softcap {
+            logits.iter_mut().for_each(|v| *v = (*v / cap).tanh() * cap);
+        }
+        observe(obs, "result_output", None, &logits, m);
+        Ok(logits)
+    }
+}
+
+pub(crate) fn observe(
+    obs: &mut Option<&mut dyn Observer>,
+    name: &'static str,
+    layer: Option<usize>,
+    data: &[f32],
+    n: usize,
+) {
+    if let Some(o) = obs.as_deref_mut() {
+        o.tensor(name, layer, data, n);
+    }
+}
+
+/// RMSNorm of each row of `x` (rows of `w.len()`).
+pub(crate) fn rms_norm_rows(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let d = w.len();
+    for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+        ops::rms_norm(xr, w, eps, or);
+    }
+}
+
+pub(crate) fn rms_norm_rows_inplace(x: &mut [f32], w: &[f32], eps: f32) {
+    for r in x.chunks_exact_mut(w.len()) {
+        ops::rms_norm_inplace(r, w, eps);
+    }
+}

@@ -1,0 +1,138 @@
+//! Logical tensor names, the `TensorSource` seam between file formats and the model, and the
+//! resident weight types the forward pass holds.
+
+use crate::error::{ModelError, Result};
+use sluice_formats::safetensors::TensorData;
+use sluice_kernels::{DType, MatRef};
+
+/// A tensor's role in the model, independent of how a format names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Key {
+    TokEmbd,
+    OutputNorm,
+    Output,
+    AttnNorm,
+    AttnQ,
+    AttnK,
+    AttnV,
+    AttnO,
+    AttnQBias,
+    AttnKBias,
+    AttnVBias,
+    AttnOBias,
+    AttnQNorm,
+    AttnKNorm,
+    /// Gemma's norm after attention, before the residual add.
+    AttnPostNorm,
+    FfnNorm,
+    FfnPostNorm,
+    FfnGate,
+    FfnUp,
+    FfnDown,
+    /// The router: n_expert × hidden.
+    FfnGateInp,
+    ShexpGate,
+    ShexpUp,
+    ShexpDown,
+    /// The shared expert's sigmoid gate: 1 × hidden.
+    ShexpGateInp,
+}
+
+/// One of an expert's three matrices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ExpertPart {
+    Gate,
+    Up,
+    Down,
+}
+
+impl ExpertPart {
+    pub const ALL: [ExpertPart; 3] = [ExpertPart::Gate, ExpertPart::Up, ExpertPart::Down];
+}
+
+/// Where a format keeps its tensors. Implemented for Hugging Face safetensors and GGUF.
+pub trait TensorSource {
+    /// The file or directory, for messages.
+    fn describe(&self) -> String;
+    /// The tensor for `key` (of `layer` for per-layer keys); `Ok(None)` when the file has none.
+    fn get(&self, key: Key, layer: Option<usize>) -> Result<Option<TensorData>>;
+    /// One expert's matrix, shaped rows × cols like any other weight.
+    fn expert(&self, part: ExpertPart, layer: usize, expert: usize) -> Result<TensorData>;
+
+    fn require(&self, key: Key, layer: Option<usize>) -> Result<TensorData> {
+        self.get(key, layer)?.ok_or_else(|| {
+            let at = layer.map(|l| format!(" of layer {l}")).unwrap_or_default();
+            ModelError::Invalid(format!("{}: missing tensor {key:?}{at}", self.describe()))
+        })
+    }
+}
+
+/// A resident weight matrix in its stored format.
+#[derive(Clone, Debug)]
+pub struct Weight {
+    pub name: String,
+    pub dtype: DType,
+    pub rows: usize,
+    pub cols: usize,
+    pub data: sluice_formats::Blob,
+}
+
+impl Weight {
+    /// Checks a tensor against the expected `rows × cols` and that a kernel can use it.
+    pub fn from_tensor(t: TensorData, rows: usize, cols: usize, origin: &str) -> Result<Weight> {
+        let ok = match t.shape.as_slice() {
+            [r, c] => *r == rows && *c == cols,
+            [c] => rows == 1 && *c == cols,
+            _ => false,
+        };
+        if !ok {
+            return Err(ModelError::Invalid(format!(
+                "{origin}: tensor `{}` has shape {:?}, expected [{rows}, {cols}]",
+                t.name, t.shape
+            )));
+        }
+        MatRef::new(t.dtype, rows, cols, &t.data)
+            .map_err(|e| ModelError::Invalid(format!("{origin}: tensor `{}`: {e}", t.name)))?;
+        Ok(Weight {
+            name: t.name,
+            dtype: t.dtype,
+            rows,
+            cols,
+            data: t.data,
+        })
+    }
+
+    pub fn mat(&self) -> MatRef<'_> {
+        MatRef {
+            dtype: self.dtype,
+            rows: self.rows,
+            cols: self.cols,
+            data: &self.data,
+        }
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.data.len()
+    }
+}
+
+/// A small vector (norm weight, bias) widened to f32: a few KB per layer.
+pub fn vector(t: TensorData, len: usize, origin: &str) -> Result<Vec<f32>> {
+    let n: usize = t.shape.iter().product();
+    if n != len || t.shape.len() > 2 {
+        return Err(ModelError::Invalid(format!(
+            "{origin}: tensor `{}` has shape {:?}, expected [{len}]",
+            t.name, t.shape
+        )));
+    }
+    let mut out = vec![0f32; len];
+    sluice_kernels::quant::dequantize_row(t.dtype, &t.data, &mut out)
+        .map_err(|e| ModelError::Invalid(format!("{origin}: tensor `{}`: {e}", t.name)))?;
+    Ok(out)
+}
+
+/// `out` = row `r` of an embedding table, widened to f32.
+pub fn embedding_row(w: &Weight, r: usize, out: &mut [f32]) {
+    let m = w.mat();
+    sluice_kernels::quant::dequantize_row(w.dtype, m.row(r), out).expect("validated at load");
+}

@@ -1,0 +1,12 @@
+//! The runtime: turns a path into a runnable engine (model, experts, tokenizer) and runs the
+//! generation loop with sampling.
+
+pub mod engine;
+pub mod error;
+pub mod generate;
+pub mod sampler;
+
+pub use engine::{Engine, EngineOptions, SourceFormat};
+pub use error::{Result, RuntimeError};
+pub use generate::{generate, prefill, GenerateOptions, Generation, StopReason};
+pub use sampler::{Sampler, SamplerConfig};
