@@ -19,10 +19,7 @@ fn is_routed_expert(name: &str) -> bool {
 
 pub fn main(a: Args) -> Result<()> {
     if !a.path.is_dir() {
-        bail!(
-            "{}: expected a Hugging Face model directory",
-            a.path.display()
-        );
+        bail!("{}: expected a Hugging Face model directory", a.path.display());
     }
     let ck = HfCheckpoint::open(&a.path)?;
     let c = &ck.config;
@@ -79,17 +76,11 @@ pub fn main(a: Args) -> Result<()> {
             m.expert_ff,
             c.sparse_layer.iter().filter(|s| **s).count(),
             c.n_layer,
-            m.shared_expert_ff
-                .map(|s| format!(", shared expert ffn {s}"))
-                .unwrap_or_default()
+            m.shared_expert_ff.map(|s| format!(", shared expert ffn {s}")).unwrap_or_default()
         );
     }
     println!("  tensors: {count}");
-    println!(
-        "  dense weights: {:.2} MiB   routed experts: {:.2} MiB",
-        mib(dense),
-        mib(experts)
-    );
+    println!("  dense weights: {:.2} MiB   routed experts: {:.2} MiB", mib(dense), mib(experts));
     for (d, b) in &dtypes {
         println!("  {d}: {:.2} MiB", mib(*b));
     }

@@ -20,10 +20,7 @@ pub struct ModelArgs {
 
 impl ModelArgs {
     pub fn load(&self) -> Result<Engine> {
-        let opts = EngineOptions {
-            threads: self.threads,
-            max_context: self.ctx,
-        };
+        let opts = EngineOptions { threads: self.threads, max_context: self.ctx };
         Engine::load(&self.model, opts).with_context(|| format!("loading {}", self.model.display()))
     }
 }
@@ -34,10 +31,7 @@ pub fn parse_tokens(s: &str) -> Result<Vec<u32>> {
         .split(',')
         .map(str::trim)
         .filter(|p| !p.is_empty())
-        .map(|p| {
-            p.parse::<u32>()
-                .with_context(|| format!("`{p}` is not a token id"))
-        })
+        .map(|p| p.parse::<u32>().with_context(|| format!("`{p}` is not a token id")))
         .collect::<Result<_>>()?;
     if ids.is_empty() {
         bail!("no token ids given");

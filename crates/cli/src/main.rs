@@ -8,11 +8,7 @@ mod common;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(
-    name = "sluice",
-    version,
-    about = "Run Mixture-of-Experts language models larger than memory"
-)]
+#[command(name = "sluice", version, about = "Run Mixture-of-Experts language models larger than memory")]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,

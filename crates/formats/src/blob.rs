@@ -31,34 +31,19 @@ impl Blob {
     /// The range `start..start + len` of `backing`; panics if it is out of range (callers check
     /// ranges against file sizes first and report errors there).
     pub fn new(backing: Arc<dyn Backing>, start: usize, len: usize) -> Blob {
-        assert!(
-            start + len <= backing.bytes().len(),
-            "blob range past its backing"
-        );
-        Blob {
-            backing,
-            start,
-            len,
-        }
+        assert!(start + len <= backing.bytes().len(), "blob range past its backing");
+        Blob { backing, start, len }
     }
 
     pub fn from_vec(v: Vec<u8>) -> Blob {
         let len = v.len();
-        Blob {
-            backing: Arc::new(v),
-            start: 0,
-            len,
-        }
+        Blob { backing: Arc::new(v), start: 0, len }
     }
 
     /// A sub-range of this blob.
     pub fn slice(&self, start: usize, len: usize) -> Blob {
         assert!(start + len <= self.len, "blob slice past its end");
-        Blob {
-            backing: self.backing.clone(),
-            start: self.start + start,
-            len,
-        }
+        Blob { backing: self.backing.clone(), start: self.start + start, len }
     }
 }
 

@@ -18,17 +18,11 @@ impl JsonConfig {
     }
 
     pub fn parse(path: &Path, text: &str) -> Result<JsonConfig> {
-        let v: Value = serde_json::from_str(text)
-            .map_err(|e| FormatError::invalid(path, format!("not valid JSON: {e}")))?;
+        let v: Value =
+            serde_json::from_str(text).map_err(|e| FormatError::invalid(path, format!("not valid JSON: {e}")))?;
         match v {
-            Value::Object(map) => Ok(JsonConfig {
-                path: path.to_path_buf(),
-                map,
-            }),
-            _ => Err(FormatError::invalid(
-                path,
-                "expected a JSON object at the top level",
-            )),
+            Value::Object(map) => Ok(JsonConfig { path: path.to_path_buf(), map }),
+            _ => Err(FormatError::invalid(path, "expected a JSON object at the top level")),
         }
     }
 
@@ -36,10 +30,7 @@ impl JsonConfig {
     pub fn sub(&self, key: &str) -> Result<Option<JsonConfig>> {
         match self.get(key) {
             None => Ok(None),
-            Some(Value::Object(m)) => Ok(Some(JsonConfig {
-                path: self.path.clone(),
-                map: m.clone(),
-            })),
+            Some(Value::Object(m)) => Ok(Some(JsonConfig { path: self.path.clone(), map: m.clone() })),
             Some(other) => Err(self.wrong(key, "an object", other)),
         }
     }
@@ -60,10 +51,7 @@ impl JsonConfig {
     pub fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
         match self.get(key) {
             None => Ok(None),
-            Some(v) => v
-                .as_u64()
-                .map(|n| Some(n as usize))
-                .ok_or_else(|| self.wrong(key, "a non-negative integer", v)),
+            Some(v) => v.as_u64().map(|n| Some(n as usize)).ok_or_else(|| self.wrong(key, "a non-negative integer", v)),
         }
     }
 
@@ -87,10 +75,7 @@ impl JsonConfig {
     pub fn opt_f64(&self, key: &str) -> Result<Option<f64>> {
         match self.get(key) {
             None => Ok(None),
-            Some(v) => v
-                .as_f64()
-                .map(Some)
-                .ok_or_else(|| self.wrong(key, "a number", v)),
+            Some(v) => v.as_f64().map(Some).ok_or_else(|| self.wrong(key, "a number", v)),
         }
     }
 
@@ -101,20 +86,14 @@ impl JsonConfig {
     pub fn opt_bool(&self, key: &str) -> Result<Option<bool>> {
         match self.get(key) {
             None => Ok(None),
-            Some(v) => v
-                .as_bool()
-                .map(Some)
-                .ok_or_else(|| self.wrong(key, "true or false", v)),
+            Some(v) => v.as_bool().map(Some).ok_or_else(|| self.wrong(key, "true or false", v)),
         }
     }
 
     pub fn opt_str(&self, key: &str) -> Result<Option<&str>> {
         match self.get(key) {
             None => Ok(None),
-            Some(v) => v
-                .as_str()
-                .map(Some)
-                .ok_or_else(|| self.wrong(key, "a string", v)),
+            Some(v) => v.as_str().map(Some).ok_or_else(|| self.wrong(key, "a string", v)),
         }
     }
 
@@ -132,10 +111,9 @@ impl JsonConfig {
                 .collect::<Option<Vec<_>>>()
                 .map(Some)
                 .ok_or_else(|| self.wrong(key, "a list of integers", &Value::Array(a.clone()))),
-            Some(v) => v
-                .as_u64()
-                .map(|n| Some(vec![n as usize]))
-                .ok_or_else(|| self.wrong(key, "an integer or a list", v)),
+            Some(v) => {
+                v.as_u64().map(|n| Some(vec![n as usize])).ok_or_else(|| self.wrong(key, "an integer or a list", v))
+            }
         }
     }
 
@@ -151,18 +129,12 @@ mod tests {
 
     #[test]
     fn errors_name_file_and_key() {
-        let c = JsonConfig::parse(
-            Path::new("config.json"),
-            r#"{"a": 3, "b": "x", "c": null, "l": [1,2], "s": 7}"#,
-        )
-        .unwrap();
+        let c = JsonConfig::parse(Path::new("config.json"), r#"{"a": 3, "b": "x", "c": null, "l": [1,2], "s": 7}"#)
+            .unwrap();
         assert_eq!(c.usize("a").unwrap(), 3);
         assert_eq!(c.opt_usize("c").unwrap(), None);
         let e = c.usize("b").unwrap_err().to_string();
-        assert!(
-            e.contains("config.json") && e.contains("`b`") && e.contains("integer"),
-            "{e}"
-        );
+        assert!(e.contains("config.json") && e.contains("`b`") && e.contains("integer"), "{e}");
         let e = c.usize("zz").unwrap_err().to_string();
         assert!(e.contains("missing key `zz`"), "{e}");
         assert_eq!(c.usize_any(&["zz", "a"]).unwrap(), 3);

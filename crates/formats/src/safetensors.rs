@@ -52,19 +52,11 @@ impl SafetensorsFile {
         // what any loader can defend against, as for every mmap-based reader.
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| FormatError::io(path, e))?;
         let tensors = parse_header(path, &map)?;
-        Ok(SafetensorsFile {
-            path: path.to_path_buf(),
-            map: Arc::new(map),
-            tensors,
-        })
+        Ok(SafetensorsFile { path: path.to_path_buf(), map: Arc::new(map), tensors })
     }
 
     pub fn blob(&self, info: &TensorInfo) -> Blob {
-        Blob::new(
-            self.map.clone() as Arc<dyn Backing>,
-            info.start,
-            info.end - info.start,
-        )
+        Blob::new(self.map.clone() as Arc<dyn Backing>, info.start, info.end - info.start)
     }
 
     pub fn file_len(&self) -> usize {
@@ -76,10 +68,7 @@ impl SafetensorsFile {
 fn parse_header(path: &Path, bytes: &[u8]) -> Result<BTreeMap<String, TensorInfo>> {
     let bad = |msg: String| FormatError::invalid(path, msg);
     if bytes.len() < 8 {
-        return Err(bad(format!(
-            "file is {} bytes, too short for a safetensors header",
-            bytes.len()
-        )));
+        return Err(bad(format!("file is {} bytes, too short for a safetensors header", bytes.len())));
     }
     let hlen = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")) as usize;
     if hlen > bytes.len() - 8 {
@@ -89,8 +78,7 @@ fn parse_header(path: &Path, bytes: &[u8]) -> Result<BTreeMap<String, TensorInfo
         )));
     }
     let header: serde_json::Map<String, serde_json::Value> =
-        serde_json::from_slice(&bytes[8..8 + hlen])
-            .map_err(|e| bad(format!("header is not a JSON object: {e}")))?;
+        serde_json::from_slice(&bytes[8..8 + hlen]).map_err(|e| bad(format!("header is not a JSON object: {e}")))?;
     let data_start = 8 + hlen;
     let data_len = bytes.len() - data_start;
     let mut tensors = BTreeMap::new();
@@ -120,8 +108,7 @@ fn parse_header(path: &Path, bytes: &[u8]) -> Result<BTreeMap<String, TensorInfo
                 "tensor `{name}` spans bytes {s}..{e} of the data section, which has {data_len} bytes (truncated?)"
             )));
         }
-        let esz = elem_size(&dtype)
-            .ok_or_else(|| bad(format!("tensor `{name}` has unknown dtype {dtype}")))?;
+        let esz = elem_size(&dtype).ok_or_else(|| bad(format!("tensor `{name}` has unknown dtype {dtype}")))?;
         let numel: usize = shape.iter().product();
         if numel * esz != e - s {
             return Err(bad(format!(
@@ -130,15 +117,7 @@ fn parse_header(path: &Path, bytes: &[u8]) -> Result<BTreeMap<String, TensorInfo
                 e - s
             )));
         }
-        tensors.insert(
-            name,
-            TensorInfo {
-                dtype,
-                shape,
-                start: data_start + s,
-                end: data_start + e,
-            },
-        );
+        tensors.insert(name, TensorInfo { dtype, shape, start: data_start + s, end: data_start + e });
     }
     Ok(tensors)
 }
@@ -155,6 +134,8 @@ pub struct SafetensorsModel {
 #[derive(Clone, Debug)]
 pub struct TensorData {
     pub name: String,
+    /// The file holding it (for messages).
+    pub file: PathBuf,
     pub dtype: DType,
     pub shape: Vec<usize>,
     pub data: Blob,
@@ -166,18 +147,14 @@ impl SafetensorsModel {
     pub fn open(dir: &Path) -> Result<SafetensorsModel> {
         let index_path = dir.join("model.safetensors.index.json");
         let file_names: Vec<String> = if index_path.exists() {
-            let text = std::fs::read_to_string(&index_path)
-                .map_err(|e| FormatError::io(&index_path, e))?;
+            let text = std::fs::read_to_string(&index_path).map_err(|e| FormatError::io(&index_path, e))?;
             let v: serde_json::Value = serde_json::from_str(&text)
                 .map_err(|e| FormatError::invalid(&index_path, format!("not valid JSON: {e}")))?;
             let map = v
                 .get("weight_map")
                 .and_then(|m| m.as_object())
                 .ok_or_else(|| FormatError::invalid(&index_path, "no `weight_map` object"))?;
-            let mut names: Vec<String> = map
-                .values()
-                .filter_map(|f| f.as_str().map(str::to_string))
-                .collect();
+            let mut names: Vec<String> = map.values().filter_map(|f| f.as_str().map(str::to_string)).collect();
             names.sort();
             names.dedup();
             for n in &names {
@@ -200,10 +177,7 @@ impl SafetensorsModel {
             names
         };
         if file_names.is_empty() {
-            return Err(FormatError::invalid(
-                dir,
-                "no *.safetensors files in the model directory",
-            ));
+            return Err(FormatError::invalid(dir, "no *.safetensors files in the model directory"));
         }
         let mut files = Vec::new();
         let mut index = BTreeMap::new();
@@ -219,11 +193,7 @@ impl SafetensorsModel {
             }
             files.push(f);
         }
-        Ok(SafetensorsModel {
-            dir: dir.to_path_buf(),
-            files,
-            index,
-        })
+        Ok(SafetensorsModel { dir: dir.to_path_buf(), files, index })
     }
 
     pub fn names(&self) -> impl Iterator<Item = &String> {
@@ -240,17 +210,13 @@ impl SafetensorsModel {
 
     /// The file that holds `name`.
     pub fn file_of(&self, name: &str) -> Option<&Path> {
-        self.index
-            .get(name)
-            .map(|(f, _)| self.files[*f].path.as_path())
+        self.index.get(name).map(|(f, _)| self.files[*f].path.as_path())
     }
 
     /// A weight tensor; floats only (F32, F16, BF16), which is all a checkpoint's weights use.
     pub fn tensor(&self, name: &str) -> Result<TensorData> {
-        let (fi, info) = self
-            .index
-            .get(name)
-            .ok_or_else(|| FormatError::invalid(&self.dir, format!("missing tensor `{name}`")))?;
+        let (fi, info) =
+            self.index.get(name).ok_or_else(|| FormatError::invalid(&self.dir, format!("missing tensor `{name}`")))?;
         let file = &self.files[*fi];
         let dtype = match info.dtype.as_str() {
             "F32" => DType::F32,
@@ -265,6 +231,7 @@ impl SafetensorsModel {
         };
         Ok(TensorData {
             name: name.to_string(),
+            file: file.path.clone(),
             dtype,
             shape: info.shape.clone(),
             data: file.blob(info),
@@ -284,7 +251,7 @@ pub fn write(path: &Path, tensors: &[(&str, &str, &[usize], &[u8])]) -> std::io:
         off += data.len();
     }
     let mut h = serde_json::to_vec(&serde_json::Value::Object(header))?;
-    while h.len() % 8 != 0 {
+    while !h.len().is_multiple_of(8) {
         h.push(b' ');
     }
     let mut out = Vec::with_capacity(8 + h.len() + off);
@@ -310,16 +277,9 @@ mod tests {
     #[test]
     fn reads_back_what_it_wrote() {
         let d = tmpdir("rw");
-        let a: Vec<u8> = [1.0f32, 2.0, 3.0, 4.0]
-            .iter()
-            .flat_map(|v| v.to_le_bytes())
-            .collect();
+        let a: Vec<u8> = [1.0f32, 2.0, 3.0, 4.0].iter().flat_map(|v| v.to_le_bytes()).collect();
         let b = vec![0u8; 6];
-        write(
-            &d.join("model.safetensors"),
-            &[("a", "F32", &[2, 2], &a), ("b", "BF16", &[3], &b)],
-        )
-        .unwrap();
+        write(&d.join("model.safetensors"), &[("a", "F32", &[2, 2], &a), ("b", "BF16", &[3], &b)]).unwrap();
         let m = SafetensorsModel::open(&d).unwrap();
         let t = m.tensor("a").unwrap();
         assert_eq!(t.dtype, DType::F32);
@@ -339,10 +299,7 @@ mod tests {
         let full = std::fs::read(&p).unwrap();
         std::fs::write(&p, &full[..full.len() - 10]).unwrap();
         let e = SafetensorsModel::open(&d).err().unwrap().to_string();
-        assert!(
-            e.contains("model.safetensors") && e.contains("truncated"),
-            "{e}"
-        );
+        assert!(e.contains("model.safetensors") && e.contains("truncated"), "{e}");
         std::fs::write(&p, &full[..4]).unwrap();
         let e = SafetensorsModel::open(&d).err().unwrap().to_string();
         assert!(e.contains("too short"), "{e}");
@@ -363,11 +320,7 @@ mod tests {
     #[test]
     fn non_float_weight_dtype_is_refused_by_name() {
         let d = tmpdir("dtype");
-        write(
-            &d.join("model.safetensors"),
-            &[("ids", "I64", &[2], &[0u8; 16])],
-        )
-        .unwrap();
+        write(&d.join("model.safetensors"), &[("ids", "I64", &[2], &[0u8; 16])]).unwrap();
         let m = SafetensorsModel::open(&d).unwrap();
         let e = m.tensor("ids").unwrap_err().to_string();
         assert!(e.contains("`ids` has dtype I64"), "{e}");
@@ -376,16 +329,8 @@ mod tests {
     #[test]
     fn sharded_index_is_followed() {
         let d = tmpdir("shard");
-        write(
-            &d.join("model-00001-of-00002.safetensors"),
-            &[("a", "F32", &[1], &[0u8; 4])],
-        )
-        .unwrap();
-        write(
-            &d.join("model-00002-of-00002.safetensors"),
-            &[("b", "F32", &[1], &[0u8; 4])],
-        )
-        .unwrap();
+        write(&d.join("model-00001-of-00002.safetensors"), &[("a", "F32", &[1], &[0u8; 4])]).unwrap();
+        write(&d.join("model-00002-of-00002.safetensors"), &[("b", "F32", &[1], &[0u8; 4])]).unwrap();
         std::fs::write(
             d.join("model.safetensors.index.json"),
             r#"{"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}"#,
@@ -393,10 +338,7 @@ mod tests {
         .unwrap();
         let m = SafetensorsModel::open(&d).unwrap();
         assert!(m.contains("a") && m.contains("b"));
-        assert!(m
-            .file_of("b")
-            .unwrap()
-            .ends_with("model-00002-of-00002.safetensors"));
+        assert!(m.file_of("b").unwrap().ends_with("model-00002-of-00002.safetensors"));
         std::fs::remove_file(d.join("model-00002-of-00002.safetensors")).unwrap();
         let e = SafetensorsModel::open(&d).err().unwrap().to_string();
         assert!(e.contains("model-00002-of-00002.safetensors"), "{e}");

@@ -19,10 +19,7 @@ impl Tokenizer {
     /// Token ids of `text`. `add_special` adds what the tokenizer itself adds (e.g. BOS).
     pub fn encode(&self, text: &str, add_special: bool) -> std::result::Result<Vec<u32>, String> {
         match self {
-            Tokenizer::Hf(t) => t
-                .encode(text, add_special)
-                .map(|e| e.get_ids().to_vec())
-                .map_err(|e| e.to_string()),
+            Tokenizer::Hf(t) => t.encode(text, add_special).map(|e| e.get_ids().to_vec()).map_err(|e| e.to_string()),
             Tokenizer::Gguf(t) => Ok(t.encode(text, add_special)),
         }
     }
@@ -71,11 +68,7 @@ impl Default for TextStream {
 
 impl TextStream {
     pub fn new() -> TextStream {
-        TextStream {
-            ids: Vec::new(),
-            prefix: 0,
-            emitted: 0,
-        }
+        TextStream { ids: Vec::new(), prefix: 0, emitted: 0 }
     }
 
     /// Adds a token; returns the text that became complete.
@@ -83,8 +76,7 @@ impl TextStream {
         self.ids.push(id);
         let before = tok.decode(&self.ids[self.prefix..self.emitted], true);
         let after = tok.decode(&self.ids[self.prefix..], true);
-        if after.ends_with('\u{FFFD}') || after.len() < before.len() || !after.starts_with(&before)
-        {
+        if after.ends_with('\u{FFFD}') || after.len() < before.len() || !after.starts_with(&before) {
             // An incomplete character (or a tokenizer that rewrote the context): wait.
             if self.ids.len() - self.emitted < 8 {
                 return String::new();

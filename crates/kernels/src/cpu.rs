@@ -37,10 +37,7 @@ impl Isa {
             {
                 return Isa::Avx512;
             }
-            if is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
-                && is_x86_feature_detected!("f16c")
-            {
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
                 return Isa::Avx2;
             }
         }
@@ -50,10 +47,7 @@ impl Isa {
     /// Levels this CPU can run, lowest first.
     pub fn supported() -> Vec<Isa> {
         let best = Isa::detect();
-        [Isa::Scalar, Isa::Avx2, Isa::Avx512]
-            .into_iter()
-            .filter(|i| *i <= best)
-            .collect()
+        [Isa::Scalar, Isa::Avx2, Isa::Avx512].into_iter().filter(|i| *i <= best).collect()
     }
 }
 

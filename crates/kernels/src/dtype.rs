@@ -49,12 +49,8 @@ impl DType {
     pub const fn block_elems(self) -> usize {
         match self {
             DType::F32 | DType::F16 | DType::BF16 => 1,
-            DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 | DType::MXFP4 => {
-                32
-            }
-            DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::Q8_K => {
-                256
-            }
+            DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 | DType::MXFP4 => 32,
+            DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::Q8_K => 256,
         }
     }
 
@@ -84,7 +80,7 @@ impl DType {
 
     /// Bytes of a row of `n` elements; `None` when `n` is not a whole number of blocks.
     pub fn row_bytes(self, n: usize) -> Option<usize> {
-        if n % self.block_elems() != 0 {
+        if !n.is_multiple_of(self.block_elems()) {
             return None;
         }
         Some(n / self.block_elems() * self.block_bytes())
@@ -136,9 +132,7 @@ impl DType {
     }
 
     pub fn from_name(s: &str) -> Option<DType> {
-        DType::ALL
-            .into_iter()
-            .find(|d| d.name().eq_ignore_ascii_case(s))
+        DType::ALL.into_iter().find(|d| d.name().eq_ignore_ascii_case(s))
     }
 }
 

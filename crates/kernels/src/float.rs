@@ -29,9 +29,7 @@ pub fn reduce16(mut a: [f32; LANES]) -> f32 {
 #[inline(always)]
 pub fn load_elem(dtype: DType, row: &[u8], i: usize) -> f32 {
     match dtype {
-        DType::F32 => {
-            f32::from_le_bytes([row[4 * i], row[4 * i + 1], row[4 * i + 2], row[4 * i + 3]])
-        }
+        DType::F32 => f32::from_le_bytes([row[4 * i], row[4 * i + 1], row[4 * i + 2], row[4 * i + 3]]),
         DType::BF16 => bf16::from_bits(u16::from_le_bytes([row[2 * i], row[2 * i + 1]])).to_f32(),
         DType::F16 => f16::from_bits(u16::from_le_bytes([row[2 * i], row[2 * i + 1]])).to_f32(),
         _ => panic!("load_elem on block type {dtype}"),
@@ -45,11 +43,7 @@ pub fn dot_ref(dtype: DType, row: &[u8], x: &[f32]) -> f32 {
     for c in 0..k.div_ceil(LANES) {
         for (l, a) in acc.iter_mut().enumerate() {
             let i = c * LANES + l;
-            let (w, xv) = if i < k {
-                (load_elem(dtype, row, i), x[i])
-            } else {
-                (0.0, 0.0)
-            };
+            let (w, xv) = if i < k { (load_elem(dtype, row, i), x[i]) } else { (0.0, 0.0) };
             *a = w.mul_add(xv, *a);
         }
     }
@@ -68,14 +62,7 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// Computes `out[t * ldo + r] = dot(rows[r], xs[t])` for up to 8 rows and 4 tokens.
-pub fn tile(
-    isa: crate::cpu::Isa,
-    dtype: DType,
-    rows: &[&[u8]],
-    xs: &[&[f32]],
-    out: &mut [f32],
-    ldo: usize,
-) {
+pub fn tile(isa: crate::cpu::Isa, dtype: DType, rows: &[&[u8]], xs: &[&[f32]], out: &mut [f32], ldo: usize) {
     use crate::cpu::Isa;
     match isa {
         #[cfg(target_arch = "x86_64")]
@@ -144,24 +131,12 @@ mod x86 {
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")]
-    pub unsafe fn tile_avx512(
-        dtype: DType,
-        rows: &[&[u8]],
-        xs: &[&[f32]],
-        out: &mut [f32],
-        ldo: usize,
-    ) {
+    pub unsafe fn tile_avx512(dtype: DType, rows: &[&[u8]], xs: &[&[f32]], out: &mut [f32], ldo: usize) {
         dispatch_rt!(tile512, dtype, rows, xs, out, ldo)
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn tile_avx2(
-        dtype: DType,
-        rows: &[&[u8]],
-        xs: &[&[f32]],
-        out: &mut [f32],
-        ldo: usize,
-    ) {
+    pub unsafe fn tile_avx2(dtype: DType, rows: &[&[u8]], xs: &[&[f32]], out: &mut [f32], ldo: usize) {
         dispatch_rt!(tile256, dtype, rows, xs, out, ldo)
     }
 
@@ -237,10 +212,7 @@ mod x86 {
     #[inline(always)]
     unsafe fn load8x2(dtype: DType, p: *const u8) -> (__m256, __m256) {
         match dtype {
-            DType::F32 => (
-                _mm256_loadu_ps(p as *const f32),
-                _mm256_loadu_ps((p as *const f32).add(8)),
-            ),
+            DType::F32 => (_mm256_loadu_ps(p as *const f32), _mm256_loadu_ps((p as *const f32).add(8))),
             DType::BF16 => {
                 let a = _mm_loadu_si128(p as *const __m128i);
                 let b = _mm_loadu_si128(p.add(16) as *const __m128i);
@@ -287,11 +259,7 @@ mod x86 {
                 let w = tail_f32(dtype, rows[r], full, k);
                 for t in 0..T {
                     let x = tail_x(xs[t], full);
-                    lo[r][t] = _mm256_fmadd_ps(
-                        _mm256_loadu_ps(w.as_ptr()),
-                        _mm256_loadu_ps(x.as_ptr()),
-                        lo[r][t],
-                    );
+                    lo[r][t] = _mm256_fmadd_ps(_mm256_loadu_ps(w.as_ptr()), _mm256_loadu_ps(x.as_ptr()), lo[r][t]);
                     hi[r][t] = _mm256_fmadd_ps(
                         _mm256_loadu_ps(w.as_ptr().add(8)),
                         _mm256_loadu_ps(x.as_ptr().add(8)),
@@ -317,9 +285,7 @@ mod tests {
         let mut s = seed;
         (0..n)
             .map(|_| {
-                s = s
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
                 ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
             })
             .collect()
@@ -328,14 +294,8 @@ mod tests {
     fn encode(dtype: DType, v: &[f32]) -> Vec<u8> {
         match dtype {
             DType::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            DType::BF16 => v
-                .iter()
-                .flat_map(|x| bf16::from_f32(*x).to_bits().to_le_bytes())
-                .collect(),
-            DType::F16 => v
-                .iter()
-                .flat_map(|x| f16::from_f32(*x).to_bits().to_le_bytes())
-                .collect(),
+            DType::BF16 => v.iter().flat_map(|x| bf16::from_f32(*x).to_bits().to_le_bytes()).collect(),
+            DType::F16 => v.iter().flat_map(|x| f16::from_f32(*x).to_bits().to_le_bytes()).collect(),
             _ => unreachable!(),
         }
     }
@@ -344,9 +304,7 @@ mod tests {
     fn every_isa_matches_the_reference_bit_for_bit() {
         for dtype in [DType::F32, DType::BF16, DType::F16] {
             for k in [1usize, 15, 16, 17, 64, 100, 256] {
-                let rows: Vec<Vec<u8>> = (0..8)
-                    .map(|r| encode(dtype, &rand_vec(k, r as u64 + 1)))
-                    .collect();
+                let rows: Vec<Vec<u8>> = (0..8).map(|r| encode(dtype, &rand_vec(k, r as u64 + 1))).collect();
                 let xs: Vec<Vec<f32>> = (0..4).map(|t| rand_vec(k, 100 + t as u64)).collect();
                 let rr: Vec<&[u8]> = rows.iter().map(|r| r.as_slice()).collect();
                 let xr: Vec<&[f32]> = xs.iter().map(|x| x.as_slice()).collect();

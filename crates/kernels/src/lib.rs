@@ -18,13 +18,7 @@ pub enum KernelError {
     #[error("{dtype} rows of {cols} elements are not a whole number of blocks")]
     PartialBlock { dtype: DType, cols: usize },
     #[error("{dtype} matrix {rows}x{cols} needs {expected} bytes, got {got}")]
-    Size {
-        dtype: DType,
-        rows: usize,
-        cols: usize,
-        expected: usize,
-        got: usize,
-    },
+    Size { dtype: DType, rows: usize, cols: usize, expected: usize, got: usize },
     #[error("no matmul kernel for {dtype} weights")]
     Unsupported { dtype: DType },
 }

@@ -20,39 +20,19 @@ pub struct MatRef<'a> {
 
 impl<'a> MatRef<'a> {
     /// Checks that `data` holds exactly `rows` rows of `cols` elements.
-    pub fn new(
-        dtype: DType,
-        rows: usize,
-        cols: usize,
-        data: &'a [u8],
-    ) -> Result<MatRef<'a>, crate::KernelError> {
-        let rb = dtype
-            .row_bytes(cols)
-            .ok_or(crate::KernelError::PartialBlock { dtype, cols })?;
+    pub fn new(dtype: DType, rows: usize, cols: usize, data: &'a [u8]) -> Result<MatRef<'a>, crate::KernelError> {
+        let rb = dtype.row_bytes(cols).ok_or(crate::KernelError::PartialBlock { dtype, cols })?;
         if data.len() != rb * rows {
-            return Err(crate::KernelError::Size {
-                dtype,
-                rows,
-                cols,
-                expected: rb * rows,
-                got: data.len(),
-            });
+            return Err(crate::KernelError::Size { dtype, rows, cols, expected: rb * rows, got: data.len() });
         }
         if !crate::supports_matmul(dtype) {
             return Err(crate::KernelError::Unsupported { dtype });
         }
-        Ok(MatRef {
-            dtype,
-            rows,
-            cols,
-            data,
-        })
+        Ok(MatRef { dtype, rows, cols, data })
     }
 
     pub fn row_bytes(&self) -> usize {
-        self.dtype
-            .row_bytes(self.cols)
-            .expect("validated in MatRef::new")
+        self.dtype.row_bytes(self.cols).expect("validated in MatRef::new")
     }
 
     pub fn row(&self, r: usize) -> &'a [u8] {
@@ -63,12 +43,7 @@ impl<'a> MatRef<'a> {
     /// Rows `start..end` as a matrix of their own.
     pub fn slice_rows(&self, start: usize, end: usize) -> MatRef<'a> {
         let rb = self.row_bytes();
-        MatRef {
-            dtype: self.dtype,
-            rows: end - start,
-            cols: self.cols,
-            data: &self.data[start * rb..end * rb],
-        }
+        MatRef { dtype: self.dtype, rows: end - start, cols: self.cols, data: &self.data[start * rb..end * rb] }
     }
 }
 
@@ -135,17 +110,26 @@ pub(crate) unsafe fn float_rows(
             for tk in t..te {
                 // SAFETY: row range r..re of token tk lies in this thread's columns (caller's contract).
                 unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        buf.as_ptr().add((tk - t) * 8),
-                        out.get().add(tk * m + r),
-                        re - r,
-                    )
+                    std::ptr::copy_nonoverlapping(buf.as_ptr().add((tk - t) * 8), out.get().add(tk * m + r), re - r)
                 };
             }
             t = te;
         }
         r = re;
     }
+}
+
+/// `matmul` forced onto one ISA level (the kernel lab and tests compare levels with it).
+pub fn matmul_with_isa(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, x: &[f32], n: usize) -> Vec<f32> {
+    let mut out = vec![0f32; n * w.rows];
+    if w.dtype.is_float() {
+        let o = SendPtr(out.as_mut_ptr());
+        // SAFETY: a single call covers every row; `out` is n × rows.
+        unsafe { float_rows(isa, w, 0..w.rows, x, n, o) };
+    } else {
+        crate::quant::matmul_quant_isa(isa, pool, w, x, n, &mut out);
+    }
+    out
 }
 
 /// Reference matmul: every (row, token) through the scalar dot of the weight's format.

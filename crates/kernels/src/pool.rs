@@ -73,11 +73,7 @@ impl ThreadPool {
                     .expect("spawning a worker thread")
             })
             .collect();
-        ThreadPool {
-            shared,
-            workers,
-            busy: Mutex::new(()),
-        }
+        ThreadPool { shared, workers, busy: Mutex::new(()) }
     }
 
     /// Threads that run a job, the caller included.
@@ -94,8 +90,7 @@ impl ThreadPool {
         }
         let _guard = self.busy.lock().unwrap_or_else(|e| e.into_inner());
         // SAFETY: erase the borrow's lifetime; we wait below until no worker uses the pointer.
-        let ptr: *const Job =
-            unsafe { std::mem::transmute::<&(dyn Fn(usize) + Sync), &'static Job>(f) };
+        let ptr: *const Job = unsafe { std::mem::transmute::<&(dyn Fn(usize) + Sync), &'static Job>(f) };
         // SAFETY: no worker reads `job` now: the previous job finished (`pending == 0`).
         unsafe { *s.job.get() = Some(ptr) };
         s.pending.store(s.n_threads - 1, Ordering::SeqCst);
@@ -196,9 +191,7 @@ impl Drop for ThreadPool {
 
 /// Cores this process may use (falls back to 1).
 pub fn available_threads() -> usize {
-    std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(1)
+    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
 }
 
 #[cfg(test)]

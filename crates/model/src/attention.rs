@@ -41,21 +41,16 @@ pub struct AttentionWeights {
 
 impl AttentionWeights {
     pub fn load(src: &dyn TensorSource, cfg: &ModelConfig, l: usize) -> Result<AttentionWeights> {
-        let origin = src.describe();
         let (h, qd, kvd) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim());
         let lin = |wk: Key, bk: Key, rows: usize, cols: usize, bias: bool| -> Result<Linear> {
-            let w = Weight::from_tensor(src.require(wk, Some(l))?, rows, cols, &origin)?;
-            let b = if bias {
-                Some(vector(src.require(bk, Some(l))?, rows, &origin)?)
-            } else {
-                None
-            };
+            let w = Weight::from_tensor(src.require(wk, Some(l))?, rows, cols)?;
+            let b = if bias { Some(vector(src.require(bk, Some(l))?, rows)?) } else { None };
             Ok(Linear { w, b })
         };
         let norm = |key: Key, len: usize| -> Result<Option<Vec<f32>>> {
             match cfg.qk_norm {
                 QkNorm::None => Ok(None),
-                _ => Ok(Some(vector(src.require(key, Some(l))?, len, &origin)?)),
+                _ => Ok(Some(vector(src.require(key, Some(l))?, len)?)),
             }
         };
         let (qn, kn) = match cfg.qk_norm {
@@ -67,11 +62,8 @@ impl AttentionWeights {
             k: lin(Key::AttnK, Key::AttnKBias, kvd, h, cfg.qkv_bias)?,
             v: lin(Key::AttnV, Key::AttnVBias, kvd, h, cfg.qkv_bias)?,
             o: Linear {
-                w: Weight::from_tensor(src.require(Key::AttnO, Some(l))?, h, qd, &origin)?,
-                b: src
-                    .get(Key::AttnOBias, Some(l))?
-                    .map(|t| vector(t, h, &origin))
-                    .transpose()?,
+                w: Weight::from_tensor(src.require(Key::AttnO, Some(l))?, h, qd)?,
+                b: src.get(Key::AttnOBias, Some(l))?.map(|t| vector(t, h)).transpose()?,
             },
             q_norm: norm(Key::AttnQNorm, qn)?,
             k_norm: norm(Key::AttnKNorm, kn)?,
@@ -115,10 +107,7 @@ pub fn attention(
     match cfg.qk_norm {
         QkNorm::None => {}
         QkNorm::PerHead | QkNorm::Full => {
-            let (qn, kn) = (
-                w.q_norm.as_ref().expect("loaded"),
-                w.k_norm.as_ref().expect("loaded"),
-            );
+            let (qn, kn) = (w.q_norm.as_ref().expect("loaded"), w.k_norm.as_ref().expect("loaded"));
             for r in q.chunks_exact_mut(qn.len()) {
                 ops::rms_norm_inplace(r, qn, cfg.rms_eps);
             }
@@ -172,9 +161,7 @@ pub fn attention(
             }
             ops::softmax(&mut scores);
             // SAFETY: task (t, head) owns this head_dim slice of `att`.
-            let o = unsafe {
-                std::slice::from_raw_parts_mut(att_ptr.get().add(t * qd + head * hd), hd)
-            };
+            let o = unsafe { std::slice::from_raw_parts_mut(att_ptr.get().add(t * qd + head * hd), hd) };
             o.fill(0.0);
             for (j, s) in (first..=p).zip(&scores) {
                 ops::axpy(o, *s, &vc[j * kvd + g * hd..j * kvd + (g + 1) * hd]);

@@ -122,41 +122,23 @@ impl ModelConfig {
             self.hidden > 0 && self.n_layer > 0 && self.vocab_size > 0,
             "hidden size, layers and vocabulary must be positive".into(),
         )?;
+        must(self.n_head > 0 && self.n_head_kv > 0, "head counts must be positive".into())?;
         must(
-            self.n_head > 0 && self.n_head_kv > 0,
-            "head counts must be positive".into(),
+            self.n_head.is_multiple_of(self.n_head_kv),
+            format!("{} attention heads are not a multiple of {} key/value heads", self.n_head, self.n_head_kv),
         )?;
         must(
-            self.n_head % self.n_head_kv == 0,
-            format!(
-                "{} attention heads are not a multiple of {} key/value heads",
-                self.n_head, self.n_head_kv
-            ),
+            self.rope.dim <= self.head_dim && self.rope.dim.is_multiple_of(2),
+            format!("rotary dimension {} does not fit head_dim {}", self.rope.dim, self.head_dim),
         )?;
-        must(
-            self.rope.dim <= self.head_dim && self.rope.dim % 2 == 0,
-            format!(
-                "rotary dimension {} does not fit head_dim {}",
-                self.rope.dim, self.head_dim
-            ),
-        )?;
-        must(
-            self.sparse_layer.len() == self.n_layer,
-            "per-layer sparsity has the wrong length".into(),
-        )?;
+        must(self.sparse_layer.len() == self.n_layer, "per-layer sparsity has the wrong length".into())?;
         if let Some(m) = &self.moe {
             must(
                 m.n_expert_used >= 1 && m.n_expert_used <= m.n_expert,
-                format!(
-                    "{} experts per token out of {} experts",
-                    m.n_expert_used, m.n_expert
-                ),
+                format!("{} experts per token out of {} experts", m.n_expert_used, m.n_expert),
             )?;
         } else {
-            must(
-                !self.sparse_layer.iter().any(|s| *s),
-                "sparse layers without an MoE config".into(),
-            )?;
+            must(!self.sparse_layer.iter().any(|s| *s), "sparse layers without an MoE config".into())?;
         }
         Ok(())
     }

@@ -58,15 +58,9 @@ pub struct ResidentExperts {
 
 impl ResidentExperts {
     /// Loads all experts of the sparse layers from `src`, checking shapes.
-    pub fn load(
-        src: &dyn TensorSource,
-        cfg: &crate::config::ModelConfig,
-    ) -> Result<ResidentExperts> {
+    pub fn load(src: &dyn TensorSource, cfg: &crate::config::ModelConfig) -> Result<ResidentExperts> {
         let Some(moe) = &cfg.moe else {
-            return Ok(ResidentExperts {
-                experts: vec![Vec::new(); cfg.n_layer],
-                bytes: 0,
-            });
+            return Ok(ResidentExperts { experts: vec![Vec::new(); cfg.n_layer], bytes: 0 });
         };
         let mut experts = Vec::with_capacity(cfg.n_layer);
         let mut bytes = 0;
@@ -94,13 +88,8 @@ pub fn load_expert(
     l: usize,
     e: usize,
 ) -> Result<[Weight; 3]> {
-    let moe = cfg
-        .moe
-        .as_ref()
-        .ok_or_else(|| ModelError::Invalid("not an MoE model".into()))?;
-    let origin = src.describe();
-    let part =
-        |p: ExpertPart, rows, cols| Weight::from_tensor(src.expert(p, l, e)?, rows, cols, &origin);
+    let moe = cfg.moe.as_ref().ok_or_else(|| ModelError::Invalid("not an MoE model".into()))?;
+    let part = |p: ExpertPart, rows, cols| Weight::from_tensor(src.expert(p, l, e)?, rows, cols);
     Ok([
         part(ExpertPart::Gate, moe.expert_ff, cfg.hidden)?,
         part(ExpertPart::Up, moe.expert_ff, cfg.hidden)?,
@@ -112,11 +101,7 @@ struct ResidentView<'s>(&'s [Weight; 3]);
 
 impl ExpertView for ResidentView<'_> {
     fn weights(&self) -> ExpertWeights<'_> {
-        ExpertWeights {
-            gate: self.0[0].mat(),
-            up: self.0[1].mat(),
-            down: self.0[2].mat(),
-        }
+        ExpertWeights { gate: self.0[0].mat(), up: self.0[1].mat(), down: self.0[2].mat() }
     }
 }
 
@@ -140,15 +125,8 @@ impl<'s> ExpertFetch<'s> for ResidentFetch<'s> {
 
 impl ExpertSource for ResidentExperts {
     fn fetch<'s>(&'s self, layer: usize, experts: &[u32]) -> Result<Box<dyn ExpertFetch<'s> + 's>> {
-        let l = self
-            .experts
-            .get(layer)
-            .ok_or_else(|| ModelError::Expert(format!("layer {layer} out of range")))?;
-        Ok(Box::new(ResidentFetch {
-            layer: l,
-            experts: experts.to_vec(),
-            next: 0,
-        }))
+        let l = self.experts.get(layer).ok_or_else(|| ModelError::Expert(format!("layer {layer} out of range")))?;
+        Ok(Box::new(ResidentFetch { layer: l, experts: experts.to_vec(), next: 0 }))
     }
 
     fn resident_bytes(&self) -> usize {
@@ -156,9 +134,6 @@ impl ExpertSource for ResidentExperts {
     }
 
     fn describe(&self) -> String {
-        format!(
-            "resident experts ({:.1} MiB)",
-            self.bytes as f64 / (1 << 20) as f64
-        )
+        format!("resident experts ({:.1} MiB)", self.bytes as f64 / (1 << 20) as f64)
     }
 }

@@ -36,10 +36,8 @@ pub enum FfnWeights {
 
 impl FfnWeights {
     pub fn load(src: &dyn TensorSource, cfg: &ModelConfig, l: usize) -> Result<FfnWeights> {
-        let origin = src.describe();
         let h = cfg.hidden;
-        let mat =
-            |key, rows, cols| Weight::from_tensor(src.require(key, Some(l))?, rows, cols, &origin);
+        let mat = |key, rows, cols| Weight::from_tensor(src.require(key, Some(l))?, rows, cols);
         if !cfg.sparse_layer[l] {
             return Ok(FfnWeights::Dense(DenseFfnWeights {
                 gate: mat(Key::FfnGate, cfg.ff, h)?,
@@ -47,10 +45,7 @@ impl FfnWeights {
                 down: mat(Key::FfnDown, h, cfg.ff)?,
             }));
         }
-        let moe = cfg
-            .moe
-            .as_ref()
-            .ok_or_else(|| ModelError::Invalid("sparse layer without MoE config".into()))?;
+        let moe = cfg.moe.as_ref().ok_or_else(|| ModelError::Invalid("sparse layer without MoE config".into()))?;
         let shared = match moe.shared_expert_ff {
             None => None,
             Some(sf) => Some(SharedExpert {
@@ -62,10 +57,7 @@ impl FfnWeights {
                 gate_inp: mat(Key::ShexpGateInp, 1, h)?,
             }),
         };
-        Ok(FfnWeights::Moe(MoeWeights {
-            router: mat(Key::FfnGateInp, moe.n_expert, h)?,
-            shared,
-        }))
+        Ok(FfnWeights::Moe(MoeWeights { router: mat(Key::FfnGateInp, moe.n_expert, h)?, shared }))
     }
 
     /// Bytes of the resident part (router and shared expert for MoE layers).
@@ -74,12 +66,9 @@ impl FfnWeights {
             FfnWeights::Dense(f) => f.gate.bytes() + f.up.bytes() + f.down.bytes(),
             FfnWeights::Moe(m) => {
                 m.router.bytes()
-                    + m.shared.as_ref().map_or(0, |s| {
-                        s.ffn.gate.bytes()
-                            + s.ffn.up.bytes()
-                            + s.ffn.down.bytes()
-                            + s.gate_inp.bytes()
-                    })
+                    + m.shared
+                        .as_ref()
+                        .map_or(0, |s| s.ffn.gate.bytes() + s.ffn.up.bytes() + s.ffn.down.bytes() + s.gate_inp.bytes())
             }
         }
     }
@@ -113,34 +102,12 @@ fn gated_ffn(
     matmul(pool, down, &g, n, out);
 }
 
-pub fn dense_ffn(
-    pool: &ThreadPool,
-    cfg: &ModelConfig,
-    f: &DenseFfnWeights,
-    x: &[f32],
-    n: usize,
-    out: &mut [f32],
-) {
-    gated_ffn(
-        pool,
-        cfg.activation,
-        f.gate.mat(),
-        f.up.mat(),
-        f.down.mat(),
-        x,
-        n,
-        out,
-    );
+pub fn dense_ffn(pool: &ThreadPool, cfg: &ModelConfig, f: &DenseFfnWeights, x: &[f32], n: usize, out: &mut [f32]) {
+    gated_ffn(pool, cfg.activation, f.gate.mat(), f.up.mat(), f.down.mat(), x, n, out);
 }
 
 /// The router's choice for one token: expert ids in rank order and their weights.
-pub fn route(
-    gating: Gating,
-    logits: &[f32],
-    k: usize,
-    experts: &mut Vec<u32>,
-    weights: &mut Vec<f32>,
-) {
+pub fn route(gating: Gating, logits: &[f32], k: usize, experts: &mut Vec<u32>, weights: &mut Vec<f32>) {
     match gating {
         Gating::SoftmaxTopK { norm_topk } => {
             let mut p = logits.to_vec();
@@ -190,13 +157,7 @@ pub fn moe_ffn(
     let mut weights = vec![0f32; n * k]; // (n, k)
     let (mut ex, mut wt) = (Vec::with_capacity(k), Vec::with_capacity(k));
     for t in 0..n {
-        route(
-            moe.gating,
-            &logits[t * ne..(t + 1) * ne],
-            k,
-            &mut ex,
-            &mut wt,
-        );
+        route(moe.gating, &logits[t * ne..(t + 1) * ne], k, &mut ex, &mut wt);
         chosen[t * k..(t + 1) * k].copy_from_slice(&ex);
         weights[t * k..(t + 1) * k].copy_from_slice(&wt);
         if let Some(o) = obs.as_deref_mut() {
@@ -209,9 +170,7 @@ pub fn moe_ffn(
     for (slot, e) in chosen.iter().enumerate() {
         users[*e as usize].push(slot);
     }
-    let wanted: Vec<u32> = (0..ne as u32)
-        .filter(|e| !users[*e as usize].is_empty())
-        .collect();
+    let wanted: Vec<u32> = (0..ne as u32).filter(|e| !users[*e as usize].is_empty()).collect();
 
     let mut y = vec![0f32; n * k * hd]; // (n·k, hidden) one output row per (token, rank)
     let mut fetch = m.experts.fetch(l, &wanted)?;
@@ -227,16 +186,7 @@ pub fn moe_ffn(
             xe.extend_from_slice(&x[t * hd..(t + 1) * hd]);
         }
         ye.resize(slots.len() * hd, 0.0);
-        gated_ffn(
-            pool,
-            cfg.activation,
-            ew.gate,
-            ew.up,
-            ew.down,
-            &xe,
-            slots.len(),
-            &mut ye,
-        );
+        gated_ffn(pool, cfg.activation, ew.gate, ew.up, ew.down, &xe, slots.len(), &mut ye);
         for (j, s) in slots.iter().enumerate() {
             y[s * hd..(s + 1) * hd].copy_from_slice(&ye[j * hd..(j + 1) * hd]);
         }
@@ -253,24 +203,11 @@ pub fn moe_ffn(
     }
     if let Some(sh) = &w.shared {
         let mut ys = vec![0f32; n * hd];
-        gated_ffn(
-            pool,
-            cfg.activation,
-            sh.ffn.gate.mat(),
-            sh.ffn.up.mat(),
-            sh.ffn.down.mat(),
-            x,
-            n,
-            &mut ys,
-        );
+        gated_ffn(pool, cfg.activation, sh.ffn.gate.mat(), sh.ffn.up.mat(), sh.ffn.down.mat(), x, n, &mut ys);
         let mut g = vec![0f32; n];
         matmul(pool, sh.gate_inp.mat(), x, n, &mut g);
         for t in 0..n {
-            ops::axpy(
-                &mut out[t * hd..(t + 1) * hd],
-                ops::sigmoid(g[t]),
-                &ys[t * hd..(t + 1) * hd],
-            );
+            ops::axpy(&mut out[t * hd..(t + 1) * hd], ops::sigmoid(g[t]), &ys[t * hd..(t + 1) * hd]);
         }
     }
     Ok(())

@@ -18,19 +18,12 @@ impl HfCheckpoint {
     pub fn open(dir: &Path) -> Result<HfCheckpoint> {
         let cpath = dir.join("config.json");
         if !cpath.exists() {
-            return Err(ModelError::Invalid(format!(
-                "{}: missing config.json in the model directory",
-                dir.display()
-            )));
+            return Err(ModelError::Invalid(format!("{}: missing config.json in the model directory", dir.display())));
         }
         let c = JsonConfig::open(&cpath)?;
         let config = families::from_hf_config(&c)?;
         let st = SafetensorsModel::open(dir)?;
-        Ok(HfCheckpoint {
-            dir: dir.to_path_buf(),
-            config,
-            st,
-        })
+        Ok(HfCheckpoint { dir: dir.to_path_buf(), config, st })
     }
 
     fn named(&self, name: &str) -> Result<Option<TensorData>> {
@@ -52,15 +45,11 @@ impl TensorSource for HfCheckpoint {
 
     fn require(&self, key: Key, layer: Option<usize>) -> Result<TensorData> {
         let name = families::hf_name(self.config.arch, key, layer);
-        self.named(&name)?.ok_or_else(|| {
-            ModelError::Invalid(format!("{}: missing tensor `{name}`", self.describe()))
-        })
+        self.named(&name)?.ok_or_else(|| ModelError::Invalid(format!("{}: missing tensor `{name}`", self.describe())))
     }
 
     fn expert(&self, part: ExpertPart, layer: usize, expert: usize) -> Result<TensorData> {
         let name = families::hf_expert_name(self.config.arch, part, layer, expert);
-        self.named(&name)?.ok_or_else(|| {
-            ModelError::Invalid(format!("{}: missing tensor `{name}`", self.describe()))
-        })
+        self.named(&name)?.ok_or_else(|| ModelError::Invalid(format!("{}: missing tensor `{name}`", self.describe())))
     }
 }

@@ -11,12 +11,7 @@ pub struct KvCache {
 
 impl KvCache {
     pub fn new(n_layer: usize, kv_dim: usize, max_len: usize) -> KvCache {
-        KvCache {
-            kv_dim,
-            layers: (0..n_layer).map(|_| (Vec::new(), Vec::new())).collect(),
-            len: 0,
-            max_len,
-        }
+        KvCache { kv_dim, layers: (0..n_layer).map(|_| (Vec::new(), Vec::new())).collect(), len: 0, max_len }
     }
 
     /// Positions stored.
@@ -45,11 +40,7 @@ impl KvCache {
     /// Every layer must be appended the same `n` before `commit(n)`.
     pub fn append(&mut self, layer: usize, k: &[f32], v: &[f32]) {
         let (kk, vv) = &mut self.layers[layer];
-        debug_assert_eq!(
-            kk.len(),
-            self.len * self.kv_dim,
-            "layer {layer} appended twice"
-        );
+        debug_assert_eq!(kk.len(), self.len * self.kv_dim, "layer {layer} appended twice");
         kk.extend_from_slice(k);
         vv.extend_from_slice(v);
     }
@@ -66,9 +57,6 @@ impl KvCache {
     }
 
     pub fn bytes(&self) -> usize {
-        self.layers
-            .iter()
-            .map(|(k, v)| (k.capacity() + v.capacity()) * 4)
-            .sum()
+        self.layers.iter().map(|(k, v)| (k.capacity() + v.capacity()) * 4).sum()
     }
 }

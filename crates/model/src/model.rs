@@ -65,31 +65,22 @@ impl Model {
         experts: Arc<dyn ExpertSource>,
         pool: Arc<ThreadPool>,
     ) -> Result<Model> {
-        cfg.validate()
-            .map_err(|e| ModelError::Invalid(format!("{}: {e}", src.describe())))?;
+        cfg.validate().map_err(|e| ModelError::Invalid(format!("{}: {e}", src.describe())))?;
         crate::attention::check_bias(src, &cfg)?;
         let origin = src.describe();
         let h = cfg.hidden;
-        let mat = |key, layer, rows, cols| {
-            Weight::from_tensor(src.require(key, layer)?, rows, cols, &origin)
-        };
-        let vec_of = |key, layer, len| vector(src.require(key, layer)?, len, &origin);
+        let mat = |key, layer, rows, cols| Weight::from_tensor(src.require(key, layer)?, rows, cols);
+        let vec_of = |key, layer, len| vector(src.require(key, layer)?, len);
         let opt_vec = |key, layer: Option<usize>, len| -> Result<Option<Vec<f32>>> {
-            src.get(key, layer)?
-                .map(|t| vector(t, len, &origin))
-                .transpose()
+            src.get(key, layer)?.map(|t| vector(t, len)).transpose()
         };
 
         let tok_embd = mat(Key::TokEmbd, None, cfg.vocab_size, h)?;
         let output = match src.get(Key::Output, None)? {
-            Some(t) if !cfg.tie_embeddings => Weight::from_tensor(t, cfg.vocab_size, h, &origin)?,
-            Some(t) => Weight::from_tensor(t, cfg.vocab_size, h, &origin)?,
+            Some(t) if !cfg.tie_embeddings => Weight::from_tensor(t, cfg.vocab_size, h)?,
+            Some(t) => Weight::from_tensor(t, cfg.vocab_size, h)?,
             None if cfg.tie_embeddings => tok_embd.clone(),
-            None => {
-                return Err(ModelError::Invalid(format!(
-                    "{origin}: missing output (lm_head) tensor"
-                )))
-            }
+            None => return Err(ModelError::Invalid(format!("{origin}: missing output (lm_head) tensor"))),
         };
         let mut layers = Vec::with_capacity(cfg.n_layer);
         for l in 0..cfg.n_layer {
@@ -116,17 +107,7 @@ impl Model {
         let output_norm = vec_of(Key::OutputNorm, None, h)?;
         let rope = Rope::new(cfg.rope.clone());
         let rope_local = cfg.rope_local.clone().map(Rope::new);
-        let mut m = Model {
-            cfg,
-            tok_embd,
-            layers,
-            output_norm,
-            output,
-            rope,
-            rope_local,
-            experts,
-            pool,
-        };
+        let mut m = Model { cfg, tok_embd, layers, output_norm, output, rope, rope_local, experts, pool };
         if m.cfg.gemma {
             m.fold_gemma_norms();
         }
@@ -149,11 +130,7 @@ impl Model {
 
     /// A KV cache for up to `max_len` positions (the model's own maximum if 0).
     pub fn new_cache(&self, max_len: usize) -> KvCache {
-        let max_len = if max_len == 0 {
-            self.cfg.max_position
-        } else {
-            max_len
-        };
+        let max_len = if max_len == 0 { self.cfg.max_position } else { max_len };
         KvCache::new(self.cfg.n_layer, self.cfg.kv_dim(), max_len)
     }
 
@@ -259,12 +236,7 @@ impl Model {
         };
         let m = rows.len();
         let mut hn = vec![0f32; m * hd];
-        rms_norm_rows(
-            &x[rows.start * hd..rows.end * hd],
-            &self.output_norm,
-            cfg.rms_eps,
-            &mut hn,
-        );
+        rms_norm_rows(&x[rows.start * hd..rows.end * hd], &self.output_norm, cfg.rms_eps, &mut hn);
         observe(obs, "result_norm", None, &hn, m);
         let mut logits = vec![0f32; m * cfg.vocab_size];
         matmul(&self.pool, self.output.mat(), &hn, m, &mut logits);

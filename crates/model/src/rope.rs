@@ -54,18 +54,11 @@ pub struct Rope {
 impl Rope {
     pub fn new(cfg: RopeConfig) -> Rope {
         let d = cfg.dim;
-        let base: Vec<f64> = (0..d / 2)
-            .map(|i| 1.0 / cfg.theta.powf((2 * i) as f64 / d as f64))
-            .collect();
+        let base: Vec<f64> = (0..d / 2).map(|i| 1.0 / cfg.theta.powf((2 * i) as f64 / d as f64)).collect();
         let (inv, af): (Vec<f64>, f64) = match &cfg.scaling {
             RopeScaling::None => (base, 1.0),
             RopeScaling::Linear { factor } => (base.iter().map(|f| f / factor).collect(), 1.0),
-            RopeScaling::Llama3 {
-                factor,
-                low_freq_factor,
-                high_freq_factor,
-                original_max_position,
-            } => {
+            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position } => {
                 let low_wl = original_max_position / low_freq_factor;
                 let high_wl = original_max_position / high_freq_factor;
                 let v = base
@@ -77,22 +70,15 @@ impl Rope {
                         } else if wl > low_wl {
                             f / factor
                         } else {
-                            let s = (original_max_position / wl - low_freq_factor)
-                                / (high_freq_factor - low_freq_factor);
+                            let s =
+                                (original_max_position / wl - low_freq_factor) / (high_freq_factor - low_freq_factor);
                             (1.0 - s) * f / factor + s * f
                         }
                     })
                     .collect();
                 (v, 1.0)
             }
-            RopeScaling::Yarn {
-                factor,
-                original_max_position,
-                beta_fast,
-                beta_slow,
-                attention_factor,
-                truncate,
-            } => {
+            RopeScaling::Yarn { factor, original_max_position, beta_fast, beta_slow, attention_factor, truncate } => {
                 let corr = |rot: f64| {
                     (d as f64 * (original_max_position / (rot * 2.0 * std::f64::consts::PI)).ln())
                         / (2.0 * cfg.theta.ln())
@@ -119,11 +105,7 @@ impl Rope {
                 (v, *attention_factor)
             }
         };
-        Rope {
-            cfg,
-            inv_freq: inv.iter().map(|v| *v as f32).collect(),
-            attention_factor: af as f32,
-        }
+        Rope { cfg, inv_freq: inv.iter().map(|v| *v as f32).collect(), attention_factor: af as f32 }
     }
 
     /// YaRN's default attention factor for a context extension `factor`.
@@ -171,12 +153,7 @@ mod tests {
     use super::*;
 
     fn cfg(scaling: RopeScaling) -> RopeConfig {
-        RopeConfig {
-            theta: 10000.0,
-            dim: 8,
-            style: RopeStyle::Neox,
-            scaling,
-        }
+        RopeConfig { theta: 10000.0, dim: 8, style: RopeStyle::Neox, scaling }
     }
 
     #[test]

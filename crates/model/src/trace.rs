@@ -4,14 +4,7 @@
 
 pub trait Observer {
     /// An intermediate activation, `n_tokens × width` row-major, e.g. `("attn_out", Some(3))`.
-    fn tensor(
-        &mut self,
-        _name: &'static str,
-        _layer: Option<usize>,
-        _data: &[f32],
-        _n_tokens: usize,
-    ) {
-    }
+    fn tensor(&mut self, _name: &'static str, _layer: Option<usize>, _data: &[f32], _n_tokens: usize) {}
 
     /// The router's choice for the token at absolute position `pos` of `layer`: expert ids in
     /// rank order and their weights.

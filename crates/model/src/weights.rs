@@ -79,7 +79,8 @@ pub struct Weight {
 
 impl Weight {
     /// Checks a tensor against the expected `rows × cols` and that a kernel can use it.
-    pub fn from_tensor(t: TensorData, rows: usize, cols: usize, origin: &str) -> Result<Weight> {
+    pub fn from_tensor(t: TensorData, rows: usize, cols: usize) -> Result<Weight> {
+        let origin = t.file.display();
         let ok = match t.shape.as_slice() {
             [r, c] => *r == rows && *c == cols,
             [c] => rows == 1 && *c == cols,
@@ -93,22 +94,11 @@ impl Weight {
         }
         MatRef::new(t.dtype, rows, cols, &t.data)
             .map_err(|e| ModelError::Invalid(format!("{origin}: tensor `{}`: {e}", t.name)))?;
-        Ok(Weight {
-            name: t.name,
-            dtype: t.dtype,
-            rows,
-            cols,
-            data: t.data,
-        })
+        Ok(Weight { name: t.name, dtype: t.dtype, rows, cols, data: t.data })
     }
 
     pub fn mat(&self) -> MatRef<'_> {
-        MatRef {
-            dtype: self.dtype,
-            rows: self.rows,
-            cols: self.cols,
-            data: &self.data,
-        }
+        MatRef { dtype: self.dtype, rows: self.rows, cols: self.cols, data: &self.data }
     }
 
     pub fn bytes(&self) -> usize {
@@ -117,7 +107,8 @@ impl Weight {
 }
 
 /// A small vector (norm weight, bias) widened to f32: a few KB per layer.
-pub fn vector(t: TensorData, len: usize, origin: &str) -> Result<Vec<f32>> {
+pub fn vector(t: TensorData, len: usize) -> Result<Vec<f32>> {
+    let origin = t.file.display();
     let n: usize = t.shape.iter().product();
     if n != len || t.shape.len() > 2 {
         return Err(ModelError::Invalid(format!(

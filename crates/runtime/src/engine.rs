@@ -11,21 +11,12 @@ use sluice_model::{ExpertSource, Model, ResidentExperts, TensorSource};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct EngineOptions {
     /// Threads for the kernels (0: every core this process may use).
     pub threads: usize,
     /// Maximum context in tokens (0: the model's own maximum).
     pub max_context: usize,
-}
-
-impl Default for EngineOptions {
-    fn default() -> Self {
-        EngineOptions {
-            threads: 0,
-            max_context: 0,
-        }
-    }
 }
 
 /// Which file format a model came from.
@@ -47,20 +38,13 @@ pub struct Engine {
 
 impl Engine {
     pub fn load(path: &Path, options: EngineOptions) -> Result<Engine> {
-        let threads = if options.threads == 0 {
-            sluice_kernels::pool::available_threads()
-        } else {
-            options.threads
-        };
+        let threads = if options.threads == 0 { sluice_kernels::pool::available_threads() } else { options.threads };
         let pool = Arc::new(ThreadPool::new(threads));
         if path.is_dir() {
             return Self::load_hf(path, options, pool);
         }
         if !path.exists() {
-            return Err(RuntimeError::Input(format!(
-                "{}: no such file or directory",
-                path.display()
-            )));
+            return Err(RuntimeError::Input(format!("{}: no such file or directory", path.display())));
         }
         Err(RuntimeError::Input(format!(
             "{}: not a model: expected a Hugging Face model directory (with config.json) or a GGUF file",
@@ -71,15 +55,10 @@ impl Engine {
     fn load_hf(dir: &Path, options: EngineOptions, pool: Arc<ThreadPool>) -> Result<Engine> {
         let ckpt = HfCheckpoint::open(dir)?;
         let cfg = ckpt.config.clone();
-        let experts: Arc<dyn ExpertSource> =
-            Arc::new(ResidentExperts::load(&ckpt as &dyn TensorSource, &cfg)?);
+        let experts: Arc<dyn ExpertSource> = Arc::new(ResidentExperts::load(&ckpt as &dyn TensorSource, &cfg)?);
         let model = Model::load(cfg, &ckpt, experts, pool)?;
         let tok_path = dir.join("tokenizer.json");
-        let tokenizer = if tok_path.exists() {
-            Some(Tokenizer::from_hf_file(&tok_path)?)
-        } else {
-            None
-        };
+        let tokenizer = if tok_path.exists() { Some(Tokenizer::from_hf_file(&tok_path)?) } else { None };
         let gen_path = dir.join("generation_config.json");
         let mut eos = model.cfg.eos_tokens.clone();
         if gen_path.exists() {
@@ -87,31 +66,19 @@ impl Engine {
                 eos = ids.into_iter().map(|i| i as u32).collect();
             }
         }
-        Ok(Engine {
-            path: dir.to_path_buf(),
-            format: SourceFormat::Safetensors,
-            model,
-            tokenizer,
-            eos,
-            options,
-        })
+        Ok(Engine { path: dir.to_path_buf(), format: SourceFormat::Safetensors, model, tokenizer, eos, options })
     }
 
     /// The tokenizer, or an error saying the model has none.
     pub fn tokenizer(&self) -> Result<&Tokenizer> {
         self.tokenizer.as_ref().ok_or_else(|| {
-            RuntimeError::Input(format!(
-                "{}: the model has no tokenizer; pass token ids instead",
-                self.path.display()
-            ))
+            RuntimeError::Input(format!("{}: the model has no tokenizer; pass token ids instead", self.path.display()))
         })
     }
 
     /// Token ids of a prompt, with the model's own special tokens (BOS) where it adds them.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        self.tokenizer()?
-            .encode(text, true)
-            .map_err(RuntimeError::Input)
+        self.tokenizer()?.encode(text, true).map_err(RuntimeError::Input)
     }
 
     pub fn new_cache(&self) -> sluice_model::KvCache {

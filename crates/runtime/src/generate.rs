@@ -68,12 +68,7 @@ impl Generation {
 }
 
 /// Runs `prompt` through the model at the start of `kv` and returns the last position's logits.
-pub fn prefill(
-    engine: &Engine,
-    kv: &mut KvCache,
-    prompt: &[u32],
-    chunk: usize,
-) -> Result<Vec<f32>> {
+pub fn prefill(engine: &Engine, kv: &mut KvCache, prompt: &[u32], chunk: usize) -> Result<Vec<f32>> {
     if prompt.is_empty() {
         return Err(RuntimeError::Input("the prompt is empty".into()));
     }
@@ -81,10 +76,7 @@ pub fn prefill(
     let mut logits = Vec::new();
     for (i, c) in prompt.chunks(chunk).enumerate() {
         let last = (i + 1) * chunk >= prompt.len();
-        logits =
-            engine
-                .model
-                .forward(kv, c, if last { Logits::Last } else { Logits::None }, None)?;
+        logits = engine.model.forward(kv, c, if last { Logits::Last } else { Logits::None }, None)?;
     }
     Ok(logits)
 }
@@ -126,11 +118,5 @@ pub fn generate(
         }
         logits = engine.model.forward(kv, &[tok], Logits::Last, None)?;
     }
-    Ok(Generation {
-        tokens,
-        stop,
-        prompt_tokens: prompt.len(),
-        prefill_secs,
-        decode_secs: t1.elapsed().as_secs_f64(),
-    })
+    Ok(Generation { tokens, stop, prompt_tokens: prompt.len(), prefill_secs, decode_secs: t1.elapsed().as_secs_f64() })
 }

@@ -37,22 +37,14 @@ pub struct SamplerConfig {
 
 impl Default for SamplerConfig {
     fn default() -> Self {
-        SamplerConfig {
-            temperature: 0.0,
-            top_p: 1.0,
-            top_k: 0,
-            seed: 0,
-        }
+        SamplerConfig { temperature: 0.0, top_p: 1.0, top_k: 0, seed: 0 }
     }
 }
 
 impl SamplerConfig {
     pub fn validate(&self) -> Result<(), String> {
         if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
-            return Err(format!(
-                "temperature must be a finite number ≥ 0, got {}",
-                self.temperature
-            ));
+            return Err(format!("temperature must be a finite number ≥ 0, got {}", self.temperature));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return Err(format!("top_p must be in (0, 1], got {}", self.top_p));
@@ -82,19 +74,12 @@ impl Sampler {
         }
         let t = self.cfg.temperature as f64;
         let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
-        idx.sort_by(|a, b| {
-            logits[*b as usize]
-                .total_cmp(&logits[*a as usize])
-                .then(a.cmp(b))
-        });
+        idx.sort_by(|a, b| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b)));
         if self.cfg.top_k > 0 {
             idx.truncate(self.cfg.top_k);
         }
         let max = logits[idx[0] as usize] as f64;
-        let mut p: Vec<f64> = idx
-            .iter()
-            .map(|i| ((logits[*i as usize] as f64 - max) / t).exp())
-            .collect();
+        let mut p: Vec<f64> = idx.iter().map(|i| ((logits[*i as usize] as f64 - max) / t).exp()).collect();
         let sum: f64 = p.iter().sum();
         p.iter_mut().for_each(|v| *v /= sum);
         let mut keep = p.len();
@@ -133,12 +118,7 @@ mod tests {
     #[test]
     fn same_seed_same_tokens_and_top_p_excludes_tail() {
         let logits: Vec<f32> = (0..50).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
-        let cfg = SamplerConfig {
-            temperature: 0.8,
-            top_p: 0.9,
-            top_k: 0,
-            seed: 42,
-        };
+        let cfg = SamplerConfig { temperature: 0.8, top_p: 0.9, top_k: 0, seed: 42 };
         let a: Vec<u32> = {
             let mut s = Sampler::new(cfg.clone());
             (0..100).map(|_| s.sample(&logits)).collect()
@@ -158,12 +138,7 @@ mod tests {
     fn sampling_follows_the_distribution() {
         // Two tokens with probabilities 0.25 / 0.75 at temperature 1.
         let logits = [0.0f32, (3.0f32).ln()];
-        let mut s = Sampler::new(SamplerConfig {
-            temperature: 1.0,
-            top_p: 1.0,
-            top_k: 0,
-            seed: 7,
-        });
+        let mut s = Sampler::new(SamplerConfig { temperature: 1.0, top_p: 1.0, top_k: 0, seed: 7 });
         let n = 20000;
         let ones = (0..n).filter(|_| s.sample(&logits) == 1).count();
         let frac = ones as f64 / n as f64;
@@ -172,23 +147,8 @@ mod tests {
 
     #[test]
     fn bad_settings_are_refused() {
-        assert!(SamplerConfig {
-            temperature: -1.0,
-            ..Default::default()
-        }
-        .validate()
-        .is_err());
-        assert!(SamplerConfig {
-            top_p: 0.0,
-            ..Default::default()
-        }
-        .validate()
-        .is_err());
-        assert!(SamplerConfig {
-            top_p: 1.5,
-            ..Default::default()
-        }
-        .validate()
-        .is_err());
+        assert!(SamplerConfig { temperature: -1.0, ..Default::default() }.validate().is_err());
+        assert!(SamplerConfig { top_p: 0.0, ..Default::default() }.validate().is_err());
+        assert!(SamplerConfig { top_p: 1.5, ..Default::default() }.validate().is_err());
     }
 }

@@ -35,8 +35,7 @@ pub fn from_hf_config(c: &JsonConfig) -> Result<ModelConfig> {
             )))
         }
     };
-    cfg.validate()
-        .map_err(|e| ModelError::Invalid(format!("{}: {e}", c.path.display())))?;
+    cfg.validate().map_err(|e| ModelError::Invalid(format!("{}: {e}", c.path.display())))?;
     Ok(cfg)
 }
 
@@ -106,11 +105,7 @@ pub(crate) fn common(c: &JsonConfig, arch: Arch) -> Result<ModelConfig> {
     match c.opt_str("hidden_act")?.unwrap_or("silu") {
         "silu" | "swish" => {}
         other => {
-            return Err(c
-                .error(format!(
-                    "unsupported value `{other}` of key `hidden_act` (expected silu)"
-                ))
-                .into())
+            return Err(c.error(format!("unsupported value `{other}` of key `hidden_act` (expected silu)")).into())
         }
     }
     let rope = rope_from_hf(c, head_dim, RopeStyle::Neox)?;
@@ -140,12 +135,7 @@ pub(crate) fn common(c: &JsonConfig, arch: Arch) -> Result<ModelConfig> {
         gemma: false,
         final_logit_softcap: None,
         bos_token: c.opt_usize("bos_token_id")?.map(|v| v as u32),
-        eos_tokens: c
-            .opt_usize_list("eos_token_id")?
-            .unwrap_or_default()
-            .into_iter()
-            .map(|v| v as u32)
-            .collect(),
+        eos_tokens: c.opt_usize_list("eos_token_id")?.unwrap_or_default().into_iter().map(|v| v as u32).collect(),
     })
 }
 
@@ -159,17 +149,9 @@ fn sliding_windows(c: &JsonConfig, n_layer: usize) -> Result<Vec<Option<usize>>>
     };
     if let Some(types) = c.get("layer_types").and_then(|v| v.as_array()) {
         if types.len() != n_layer {
-            return Err(c
-                .error(format!(
-                    "key `layer_types` has {} entries for {n_layer} layers",
-                    types.len()
-                ))
-                .into());
+            return Err(c.error(format!("key `layer_types` has {} entries for {n_layer} layers", types.len())).into());
         }
-        return Ok(types
-            .iter()
-            .map(|t| (t.as_str() == Some("sliding_attention")).then_some(size))
-            .collect());
+        return Ok(types.iter().map(|t| (t.as_str() == Some("sliding_attention")).then_some(size)).collect());
     }
     if let Some(mwl) = c.opt_usize("max_window_layers")? {
         return Ok((0..n_layer).map(|l| (l >= mwl).then_some(size)).collect());
@@ -178,11 +160,7 @@ fn sliding_windows(c: &JsonConfig, n_layer: usize) -> Result<Vec<Option<usize>>>
 }
 
 /// RoPE from either dialect: `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling`.
-pub(crate) fn rope_from_hf(
-    c: &JsonConfig,
-    head_dim: usize,
-    style: RopeStyle,
-) -> Result<RopeConfig> {
+pub(crate) fn rope_from_hf(c: &JsonConfig, head_dim: usize, style: RopeStyle) -> Result<RopeConfig> {
     let params = c.sub("rope_parameters")?;
     let scaling = match &params {
         Some(p) if p.get("rope_type").is_some() || p.get("type").is_some() => Some(p.clone()),
@@ -207,11 +185,7 @@ pub(crate) fn rope_from_hf(
     let scaling = match scaling {
         None => RopeScaling::None,
         Some(s) => {
-            let ty = s
-                .opt_str("rope_type")?
-                .or(s.opt_str("type")?)
-                .unwrap_or("default")
-                .to_string();
+            let ty = s.opt_str("rope_type")?.or(s.opt_str("type")?).unwrap_or("default").to_string();
             let orig = s
                 .opt_f64("original_max_position_embeddings")?
                 .or(c.opt_f64("original_max_position_embeddings")?)
@@ -253,12 +227,7 @@ pub(crate) fn rope_from_hf(
             }
         }
     };
-    Ok(RopeConfig {
-        theta,
-        dim,
-        style,
-        scaling,
-    })
+    Ok(RopeConfig { theta, dim, style, scaling })
 }
 
 /// Routed-expert count under either dialect's key.
@@ -271,19 +240,11 @@ pub(crate) fn n_expert(c: &JsonConfig) -> Result<usize> {
 pub(crate) fn qwen_sparse_layers(c: &JsonConfig, n_layer: usize) -> Result<Vec<bool>> {
     let step = c.opt_usize("decoder_sparse_step")?.unwrap_or(1);
     if step == 0 {
-        return Err(c
-            .error("key `decoder_sparse_step` must be at least 1")
-            .into());
+        return Err(c.error("key `decoder_sparse_step` must be at least 1").into());
     }
     let dense = c.opt_usize_list("mlp_only_layers")?.unwrap_or_default();
     if let Some(l) = dense.iter().find(|l| **l >= n_layer) {
-        return Err(c
-            .error(format!(
-                "key `mlp_only_layers` names layer {l} of {n_layer}"
-            ))
-            .into());
+        return Err(c.error(format!("key `mlp_only_layers` names layer {l} of {n_layer}")).into());
     }
-    Ok((0..n_layer)
-        .map(|l| !dense.contains(&l) && (l + 1) % step == 0)
-        .collect())
+    Ok((0..n_layer).map(|l| !dense.contains(&l) && (l + 1) % step == 0).collect())
 }

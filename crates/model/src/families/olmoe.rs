@@ -11,17 +11,13 @@ pub fn config(c: &JsonConfig) -> Result<ModelConfig> {
     cfg.qk_norm = QkNorm::Full;
     cfg.clip_qkv = c.opt_f64("clip_qkv")?.map(|v| v as f32);
     if cfg.head_dim * cfg.n_head != cfg.hidden {
-        return Err(c
-            .error("OLMoE's QK-norm needs head_dim × num_attention_heads = hidden_size")
-            .into());
+        return Err(c.error("OLMoE's QK-norm needs head_dim × num_attention_heads = hidden_size").into());
     }
     cfg.moe = Some(MoeConfig {
         n_expert: super::n_expert(c)?,
         n_expert_used: c.usize("num_experts_per_tok")?,
         expert_ff: cfg.ff,
-        gating: Gating::SoftmaxTopK {
-            norm_topk: c.opt_bool("norm_topk_prob")?.unwrap_or(false),
-        },
+        gating: Gating::SoftmaxTopK { norm_topk: c.opt_bool("norm_topk_prob")?.unwrap_or(false) },
         shared_expert_ff: None,
     });
     cfg.sparse_layer = vec![true; cfg.n_layer];

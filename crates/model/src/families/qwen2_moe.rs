@@ -8,16 +8,12 @@ use sluice_formats::JsonConfig;
 pub fn config(c: &JsonConfig) -> Result<ModelConfig> {
     let mut cfg = super::common(c, Arch::Qwen2Moe)?;
     cfg.qkv_bias = c.opt_bool("qkv_bias")?.unwrap_or(true);
-    let shared = c
-        .opt_usize("shared_expert_intermediate_size")?
-        .filter(|s| *s > 0);
+    let shared = c.opt_usize("shared_expert_intermediate_size")?.filter(|s| *s > 0);
     cfg.moe = Some(MoeConfig {
         n_expert: super::n_expert(c)?,
         n_expert_used: c.usize("num_experts_per_tok")?,
         expert_ff: c.usize("moe_intermediate_size")?,
-        gating: Gating::SoftmaxTopK {
-            norm_topk: c.opt_bool("norm_topk_prob")?.unwrap_or(false),
-        },
+        gating: Gating::SoftmaxTopK { norm_topk: c.opt_bool("norm_topk_prob")?.unwrap_or(false) },
         shared_expert_ff: shared,
     });
     cfg.sparse_layer = super::qwen_sparse_layers(c, cfg.n_layer)?;

@@ -14,9 +14,7 @@ pub fn config(c: &JsonConfig) -> Result<ModelConfig> {
         n_expert: super::n_expert(c)?,
         n_expert_used: c.usize("num_experts_per_tok")?,
         expert_ff: c.usize("moe_intermediate_size")?,
-        gating: Gating::SoftmaxTopK {
-            norm_topk: c.opt_bool("norm_topk_prob")?.unwrap_or(false),
-        },
+        gating: Gating::SoftmaxTopK { norm_topk: c.opt_bool("norm_topk_prob")?.unwrap_or(false) },
         shared_expert_ff: None,
     });
     cfg.sparse_layer = super::qwen_sparse_layers(c, cfg.n_layer)?;
