@@ -3,6 +3,7 @@
 
 pub mod blob;
 pub mod error;
+pub mod gguf;
 pub mod gguf_tokenizer;
 pub mod json_config;
 pub mod safetensors;
