@@ -98,7 +98,12 @@ fn main() {
     let quick = args.iter().any(|a| a == "--quick");
     let json = args.iter().any(|a| a == "--json");
     let isas = Isa::supported();
-    let dtypes: Vec<DType> = DType::ALL.into_iter().filter(|d| sluice_kernels::supports_matmul(*d)).collect();
+    // `--dtype Q4_K` limits the run to one format.
+    let only = args.iter().position(|a| a == "--dtype").and_then(|i| args.get(i + 1)).and_then(|s| DType::from_name(s));
+    let dtypes: Vec<DType> = DType::ALL
+        .into_iter()
+        .filter(|d| sluice_kernels::supports_matmul(*d) && only.is_none_or(|o| o == *d))
+        .collect();
 
     // 1. Every variant against the reference.
     let mut ok = true;

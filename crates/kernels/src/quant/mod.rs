@@ -1,16 +1,25 @@
-//! Block-quantized formats (GGUF's): dequantization references and dot kernels.
+//! Block-quantized formats (GGUF's): layouts, reference dequantization, activation
+//! quantization, and dot-product kernels (scalar reference, AVX2, AVX-512 VNNI).
+//!
+//! `matmul_quant` quantizes each activation row once into the weight format's activation
+//! type, then gives each thread a contiguous range of weight rows; every (row, token) dot
+//! product runs block by block through `dot_ref::accumulate`, whatever the ISA or tile.
 
+pub mod act;
+pub mod blocks;
+pub mod dot_ref;
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+use crate::cpu::Isa;
 use crate::dtype::DType;
-use crate::matmul::MatRef;
+use crate::matmul::{MatRef, SendPtr};
 use crate::pool::ThreadPool;
+use act::{ActKind, QuantAct};
 
 /// Whether a quantized matmul kernel exists for `dtype`.
-pub fn supports(_dtype: DType) -> bool {
-    false
-}
-
-pub(crate) fn matmul_quant(_pool: &ThreadPool, w: MatRef<'_>, _x: &[f32], _n: usize, _out: &mut [f32]) {
-    unreachable!("MatRef::new rejects {}", w.dtype)
+pub fn supports(dtype: DType) -> bool {
+    ActKind::for_weights(dtype).is_some()
 }
 
 /// Widens one stored row to f32 (`out.len()` elements).
@@ -25,18 +34,11 @@ pub fn dequantize_row(dtype: DType, row: &[u8], out: &mut [f32]) -> Result<(), c
         }
         return Ok(());
     }
-    Err(crate::KernelError::Unsupported { dtype })
-}
-
-pub(crate) fn matmul_quant_isa(
-    _isa: crate::cpu::Isa,
-    pool: &ThreadPool,
-    w: MatRef<'_>,
-    x: &[f32],
-    n: usize,
-    out: &mut [f32],
-) {
-    matmul_quant(pool, w, x, n, out)
+    let (be, bb) = (dtype.block_elems(), dtype.block_bytes());
+    for (b, y) in out.chunks_exact_mut(be).enumerate() {
+        blocks::dequantize_block(dtype, &row[b * bb..(b + 1) * bb], y);
+    }
+    Ok(())
 }
 
 /// Quantizes `rows × cols` f32 values (row-major) into rows of `dtype`.
@@ -46,12 +48,216 @@ pub fn quantize_rows(dtype: DType, v: &[f32], cols: usize) -> Vec<u8> {
         DType::F16 => v.iter().flat_map(|x| half::f16::from_f32(*x).to_bits().to_le_bytes()).collect(),
         DType::BF16 => v.iter().flat_map(|x| half::bf16::from_f32(*x).to_bits().to_le_bytes()).collect(),
         _ => {
-            let _ = cols;
-            unimplemented!("quantize {dtype}")
+            let (be, bb) = (dtype.block_elems(), dtype.block_bytes());
+            assert!(cols.is_multiple_of(be), "{cols} columns are not whole {dtype} blocks");
+            let mut out = vec![0u8; v.len() / be * bb];
+            for (x, b) in v.chunks_exact(be).zip(out.chunks_exact_mut(bb)) {
+                blocks::quantize_block(dtype, x, b);
+            }
+            out
         }
     }
 }
 
-pub(crate) fn dot_ref(dtype: DType, _row: &[u8], _x: &[f32]) -> f32 {
-    unreachable!("MatRef::new rejects {dtype}")
+/// Scalar reference: one stored row against f32 activations (quantized as the kernels do).
+pub(crate) fn dot_ref(dtype: DType, row: &[u8], x: &[f32]) -> f32 {
+    let kind = ActKind::for_weights(dtype).expect("quantized type");
+    let act = QuantAct::new(kind, x, 1, x.len());
+    dot_ref::row_dot(dtype, row, &act, 0)
+}
+
+pub(crate) fn matmul_quant(pool: &ThreadPool, w: MatRef<'_>, x: &[f32], n: usize, out: &mut [f32]) {
+    matmul_quant_isa(crate::cpu::isa(), pool, w, x, n, out)
+}
+
+pub(crate) fn matmul_quant_isa(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, x: &[f32], n: usize, out: &mut [f32]) {
+    let kind = ActKind::for_weights(w.dtype).expect("MatRef::new checks support");
+    let act = QuantAct::new(kind, x, n, w.cols);
+    let o = SendPtr(out.as_mut_ptr());
+    let vnni = isa == Isa::Avx512 && crate::cpu::has_vnni();
+    pool.for_ranges(w.rows, 4, &|rows| {
+        for r in rows {
+            let row = w.row(r);
+            let mut t = 0;
+            while t < n {
+                let left = n - t;
+                let mut vals = [0f32; 4];
+                let k = match left {
+                    1 => rows_tile::<1>(isa, vnni, w.dtype, row, &act, t, &mut vals),
+                    2 => rows_tile::<2>(isa, vnni, w.dtype, row, &act, t, &mut vals),
+                    3 => rows_tile::<3>(isa, vnni, w.dtype, row, &act, t, &mut vals),
+                    _ => rows_tile::<4>(isa, vnni, w.dtype, row, &act, t, &mut vals),
+                };
+                for (i, v) in vals.iter().enumerate().take(k) {
+                    // SAFETY: this thread owns row r's column of the n × rows output.
+                    unsafe { *o.get().add((t + i) * w.rows + r) = *v };
+                }
+                t += k;
+            }
+        }
+    });
+}
+
+/// One weight row against tokens `t0..t0 + T`; returns T.
+#[inline(always)]
+fn rows_tile<const T: usize>(
+    isa: Isa,
+    vnni: bool,
+    dtype: DType,
+    row: &[u8],
+    act: &QuantAct,
+    t0: usize,
+    out: &mut [f32; 4],
+) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    if isa >= Isa::Avx2 {
+        // SAFETY: `isa` and `vnni` come from this CPU's detected features; rows and activation
+        // blocks have their formats' full sizes (checked by MatRef::new and QuantAct::new).
+        let r: Option<[f32; T]> = unsafe {
+            match (vnni, dtype) {
+                (true, DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0) => {
+                    Some(x86::vnni::row32::<T>(dtype, row, act, t0))
+                }
+                (false, DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0) => {
+                    Some(x86::avx2::row32::<T>(dtype, row, act, t0))
+                }
+                (true, DType::Q4_K | DType::Q5_K) => {
+                    Some(x86::vnni::row_q4k_q5k::<T>(dtype == DType::Q5_K, row, act, t0))
+                }
+                (false, DType::Q4_K | DType::Q5_K) => {
+                    Some(x86::avx2::row_q4k_q5k::<T>(dtype == DType::Q5_K, row, act, t0))
+                }
+                (true, DType::Q6_K) => Some(x86::vnni::row_q6k::<T>(row, act, t0)),
+                (false, DType::Q6_K) => Some(x86::avx2::row_q6k::<T>(row, act, t0)),
+                _ => None,
+            }
+        };
+        if let Some(v) = r {
+            out[..T].copy_from_slice(&v);
+            return T;
+        }
+    }
+    let _ = (isa, vnni);
+    for (i, o) in out.iter_mut().enumerate().take(T) {
+        *o = dot_ref::row_dot(dtype, row, act, t0 + i);
+    }
+    T
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::matmul::matmul_with_isa;
+
+    /// Random but valid blocks: random bytes with sane f16 scales.
+    fn random_row(dtype: DType, cols: usize, seed: u64) -> Vec<u8> {
+        let mut s = seed;
+        let mut next = || {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (s >> 33) as u32
+        };
+        let mut v: Vec<u8> = (0..dtype.row_bytes(cols).unwrap()).map(|_| next() as u8).collect();
+        let bb = dtype.block_bytes();
+        let scale_at: &[usize] = match dtype {
+            DType::Q4_0 | DType::Q5_0 | DType::Q8_0 => &[0],
+            DType::Q4_1 | DType::Q5_1 | DType::Q4_K | DType::Q5_K => &[0, 2],
+            DType::Q2_K => &[80, 82],
+            DType::Q3_K => &[108],
+            DType::Q6_K => &[208],
+            _ => &[],
+        };
+        for b in v.chunks_exact_mut(bb) {
+            for &o in scale_at {
+                blocks::put_f16(b, o, ((next() % 1000) as f32 + 1.0) * 1e-5);
+            }
+            if dtype == DType::MXFP4 {
+                b[0] = 118 + (next() % 8) as u8;
+            }
+        }
+        v
+    }
+
+    fn xs(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed;
+        (0..n)
+            .map(|_| {
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    const TYPES: [DType; 11] = [
+        DType::Q4_0,
+        DType::Q4_1,
+        DType::Q5_0,
+        DType::Q5_1,
+        DType::Q8_0,
+        DType::Q2_K,
+        DType::Q3_K,
+        DType::Q4_K,
+        DType::Q5_K,
+        DType::Q6_K,
+        DType::MXFP4,
+    ];
+
+    #[test]
+    fn integer_dot_equals_dequantized_dot() {
+        // The integer path must equal Σ dequant(w)·dequant(x) up to float rounding.
+        for dtype in TYPES {
+            let cols = 512;
+            let row = random_row(dtype, cols, 3);
+            let x = xs(cols, 5);
+            let kind = ActKind::for_weights(dtype).unwrap();
+            let act = QuantAct::new(kind, &x, 1, cols);
+            let mut wf = vec![0f32; cols];
+            dequantize_row(dtype, &row, &mut wf).unwrap();
+            let xq: Vec<f32> = (0..cols)
+                .map(|i| {
+                    let b = i / kind.block();
+                    act.qs[i] as f32 * act.d[b]
+                })
+                .collect();
+            let want: f64 = wf.iter().zip(&xq).map(|(a, b)| *a as f64 * *b as f64).sum();
+            let got = dot_ref::row_dot(dtype, &row, &act, 0) as f64;
+            let scale: f64 = wf.iter().zip(&xq).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum();
+            assert!((got - want).abs() <= 1e-4 * scale.max(1e-6), "{dtype}: {got} vs {want}");
+        }
+    }
+
+    #[test]
+    fn every_isa_matches_the_reference_bit_for_bit() {
+        let pool = ThreadPool::new(2);
+        for dtype in TYPES {
+            let (rows, cols, n) = (9, 512, 6);
+            let w: Vec<u8> = (0..rows).flat_map(|r| random_row(dtype, cols, 100 + r as u64)).collect();
+            let m = MatRef::new(dtype, rows, cols, &w).unwrap();
+            let x = xs(n * cols, 9);
+            let mut want = vec![0f32; n * rows];
+            crate::matmul_ref(m, &x, n, &mut want);
+            for isa in Isa::supported() {
+                let got = matmul_with_isa(isa, &pool, m, &x, n);
+                for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                    assert_eq!(a.to_bits(), b.to_bits(), "{dtype} {isa:?} element {i}: {a} vs {b}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn batch_and_threads_do_not_change_a_row() {
+        for dtype in [DType::Q4_K, DType::Q6_K, DType::Q8_0, DType::Q5_0] {
+            let (rows, cols) = (33, 256);
+            let w: Vec<u8> = (0..rows).flat_map(|r| random_row(dtype, cols, r as u64)).collect();
+            let m = MatRef::new(dtype, rows, cols, &w).unwrap();
+            let x = xs(7 * cols, 1);
+            let mut all = vec![0f32; 7 * rows];
+            crate::matmul(&ThreadPool::new(2), m, &x, 7, &mut all);
+            for t in 0..7 {
+                let mut one = vec![0f32; rows];
+                crate::matmul(&ThreadPool::new(1), m, &x[t * cols..(t + 1) * cols], 1, &mut one);
+                assert!(one.iter().zip(&all[t * rows..(t + 1) * rows]).all(|(a, b)| a.to_bits() == b.to_bits()));
+            }
+        }
+    }
 }
