@@ -95,7 +95,8 @@ pub struct ModelConfig {
     pub window: Vec<Option<usize>>,
     /// Attention score scale (1/sqrt(head_dim) unless the family says otherwise).
     pub attn_scale: f32,
-    /// Gemma: embeddings multiplied by sqrt(hidden), norms weigh (1 + w), extra post-norms.
+    /// Gemma: embeddings multiplied by sqrt(hidden), extra post-norms (GGUF stores its norm
+    /// weights with Gemma's +1 already added).
     pub gemma: bool,
     pub final_logit_softcap: Option<f32>,
     pub bos_token: Option<u32>,

@@ -7,6 +7,7 @@ pub mod error;
 pub mod expert;
 pub mod families;
 pub mod ffn;
+pub mod gguf;
 pub mod hf;
 pub mod kv_cache;
 pub mod model;

@@ -107,25 +107,7 @@ impl Model {
         let output_norm = vec_of(Key::OutputNorm, None, h)?;
         let rope = Rope::new(cfg.rope.clone());
         let rope_local = cfg.rope_local.clone().map(Rope::new);
-        let mut m = Model { cfg, tok_embd, layers, output_norm, output, rope, rope_local, experts, pool };
-        if m.cfg.gemma {
-            m.fold_gemma_norms();
-        }
-        Ok(m)
-    }
-
-    /// Gemma's RMSNorm weighs by (1 + w); fold the 1 in once at load.
-    fn fold_gemma_norms(&mut self) {
-        let add1 = |v: &mut Vec<f32>| v.iter_mut().for_each(|x| *x += 1.0);
-        add1(&mut self.output_norm);
-        for l in &mut self.layers {
-            add1(&mut l.attn_norm);
-            add1(&mut l.ffn_norm);
-            l.attn_post_norm.as_mut().map(add1);
-            l.ffn_post_norm.as_mut().map(add1);
-            l.attn.q_norm.as_mut().map(add1);
-            l.attn.k_norm.as_mut().map(add1);
-        }
+        Ok(Model { cfg, tok_embd, layers, output_norm, output, rope, rope_local, experts, pool })
     }
 
     /// A KV cache for up to `max_len` positions (the model's own maximum if 0).

@@ -31,6 +31,8 @@ pub enum RopeScaling {
         attention_factor: f64,
         truncate: bool,
     },
+    /// Per-dimension frequency divisors (GGUF's `rope_freqs.weight`, how Llama 3.1 scaling is stored).
+    FreqFactors(Vec<f32>),
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -58,6 +60,7 @@ impl Rope {
         let (inv, af): (Vec<f64>, f64) = match &cfg.scaling {
             RopeScaling::None => (base, 1.0),
             RopeScaling::Linear { factor } => (base.iter().map(|f| f / factor).collect(), 1.0),
+            RopeScaling::FreqFactors(ff) => (base.iter().zip(ff).map(|(f, d)| f / *d as f64).collect(), 1.0),
             RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position } => {
                 let low_wl = original_max_position / low_freq_factor;
                 let high_wl = original_max_position / high_freq_factor;

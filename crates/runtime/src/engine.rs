@@ -6,6 +6,7 @@
 use crate::error::{Result, RuntimeError};
 use sluice_formats::{JsonConfig, Tokenizer};
 use sluice_kernels::ThreadPool;
+use sluice_model::gguf::GgufCheckpoint;
 use sluice_model::hf::HfCheckpoint;
 use sluice_model::{ExpertSource, Model, ResidentExperts, TensorSource};
 use std::path::{Path, PathBuf};
@@ -46,6 +47,9 @@ impl Engine {
         if !path.exists() {
             return Err(RuntimeError::Input(format!("{}: no such file or directory", path.display())));
         }
+        if is_gguf(path)? {
+            return Self::load_gguf(path, options, pool);
+        }
         Err(RuntimeError::Input(format!(
             "{}: not a model: expected a Hugging Face model directory (with config.json) or a GGUF file",
             path.display()
@@ -69,6 +73,16 @@ impl Engine {
         Ok(Engine { path: dir.to_path_buf(), format: SourceFormat::Safetensors, model, tokenizer, eos, options })
     }
 
+    fn load_gguf(path: &Path, options: EngineOptions, pool: Arc<ThreadPool>) -> Result<Engine> {
+        let ckpt = GgufCheckpoint::open(path)?;
+        let cfg = ckpt.config.clone();
+        let experts: Arc<dyn ExpertSource> = Arc::new(ResidentExperts::load(&ckpt as &dyn TensorSource, &cfg)?);
+        let model = Model::load(cfg, &ckpt, experts, pool)?;
+        let tokenizer = None;
+        let eos = model.cfg.eos_tokens.clone();
+        Ok(Engine { path: path.to_path_buf(), format: SourceFormat::Gguf, model, tokenizer, eos, options })
+    }
+
     /// The tokenizer, or an error saying the model has none.
     pub fn tokenizer(&self) -> Result<&Tokenizer> {
         self.tokenizer.as_ref().ok_or_else(|| {
@@ -84,4 +98,12 @@ impl Engine {
     pub fn new_cache(&self) -> sluice_model::KvCache {
         self.model.new_cache(self.options.max_context)
     }
+}
+
+/// Whether `path` starts with the GGUF magic number.
+pub fn is_gguf(path: &Path) -> Result<bool> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(path).map_err(|e| sluice_formats::FormatError::io(path, e))?;
+    let mut magic = [0u8; 4];
+    Ok(f.read_exact(&mut magic).is_ok() && &magic == sluice_formats::gguf::MAGIC)
 }
