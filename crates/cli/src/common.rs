@@ -23,6 +23,11 @@ impl ModelArgs {
         let opts = EngineOptions { threads: self.threads, max_context: self.ctx };
         Engine::load(&self.model, opts).with_context(|| format!("loading {}", self.model.display()))
     }
+
+    /// Loads the model for its tokenizer (the weights are mapped, not read).
+    pub fn load_tokenizer_only(&self) -> Result<Engine> {
+        self.load()
+    }
 }
 
 /// Parses "1,2,3" (spaces allowed) into token ids.

@@ -1,8 +1,12 @@
 //! `sluice`: run Mixture-of-Experts models larger than memory.
 
+mod cmd_bench;
 mod cmd_inspect;
 mod cmd_logits;
+mod cmd_perplexity;
 mod cmd_run;
+mod cmd_synth;
+mod cmd_tokenize;
 mod common;
 
 use clap::{Parser, Subcommand};
@@ -22,6 +26,14 @@ enum Cmd {
     Logits(cmd_logits::Args),
     /// Describe a model: architecture, dimensions, tensors, bytes of dense weights vs experts.
     Inspect(cmd_inspect::Args),
+    /// Token ids of a text, with the model's own tokenizer.
+    Tokenize(cmd_tokenize::Args),
+    /// Perplexity of a text file (llama-perplexity's chunking).
+    Perplexity(cmd_perplexity::Args),
+    /// Prefill and decode speed (llama-bench's protocol).
+    Bench(cmd_bench::Args),
+    /// Write a synthetic MoE model of a real shape as GGUF (for benchmarks and demos).
+    Synth(cmd_synth::Args),
 }
 
 fn main() {
@@ -30,6 +42,10 @@ fn main() {
         Cmd::Run(a) => cmd_run::main(a),
         Cmd::Logits(a) => cmd_logits::main(a),
         Cmd::Inspect(a) => cmd_inspect::main(a),
+        Cmd::Tokenize(a) => cmd_tokenize::main(a),
+        Cmd::Perplexity(a) => cmd_perplexity::main(a),
+        Cmd::Bench(a) => cmd_bench::main(a),
+        Cmd::Synth(a) => cmd_synth::main(a),
     };
     if let Err(e) = r {
         eprintln!("error: {e:#}");

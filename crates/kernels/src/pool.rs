@@ -143,8 +143,9 @@ impl ThreadPool {
 fn worker_loop(s: &Shared, idx: usize) {
     let mut seen = 0usize;
     loop {
-        // Wait for a new epoch: spin a little, then sleep.
+        // Wait for a new epoch: spin a little (reading the clock only now and then), then sleep.
         let started = Instant::now();
+        let mut spins = 0u32;
         loop {
             if s.shutdown.load(Ordering::Acquire) {
                 return;
@@ -154,7 +155,8 @@ fn worker_loop(s: &Shared, idx: usize) {
                 seen = e;
                 break;
             }
-            if started.elapsed() < SPIN {
+            spins = spins.wrapping_add(1);
+            if spins % 256 != 0 || started.elapsed() < SPIN {
                 std::hint::spin_loop();
                 continue;
             }

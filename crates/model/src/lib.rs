@@ -12,6 +12,7 @@ pub mod hf;
 pub mod kv_cache;
 pub mod model;
 pub mod rope;
+pub mod synth;
 pub mod trace;
 pub mod weights;
 

@@ -78,8 +78,14 @@ impl Engine {
         let cfg = ckpt.config.clone();
         let experts: Arc<dyn ExpertSource> = Arc::new(ResidentExperts::load(&ckpt as &dyn TensorSource, &cfg)?);
         let model = Model::load(cfg, &ckpt, experts, pool)?;
-        let tokenizer = None;
-        let eos = model.cfg.eos_tokens.clone();
+        let tok = sluice_formats::gguf_tokenizer::GgufTokenizer::from_gguf(&ckpt.file)?;
+        let mut eos = model.cfg.eos_tokens.clone();
+        for e in tok.eos() {
+            if !eos.contains(&e) {
+                eos.push(e);
+            }
+        }
+        let tokenizer = Some(sluice_formats::Tokenizer::Gguf(Box::new(tok)));
         Ok(Engine { path: path.to_path_buf(), format: SourceFormat::Gguf, model, tokenizer, eos, options })
     }
 
@@ -93,6 +99,26 @@ impl Engine {
     /// Token ids of a prompt, with the model's own special tokens (BOS) where it adds them.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         self.tokenizer()?.encode(text, true).map_err(RuntimeError::Input)
+    }
+
+    /// The BOS token id, if the model has one.
+    pub fn bos(&self) -> Option<u32> {
+        match &self.tokenizer {
+            Some(sluice_formats::Tokenizer::Gguf(t)) => t.bos(),
+            _ => self.model.cfg.bos_token,
+        }
+    }
+
+    /// Whether prompts start with BOS (the tokenizer's own setting).
+    pub fn add_bos(&self) -> bool {
+        match &self.tokenizer {
+            Some(sluice_formats::Tokenizer::Gguf(t)) => t.add_bos(),
+            Some(sluice_formats::Tokenizer::Hf(t)) => {
+                // A Hugging Face tokenizer adds BOS through its post-processor, if it does.
+                t.encode("a", true).map(|e| e.get_ids().first() == self.model.cfg.bos_token.as_ref()).unwrap_or(false)
+            }
+            None => false,
+        }
     }
 
     pub fn new_cache(&self) -> sluice_model::KvCache {

@@ -1,9 +1,11 @@
 //! The runtime: turns a path into a runnable engine (model, experts, tokenizer) and runs the
 //! generation loop with sampling.
 
+pub mod bench;
 pub mod engine;
 pub mod error;
 pub mod generate;
+pub mod perplexity;
 pub mod sampler;
 
 pub use engine::{Engine, EngineOptions, SourceFormat};

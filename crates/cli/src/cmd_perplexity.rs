@@ -1,0 +1,52 @@
+use crate::common::ModelArgs;
+use anyhow::{Context, Result};
+use sluice_runtime::perplexity::perplexity;
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Text file to score.
+    #[arg(long, short = 'f')]
+    file: std::path::PathBuf,
+    /// Tokens per chunk (as llama-perplexity's -c).
+    #[arg(long = "ctx-size", short = 'c', default_value_t = 512)]
+    ctx_size: usize,
+    /// Score at most this many chunks (0: all).
+    #[arg(long, default_value_t = 0)]
+    chunks: usize,
+    /// Tokens per forward pass (results do not depend on it).
+    #[arg(long, default_value_t = 512)]
+    batch: usize,
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn main(a: Args) -> Result<()> {
+    let text = std::fs::read_to_string(&a.file).with_context(|| format!("reading {}", a.file.display()))?;
+    let mut model = a.model.clone();
+    model.ctx = model.ctx.max(a.ctx_size);
+    let engine = model.load()?;
+    let tokens = engine.encode(&text)?;
+    let r = perplexity(&engine, &tokens, a.ctx_size, a.chunks, a.batch)?;
+    if a.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "ppl": r.ppl, "ppl_err": r.ppl_err, "chunks": r.chunks, "ctx": r.ctx,
+                "tokens": tokens.len(), "tokens_scored": r.tokens_scored, "seconds": r.seconds,
+            })
+        );
+    } else {
+        println!(
+            "{} tokens, {} chunks of {}: PPL = {:.4} +/- {:.5}  ({:.1} s)",
+            tokens.len(),
+            r.chunks,
+            r.ctx,
+            r.ppl,
+            r.ppl_err,
+            r.seconds
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,215 @@
+use anyhow::{bail, Context, Result};
+use indicatif::{ProgressBar, ProgressStyle};
+use sluice_formats::gguf::{GgufFile, GgufWriter, Value};
+use sluice_model::synth::{builtin_tokenizer, fill_rows, metadata, plan, FastRng, QuantMix, SynthArch, SynthSpec};
+use sluice_model::trace::Observer;
+use sluice_model::Logits;
+use sluice_runtime::{Engine, EngineOptions};
+use std::io::Write;
+use std::path::PathBuf;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// A named real shape: qwen3-30b-a3b, olmoe-1b-7b, tiny-moe.
+    #[arg(long)]
+    shape: Option<String>,
+    /// Architecture for explicit dims: qwen3moe or olmoe.
+    #[arg(long)]
+    arch: Option<String>,
+    #[arg(long)]
+    layers: Option<usize>,
+    #[arg(long)]
+    hidden: Option<usize>,
+    #[arg(long)]
+    heads: Option<usize>,
+    #[arg(long)]
+    kv_heads: Option<usize>,
+    #[arg(long)]
+    head_dim: Option<usize>,
+    #[arg(long)]
+    experts: Option<usize>,
+    #[arg(long)]
+    experts_used: Option<usize>,
+    #[arg(long)]
+    expert_ff: Option<usize>,
+    /// Vocabulary size (ignored with --tokenizer-from, whose vocabulary decides).
+    #[arg(long)]
+    vocab: Option<usize>,
+    /// Quantization: q4_k_m (llama.cpp's mix) or one format for every matrix (q4_k, q6_k, q8_0, q4_0, bf16, ...).
+    #[arg(long, default_value = "q4_k_m")]
+    quant: String,
+    /// Copy the tokenizer (all `tokenizer.*` metadata) from this GGUF file.
+    #[arg(long)]
+    tokenizer_from: Option<PathBuf>,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Random tokens to route through the written model to report expert-usage entropy (0: skip).
+    #[arg(long, default_value_t = 256)]
+    check_tokens: usize,
+    #[arg(long, short = 'o')]
+    out: PathBuf,
+}
+
+fn spec_from(a: &Args) -> Result<SynthSpec> {
+    let mut s = match (&a.shape, &a.arch) {
+        (Some(n), _) => SynthSpec::named(n)
+            .with_context(|| format!("unknown shape `{n}` (known: {})", SynthSpec::NAMES.join(", ")))?,
+        (None, Some(arch)) => {
+            let mut s = SynthSpec::named("tiny-moe").expect("built in");
+            s.name = "custom".into();
+            s.arch = match arch.as_str() {
+                "qwen3moe" => SynthArch::Qwen3Moe,
+                "olmoe" => SynthArch::Olmoe,
+                o => bail!("unknown --arch `{o}` (qwen3moe or olmoe)"),
+            };
+            s
+        }
+        (None, None) => bail!("give --shape NAME or --arch with explicit dimensions"),
+    };
+    let set = |field: &mut usize, v: Option<usize>| {
+        if let Some(v) = v {
+            *field = v;
+        }
+    };
+    set(&mut s.n_layer, a.layers);
+    set(&mut s.hidden, a.hidden);
+    set(&mut s.n_head, a.heads);
+    set(&mut s.n_head_kv, a.kv_heads);
+    set(&mut s.head_dim, a.head_dim);
+    set(&mut s.n_expert, a.experts);
+    set(&mut s.n_expert_used, a.experts_used);
+    set(&mut s.expert_ff, a.expert_ff);
+    set(&mut s.vocab, a.vocab);
+    s.quant = QuantMix::parse(&a.quant).with_context(|| format!("unknown --quant `{}`", a.quant))?;
+    s.seed = a.seed;
+    Ok(s)
+}
+
+pub fn main(a: Args) -> Result<()> {
+    let mut spec = spec_from(&a)?;
+    let tok_meta: Vec<(String, Value)> = match &a.tokenizer_from {
+        Some(p) => {
+            let f = GgufFile::open(p)?;
+            let meta: Vec<(String, Value)> = f
+                .metadata
+                .iter()
+                .filter(|(k, _)| k.starts_with("tokenizer."))
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect();
+            let n = f.meta_array("tokenizer.ggml.tokens").map(|t| t.len()).unwrap_or(0);
+            if n == 0 {
+                bail!("{}: has no tokenizer.ggml.tokens to copy", p.display());
+            }
+            spec.vocab = n;
+            meta
+        }
+        None => builtin_tokenizer(spec.vocab),
+    };
+    spec.validate().map_err(|e| anyhow::anyhow!("invalid shape: {e}"))?;
+    let tensors = plan(&spec);
+    let total: u64 = tensors.iter().map(|t| t.bytes()).sum();
+    let mut w = GgufWriter::default();
+    for (k, v) in metadata(&spec).into_iter().chain(tok_meta) {
+        w.add(&k, v);
+    }
+    for t in &tensors {
+        w.add_tensor(&t.name, t.dims.clone(), t.dtype);
+    }
+    eprintln!(
+        "writing {} ({} layers, {} experts top-{}, hidden {}, {}): {:.2} GB",
+        a.out.display(),
+        spec.n_layer,
+        spec.n_expert,
+        spec.n_expert_used,
+        spec.hidden,
+        spec.quant.name(),
+        total as f64 / 1e9
+    );
+    let tmp = a.out.with_extension("gguf.partial");
+    let file = std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+    let mut out = std::io::BufWriter::with_capacity(8 << 20, file);
+    let bar = ProgressBar::new(total);
+    bar.set_style(
+        ProgressStyle::with_template("{bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
+            .expect("valid template"),
+    );
+    let t0 = std::time::Instant::now();
+    let mut buf = Vec::with_capacity(16 << 20);
+    w.write(&mut out, |i, o| {
+        let t = &tensors[i];
+        let rows: usize = t.dims[1..].iter().product::<u64>() as usize;
+        let row_bytes = (t.bytes() / rows as u64).max(1) as usize;
+        let step = ((8 << 20) / row_bytes).max(1);
+        let mut rng = FastRng::new(spec.seed.wrapping_mul(1_000_003).wrapping_add(i as u64));
+        let mut r = 0;
+        while r < rows {
+            let n = step.min(rows - r);
+            buf.clear();
+            fill_rows(t, &mut rng, n, &mut buf);
+            o.write_all(&buf)?;
+            bar.inc(buf.len() as u64);
+            r += n;
+        }
+        Ok(())
+    })?;
+    out.flush()?;
+    out.into_inner().map_err(|e| e.into_error())?.sync_all()?;
+    std::fs::rename(&tmp, &a.out)?;
+    bar.finish_and_clear();
+    let secs = t0.elapsed().as_secs_f64();
+    eprintln!("wrote {:.2} GB in {:.1} s ({:.2} GB/s)", total as f64 / 1e9, secs, total as f64 / 1e9 / secs);
+    if a.check_tokens > 0 {
+        report_entropy(&a.out, &spec, a.check_tokens, a.seed)?;
+    }
+    Ok(())
+}
+
+/// Counts expert picks per layer.
+struct Usage {
+    counts: Vec<Vec<u64>>,
+}
+
+impl Observer for Usage {
+    fn routing(&mut self, layer: usize, _pos: usize, experts: &[u32], _w: &[f32]) {
+        for e in experts {
+            self.counts[layer][*e as usize] += 1;
+        }
+    }
+}
+
+/// Routes random tokens through the model and prints each layer's expert-usage entropy
+/// relative to uniform usage.
+fn report_entropy(path: &std::path::Path, spec: &SynthSpec, n_tokens: usize, seed: u64) -> Result<()> {
+    let engine = Engine::load(path, EngineOptions { max_context: n_tokens + 1, ..Default::default() })?;
+    let mut usage = Usage { counts: vec![vec![0; spec.n_expert]; spec.n_layer] };
+    let mut rng = sluice_runtime::sampler::Rng::new(seed ^ 0xE17);
+    let tokens: Vec<u32> = (0..n_tokens).map(|_| (rng.next_u64() % spec.vocab as u64) as u32).collect();
+    let mut kv = engine.new_cache();
+    for chunk in tokens.chunks(64) {
+        engine.model.forward(&mut kv, chunk, Logits::None, Some(&mut usage))?;
+    }
+    let hmax = (spec.n_expert as f64).log2();
+    let mut rel = Vec::new();
+    for counts in &usage.counts {
+        let total: u64 = counts.iter().sum();
+        let h: f64 = counts
+            .iter()
+            .filter(|c| **c > 0)
+            .map(|c| {
+                let p = *c as f64 / total as f64;
+                -p * p.log2()
+            })
+            .sum();
+        rel.push(h / hmax);
+    }
+    // The entropy a perfectly uniform router would show with this few samples.
+    let picks = n_tokens * spec.n_expert_used;
+    eprintln!(
+        "expert-usage entropy over {n_tokens} random tokens ({picks} picks per layer, max {hmax:.2} bits): min {:.3}, mean {:.3} of uniform",
+        rel.iter().cloned().fold(f64::MAX, f64::min),
+        rel.iter().sum::<f64>() / rel.len() as f64
+    );
+    let line: Vec<String> = rel.iter().map(|r| format!("{r:.3}")).collect();
+    eprintln!("per layer: {}", line.join(" "));
+    Ok(())
+}

@@ -1,0 +1,468 @@
+//! Synthetic MoE checkpoints of real shapes, written as GGUF files that both sluice and
+//! llama.cpp load. No real MoE weights can be downloaded where sluice is measured, so its
+//! streaming benchmarks run on these.
+//!
+//! Two properties make them honest benchmark subjects:
+//! * every block is zero-mean (block minimum chosen for it: Q4_K's `dmin = 7.5·d`, alternating
+//!   signs for formats whose codes are not centred), so no common offset adds up layer after
+//!   layer and collapses the routing onto a few experts;
+//! * layer outputs stay small next to the token embedding, so routing is driven by the token:
+//!   each token's experts are pseudo-random and uniform over the experts (reproducible, and
+//!   pessimistic for a cache).
+
+use crate::weights::ExpertPart;
+use sluice_formats::gguf::{Array, Value};
+use sluice_kernels::quant::blocks::{pack_scale_min_k4, put_f16};
+use sluice_kernels::DType;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SynthArch {
+    Qwen3Moe,
+    Olmoe,
+}
+
+impl SynthArch {
+    pub fn gguf_name(self) -> &'static str {
+        match self {
+            SynthArch::Qwen3Moe => "qwen3moe",
+            SynthArch::Olmoe => "olmoe",
+        }
+    }
+}
+
+/// How tensors are quantized.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QuantMix {
+    /// llama.cpp's Q4_K_M recipe: Q4_K, with Q6_K for the output, and for attn_v and
+    /// ffn_down in the layers that recipe favours.
+    Q4KM,
+    /// Every matrix in one format.
+    Uniform(DType),
+}
+
+impl QuantMix {
+    pub fn parse(s: &str) -> Option<QuantMix> {
+        if s.eq_ignore_ascii_case("q4_k_m") {
+            return Some(QuantMix::Q4KM);
+        }
+        DType::from_name(s).filter(|d| *d != DType::Q8_K).map(QuantMix::Uniform)
+    }
+
+    pub fn name(self) -> String {
+        match self {
+            QuantMix::Q4KM => "Q4_K_M".into(),
+            QuantMix::Uniform(d) => d.name().into(),
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct SynthSpec {
+    pub name: String,
+    pub arch: SynthArch,
+    pub n_layer: usize,
+    pub hidden: usize,
+    pub n_head: usize,
+    pub n_head_kv: usize,
+    pub head_dim: usize,
+    pub n_expert: usize,
+    pub n_expert_used: usize,
+    pub expert_ff: usize,
+    pub vocab: usize,
+    pub context: usize,
+    pub rope_theta: f32,
+    pub quant: QuantMix,
+    pub seed: u64,
+}
+
+impl SynthSpec {
+    /// A named real shape.
+    pub fn named(name: &str) -> Option<SynthSpec> {
+        let base = SynthSpec {
+            name: name.to_string(),
+            arch: SynthArch::Qwen3Moe,
+            n_layer: 48,
+            hidden: 2048,
+            n_head: 32,
+            n_head_kv: 4,
+            head_dim: 128,
+            n_expert: 128,
+            n_expert_used: 8,
+            expert_ff: 768,
+            vocab: 151_936,
+            context: 40_960,
+            rope_theta: 1_000_000.0,
+            quant: QuantMix::Q4KM,
+            seed: 1,
+        };
+        Some(match name {
+            "qwen3-30b-a3b" => base,
+            "olmoe-1b-7b" => SynthSpec {
+                arch: SynthArch::Olmoe,
+                n_layer: 16,
+                n_head: 16,
+                n_head_kv: 16,
+                n_expert: 64,
+                expert_ff: 1024,
+                vocab: 50_304,
+                context: 4096,
+                rope_theta: 10_000.0,
+                ..base
+            },
+            // A small model for demos and tests: the Qwen3-MoE layout at toy size.
+            "tiny-moe" => SynthSpec {
+                n_layer: 8,
+                hidden: 256,
+                n_head: 8,
+                n_head_kv: 2,
+                head_dim: 32,
+                n_expert: 64,
+                n_expert_used: 4,
+                expert_ff: 512,
+                vocab: 512,
+                context: 4096,
+                ..base
+            },
+            _ => return None,
+        })
+    }
+
+    pub const NAMES: [&'static str; 3] = ["qwen3-30b-a3b", "olmoe-1b-7b", "tiny-moe"];
+
+    pub fn validate(&self) -> Result<(), String> {
+        let pos = [self.n_layer, self.hidden, self.n_head, self.n_head_kv, self.head_dim, self.n_expert, self.vocab];
+        if pos.contains(&0) || self.n_expert_used == 0 || self.expert_ff == 0 {
+            return Err("every dimension must be positive".into());
+        }
+        if self.n_expert_used > self.n_expert {
+            return Err(format!("{} experts per token out of {}", self.n_expert_used, self.n_expert));
+        }
+        if !self.n_head.is_multiple_of(self.n_head_kv) {
+            return Err(format!("{} heads are not a multiple of {} KV heads", self.n_head, self.n_head_kv));
+        }
+        if self.arch == SynthArch::Olmoe && self.n_head * self.head_dim != self.hidden {
+            return Err("OLMoE needs heads × head_dim = hidden".into());
+        }
+        for (what, n) in
+            [("hidden", self.hidden), ("expert FFN", self.expert_ff), ("heads × head_dim", self.n_head * self.head_dim)]
+        {
+            if !n.is_multiple_of(256) {
+                return Err(format!("{what} size {n} must be a multiple of 256 (whole K-quant blocks)"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What a tensor is, which decides its values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    Norm,
+    Embedding,
+    Output,
+    Router,
+    Matrix,
+}
+
+#[derive(Clone, Debug)]
+pub struct TensorPlan {
+    pub name: String,
+    /// GGML order (`dims[0]` contiguous).
+    pub dims: Vec<u64>,
+    pub dtype: DType,
+    pub role: Role,
+    /// Standard deviation of the values.
+    pub sigma: f32,
+}
+
+impl TensorPlan {
+    pub fn bytes(&self) -> u64 {
+        self.dims.iter().product::<u64>() / self.dtype.block_elems() as u64 * self.dtype.block_bytes() as u64
+    }
+}
+
+fn use_more_bits(i: usize, n: usize) -> bool {
+    i < n / 8 || i >= 7 * n / 8 || (i as i64 - (n / 8) as i64).rem_euclid(3) == 2
+}
+
+/// Every tensor of the model, in file order.
+pub fn plan(s: &SynthSpec) -> Vec<TensorPlan> {
+    let (h, qd, kvd) = (s.hidden as u64, (s.n_head * s.head_dim) as u64, (s.n_head_kv * s.head_dim) as u64);
+    let w_sigma = 0.5 / (s.hidden as f32).sqrt();
+    let mat = |layer: Option<usize>, role: &str| -> DType {
+        match s.quant {
+            QuantMix::Uniform(d) => d,
+            QuantMix::Q4KM => match (role, layer) {
+                ("output", _) => DType::Q6_K,
+                ("attn_v" | "ffn_down", Some(i)) if use_more_bits(i, s.n_layer) => DType::Q6_K,
+                _ => DType::Q4_K,
+            },
+        }
+    };
+    let mut v = vec![TensorPlan {
+        name: "token_embd.weight".into(),
+        dims: vec![h, s.vocab as u64],
+        dtype: mat(None, "embd"),
+        role: Role::Embedding,
+        sigma: 1.0,
+    }];
+    let t = |name: String, dims: Vec<u64>, dtype, role, sigma| TensorPlan { name, dims, dtype, role, sigma };
+    for l in 0..s.n_layer {
+        let b = |n: &str| format!("blk.{l}.{n}");
+        v.push(t(b("attn_norm.weight"), vec![h], DType::F32, Role::Norm, 0.0));
+        v.push(t(b("attn_q.weight"), vec![h, qd], mat(Some(l), "attn_q"), Role::Matrix, w_sigma));
+        v.push(t(b("attn_k.weight"), vec![h, kvd], mat(Some(l), "attn_k"), Role::Matrix, w_sigma));
+        v.push(t(b("attn_v.weight"), vec![h, kvd], mat(Some(l), "attn_v"), Role::Matrix, w_sigma));
+        v.push(t(b("attn_output.weight"), vec![qd, h], mat(Some(l), "attn_o"), Role::Matrix, w_sigma));
+        let (qn, kn) = match s.arch {
+            SynthArch::Qwen3Moe => (s.head_dim as u64, s.head_dim as u64),
+            SynthArch::Olmoe => (qd, kvd),
+        };
+        v.push(t(b("attn_q_norm.weight"), vec![qn], DType::F32, Role::Norm, 0.0));
+        v.push(t(b("attn_k_norm.weight"), vec![kn], DType::F32, Role::Norm, 0.0));
+        v.push(t(b("ffn_norm.weight"), vec![h], DType::F32, Role::Norm, 0.0));
+        v.push(t(
+            b("ffn_gate_inp.weight"),
+            vec![h, s.n_expert as u64],
+            DType::F32,
+            Role::Router,
+            2.0 / (s.hidden as f32).sqrt(),
+        ));
+        let (ff, e) = (s.expert_ff as u64, s.n_expert as u64);
+        for part in ExpertPart::ALL {
+            let name = crate::families::gguf_names::experts(part, l);
+            let (dims, role) = match part {
+                ExpertPart::Down => (vec![ff, h, e], "ffn_down"),
+                _ => (vec![h, ff, e], "ffn_gate"),
+            };
+            v.push(t(name, dims, mat(Some(l), role), Role::Matrix, w_sigma));
+        }
+    }
+    v.push(t("output_norm.weight".into(), vec![h], DType::F32, Role::Norm, 0.0));
+    v.push(t(
+        "output.weight".into(),
+        vec![h, s.vocab as u64],
+        mat(None, "output"),
+        Role::Output,
+        2.0 / (s.hidden as f32).sqrt(),
+    ));
+    // GGUF stores tensors in the order they are declared; llama.cpp does not mind.
+    v
+}
+
+/// The model's metadata (without tokenizer keys).
+pub fn metadata(s: &SynthSpec) -> Vec<(String, Value)> {
+    let a = s.arch.gguf_name();
+    let k = |n: &str| format!("{a}.{n}");
+    let u = |v: usize| Value::U32(v as u32);
+    let mut m = vec![
+        ("general.architecture".to_string(), Value::String(a.into())),
+        ("general.name".to_string(), Value::String(format!("sluice synthetic {} {}", s.name, s.quant.name()))),
+        ("general.quantization_version".to_string(), Value::U32(2)),
+        (k("block_count"), u(s.n_layer)),
+        (k("context_length"), u(s.context)),
+        (k("embedding_length"), u(s.hidden)),
+        (k("attention.head_count"), u(s.n_head)),
+        (k("attention.head_count_kv"), u(s.n_head_kv)),
+        (k("attention.key_length"), u(s.head_dim)),
+        (k("attention.value_length"), u(s.head_dim)),
+        (k("attention.layer_norm_rms_epsilon"), Value::F32(1e-6)),
+        (k("rope.freq_base"), Value::F32(s.rope_theta)),
+        (k("expert_count"), u(s.n_expert)),
+        (k("expert_used_count"), u(s.n_expert_used)),
+    ];
+    match s.arch {
+        SynthArch::Qwen3Moe => {
+            m.push((k("feed_forward_length"), u(s.expert_ff * 8)));
+            m.push((k("expert_feed_forward_length"), u(s.expert_ff)));
+        }
+        SynthArch::Olmoe => m.push((k("feed_forward_length"), u(s.expert_ff))),
+    }
+    m
+}
+
+/// A byte-level tokenizer for models made without `--tokenizer-from`: the 256 byte tokens,
+/// an end-of-text token, and unused fillers up to `vocab` (llama.cpp loads it as well).
+pub fn builtin_tokenizer(vocab: usize) -> Vec<(String, Value)> {
+    let mut tokens: Vec<String> = byte_level_alphabet();
+    let mut types: Vec<i32> = vec![1; tokens.len()];
+    tokens.push("<|endoftext|>".into());
+    types.push(3);
+    while tokens.len() < vocab {
+        tokens.push(format!("<unused{}>", tokens.len()));
+        types.push(5);
+    }
+    tokens.truncate(vocab);
+    types.truncate(vocab);
+    let eos = 256.min(vocab as u32 - 1);
+    vec![
+        ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),
+        ("tokenizer.ggml.pre".into(), Value::String("default".into())),
+        ("tokenizer.ggml.tokens".into(), Value::Array(Array::String(tokens))),
+        ("tokenizer.ggml.token_type".into(), Value::Array(Array::I32(types))),
+        ("tokenizer.ggml.merges".into(), Value::Array(Array::String(Vec::new()))),
+        ("tokenizer.ggml.eos_token_id".into(), Value::U32(eos)),
+        ("tokenizer.ggml.bos_token_id".into(), Value::U32(eos)),
+        ("tokenizer.ggml.add_bos_token".into(), Value::Bool(false)),
+    ]
+}
+
+/// GPT-2's byte → printable character table, as token strings.
+fn byte_level_alphabet() -> Vec<String> {
+    let mut printable: Vec<u32> = (b'!' as u32..=b'~' as u32).chain(0xA1..=0xAC).chain(0xAE..=0xFF).collect();
+    let mut out = vec![String::new(); 256];
+    let mut extra = 0;
+    for b in 0u32..256 {
+        let c = if printable.contains(&b) {
+            b
+        } else {
+            extra += 1;
+            255 + extra
+        };
+        out[b as usize] = char::from_u32(c).expect("valid char").to_string();
+    }
+    printable.clear();
+    out
+}
+
+/// wyrand: a fast, good-enough generator for weights.
+pub struct FastRng(u64);
+
+impl FastRng {
+    pub fn new(seed: u64) -> FastRng {
+        FastRng(seed ^ 0x9E37_79B9_7F4A_7C15)
+    }
+
+    #[inline(always)]
+    pub fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0xA076_1D64_78BD_642F);
+        let t = (self.0 as u128).wrapping_mul((self.0 ^ 0xE703_7ED1_A0B4_28DB) as u128);
+        ((t >> 64) ^ t) as u64
+    }
+
+    /// Roughly normal with unit variance (sum of four uniforms, rescaled).
+    #[inline(always)]
+    pub fn normalish(&mut self) -> f32 {
+        let r = self.next();
+        let s: u32 = (r & 0xFFFF) as u32 + ((r >> 16) & 0xFFFF) as u32 + ((r >> 32) & 0xFFFF) as u32 + (r >> 48) as u32;
+        // Four uniforms on [0, 65535]: mean 131070, variance 4 · 65536² / 12.
+        (s as f32 - 131_070.0) / 37_837.0
+    }
+
+    fn fill(&mut self, b: &mut [u8]) {
+        for c in b.chunks_mut(8) {
+            let r = self.next().to_le_bytes();
+            c.copy_from_slice(&r[..c.len()]);
+        }
+    }
+}
+
+/// Writes `rows` rows of tensor `t` (each `dims[0]` elements) as random zero-mean data.
+pub fn fill_rows(t: &TensorPlan, rng: &mut FastRng, rows: usize, out: &mut Vec<u8>) {
+    let cols = t.dims[0] as usize;
+    let n = rows * cols;
+    match t.role {
+        Role::Norm => {
+            for _ in 0..n {
+                out.extend_from_slice(&1.0f32.to_le_bytes());
+            }
+            return;
+        }
+        _ if t.dtype.is_float() => {
+            for _ in 0..n {
+                let v = rng.normalish() * t.sigma;
+                match t.dtype {
+                    DType::F32 => out.extend_from_slice(&v.to_le_bytes()),
+                    DType::F16 => out.extend_from_slice(&half::f16::from_f32(v).to_bits().to_le_bytes()),
+                    _ => out.extend_from_slice(&half::bf16::from_f32(v).to_bits().to_le_bytes()),
+                }
+            }
+            return;
+        }
+        _ => {}
+    }
+    let (be, bb) = (t.dtype.block_elems(), t.dtype.block_bytes());
+    let start = out.len();
+    out.resize(start + n / be * bb, 0);
+    let sigma = t.sigma;
+    for (i, b) in out[start..].chunks_exact_mut(bb).enumerate() {
+        rng.fill(b);
+        let sign = if i % 2 == 0 { 1.0 } else { -1.0 };
+        match t.dtype {
+            // Codes uniform: std of (q − 7.5) is 4.61, of Q8_0's q is 73.3.
+            DType::Q4_0 => put_f16(b, 0, sign * sigma / 4.61),
+            DType::Q5_0 => put_f16(b, 0, sign * sigma / 9.23),
+            DType::Q8_0 => {
+                put_f16(b, 0, sigma / 73.3);
+                for q in &mut b[2..34] {
+                    if *q == 0x80 {
+                        *q = 0x81; // keep codes in −127..127, symmetric
+                    }
+                }
+            }
+            DType::Q4_1 | DType::Q5_1 => {
+                let (d, levels) = if t.dtype == DType::Q4_1 { (sigma / 4.61, 7.5) } else { (sigma / 9.23, 15.5) };
+                put_f16(b, 0, d);
+                put_f16(b, 2, -d * levels);
+            }
+            DType::Q4_K | DType::Q5_K => {
+                // Every sub-block: scale = min = 32, dmin = levels·d, so x = 32·d·(q − levels).
+                let (spread, levels) = if t.dtype == DType::Q4_K { (4.61, 7.5) } else { (9.23, 15.5) };
+                let d = sigma / (32.0 * spread);
+                put_f16(b, 0, d);
+                put_f16(b, 2, d * levels);
+                b[4..16].copy_from_slice(&pack_scale_min_k4(&[32; 8], &[32; 8]));
+            }
+            DType::Q6_K => {
+                // Scales alternate in sign so the −0.5 mean of (q − 32) cancels.
+                let d = sigma / (32.0 * 18.47);
+                for g in 0..16 {
+                    b[192 + g] = if g % 2 == 0 { 32u8 } else { (-32i8) as u8 };
+                }
+                put_f16(b, 208, d);
+            }
+            DType::Q8_K | DType::Q2_K | DType::Q3_K | DType::MXFP4 => {
+                // Not offered by `QuantMix::parse` for writing.
+                b.fill(0);
+            }
+            _ => unreachable!(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn random_blocks_are_zero_mean_with_the_asked_spread() {
+        for dtype in [DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::Q8_0, DType::Q4_0, DType::Q5_0, DType::BF16] {
+            let t = TensorPlan { name: "x".into(), dims: vec![256, 64], dtype, role: Role::Matrix, sigma: 0.1 };
+            let mut rng = FastRng::new(7);
+            let mut bytes = Vec::new();
+            fill_rows(&t, &mut rng, 64, &mut bytes);
+            assert_eq!(bytes.len() as u64, t.bytes(), "{dtype}");
+            let mut vals = vec![0f32; 256 * 64];
+            for (r, row) in vals.chunks_exact_mut(256).enumerate() {
+                let rb = dtype.row_bytes(256).unwrap();
+                sluice_kernels::quant::dequantize_row(dtype, &bytes[r * rb..(r + 1) * rb], row).unwrap();
+            }
+            let n = vals.len() as f64;
+            let mean = vals.iter().map(|v| *v as f64).sum::<f64>() / n;
+            let std = (vals.iter().map(|v| (*v as f64 - mean).powi(2)).sum::<f64>() / n).sqrt();
+            assert!(mean.abs() < 0.004, "{dtype}: mean {mean}");
+            assert!((std - 0.1).abs() < 0.02, "{dtype}: std {std}");
+        }
+    }
+
+    #[test]
+    fn named_shapes_are_valid_and_sized_like_the_real_ones() {
+        for n in SynthSpec::NAMES {
+            SynthSpec::named(n).unwrap().validate().unwrap();
+        }
+        let q = SynthSpec::named("qwen3-30b-a3b").unwrap();
+        let bytes: u64 = plan(&q).iter().map(|t| t.bytes()).sum();
+        // The real Qwen3-30B-A3B Q4_K_M is about 17-18 GB.
+        assert!(bytes > 16_000_000_000 && bytes < 19_000_000_000, "{bytes}");
+    }
+}
