@@ -175,7 +175,7 @@ def make_tokenizer():
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB,
-        special_tokens=["<|pad|>", "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>"],
+        special_tokens=["<|pad|>", "<|bos|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -223,8 +223,9 @@ def build(family, out_dir, tok):
     with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
         json.dump(
             {
+                "tokenizer_class": "PreTrainedTokenizerFast",
                 "bos_token": "<|bos|>",
-                "eos_token": "<|eos|>",
+                "eos_token": "<|endoftext|>",
                 "pad_token": "<|pad|>",
                 "add_bos_token": False,
                 "chat_template": "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
