@@ -2,6 +2,8 @@
 
 use anyhow::{bail, Context, Result};
 use clap::Args as ClapArgs;
+use sluice_experts::{IoKind, Policy};
+use sluice_runtime::placement::{ExpertMode, ExpertOptions};
 use sluice_runtime::{Engine, EngineOptions};
 use std::path::PathBuf;
 
@@ -16,12 +18,98 @@ pub struct ModelArgs {
     /// Maximum context length in tokens (default: the model's own).
     #[arg(long, default_value_t = 0)]
     pub ctx: usize,
+    /// Expert cache size for streaming (e.g. 6GiB, 512MiB), or `all` to keep every expert
+    /// resident. Default: resident if the model fits in available memory, else streaming with
+    /// a cache sized from available memory.
+    #[arg(long, value_name = "SIZE|all")]
+    pub expert_cache: Option<String>,
+    /// Where experts live: auto, resident, mmap (the page cache decides), stream.
+    #[arg(long, default_value = "auto")]
+    pub expert_mode: String,
+    /// Eviction policy of the expert cache: lru or lfu (LFU with aging).
+    #[arg(long, default_value = "lru")]
+    pub policy: String,
+    /// Do not prefetch the next layer's predicted experts.
+    #[arg(long)]
+    pub no_prefetch: bool,
+    /// Expert reads in flight at once.
+    #[arg(long, default_value_t = 32)]
+    pub io_depth: usize,
+    /// IO engine: auto, uring, pread.
+    #[arg(long, default_value = "auto")]
+    pub io: String,
+    /// Read experts from this pack (made by `sluice pack` from the same model).
+    #[arg(long)]
+    pub pack: Option<PathBuf>,
+    /// Do not shrink the expert cache under memory pressure.
+    #[arg(long)]
+    pub no_pressure: bool,
+}
+
+/// Parses a byte size: `6GiB`, `512MiB`, `1.5G`, `300MB`, `4096`.
+pub fn parse_size(s: &str) -> Result<u64> {
+    let t = s.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let v: f64 = num.parse().with_context(|| format!("`{s}` is not a size (try 6GiB or 512MiB)"))?;
+    let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kib" => 1024.0,
+        "kb" => 1e3,
+        "m" | "mib" => 1024.0 * 1024.0,
+        "mb" => 1e6,
+        "g" | "gib" => 1024.0 * 1024.0 * 1024.0,
+        "gb" => 1e9,
+        "t" | "tib" => 1024f64.powi(4),
+        "tb" => 1e12,
+        u => bail!("unknown size unit `{u}` in `{s}` (use KiB, MiB, GiB, KB, MB, GB)"),
+    };
+    if !(v.is_finite() && v >= 0.0) {
+        bail!("`{s}` is not a size");
+    }
+    Ok((v * mult) as u64)
+}
+
+impl ModelArgs {
+    pub fn expert_options(&self) -> Result<ExpertOptions> {
+        let mut o = ExpertOptions {
+            mode: ExpertMode::parse(&self.expert_mode).with_context(|| {
+                format!("unknown --expert-mode `{}` (auto, resident, mmap, stream)", self.expert_mode)
+            })?,
+            policy: Policy::parse(&self.policy)
+                .with_context(|| format!("unknown --policy `{}` (lru, lfu)", self.policy))?,
+            prefetch: !self.no_prefetch,
+            depth: self.io_depth.max(1),
+            io: match self.io.as_str() {
+                "auto" => IoKind::Auto,
+                "uring" | "io_uring" => IoKind::Uring,
+                "pread" => IoKind::Pread,
+                o => bail!("unknown --io `{o}` (auto, uring, pread)"),
+            },
+            pack: self.pack.clone(),
+            pressure: !self.no_pressure,
+            ..Default::default()
+        };
+        match self.expert_cache.as_deref() {
+            None => {}
+            Some("all") => o.mode = ExpertMode::Resident,
+            Some(s) => o.cache_bytes = Some(parse_size(s)?),
+        }
+        if o.pack.is_some() && o.mode == ExpertMode::Auto {
+            o.mode = ExpertMode::Stream;
+        }
+        Ok(o)
+    }
 }
 
 impl ModelArgs {
     pub fn load(&self) -> Result<Engine> {
-        let opts = EngineOptions { threads: self.threads, max_context: self.ctx };
-        Engine::load(&self.model, opts).with_context(|| format!("loading {}", self.model.display()))
+        let opts = EngineOptions { threads: self.threads, max_context: self.ctx, experts: self.expert_options()? };
+        let e = Engine::load(&self.model, opts).with_context(|| format!("loading {}", self.model.display()))?;
+        if e.model.cfg.is_moe() {
+            eprintln!("sluice: {}", e.placement);
+        }
+        Ok(e)
     }
 
     /// Loads the model for its tokenizer (the weights are mapped, not read).
@@ -47,6 +135,17 @@ pub fn parse_tokens(s: &str) -> Result<Vec<u32>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sizes_parse_with_units() {
+        assert_eq!(parse_size("6GiB").unwrap(), 6 << 30);
+        assert_eq!(parse_size("512MiB").unwrap(), 512 << 20);
+        assert_eq!(parse_size("1.5G").unwrap(), 3 << 29);
+        assert_eq!(parse_size("300MB").unwrap(), 300_000_000);
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        assert!(parse_size("6 parsecs").unwrap_err().to_string().contains("unit"));
+        assert!(parse_size("lots").is_err());
+    }
 
     #[test]
     fn token_lists_parse_or_say_why_not() {

@@ -30,6 +30,26 @@ pub trait ExpertFetch<'s> {
     fn next(&mut self) -> Option<Result<(usize, Box<dyn ExpertView + 's>)>>;
 }
 
+/// Counters an expert source keeps (zero for a resident source).
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct ExpertStats {
+    pub hits: u64,
+    pub misses: u64,
+    pub evictions: u64,
+    pub bytes_read: u64,
+    /// Time the forward pass waited for expert reads.
+    pub stall_ns: u64,
+    pub prefetch_issued: u64,
+    /// Demands served by a prefetched expert.
+    pub prefetch_hits: u64,
+    /// Prefetched experts evicted unused.
+    pub prefetch_wasted: u64,
+    pub quota_bytes: u64,
+    pub resident_bytes: u64,
+    /// (seconds since start, old quota, new quota, reason)
+    pub quota_changes: Vec<(f64, u64, u64, String)>,
+}
+
 pub trait ExpertSource: Send + Sync {
     /// Starts making `experts` of `layer` resident.
     fn fetch<'s>(&'s self, layer: usize, experts: &[u32]) -> Result<Box<dyn ExpertFetch<'s> + 's>>;
@@ -47,6 +67,11 @@ pub trait ExpertSource: Send + Sync {
 
     /// A line about what this source is (for `--stats` and logs).
     fn describe(&self) -> String;
+
+    /// Counters so far.
+    fn stats(&self) -> ExpertStats {
+        ExpertStats { resident_bytes: self.resident_bytes() as u64, ..Default::default() }
+    }
 }
 
 /// Every expert resident (in memory or in a mapped file).
@@ -57,8 +82,10 @@ pub struct ResidentExperts {
 }
 
 impl ResidentExperts {
-    /// Loads all experts of the sparse layers from `src`, checking shapes.
-    pub fn load(src: &dyn TensorSource, cfg: &crate::config::ModelConfig) -> Result<ResidentExperts> {
+    /// Loads all experts of the sparse layers from `src`, checking shapes. With `copy`, their
+    /// bytes are read into memory of their own; otherwise they stay where the source keeps
+    /// them (a memory-mapped file, paged in by the system).
+    pub fn load(src: &dyn TensorSource, cfg: &crate::config::ModelConfig, copy: bool) -> Result<ResidentExperts> {
         let Some(moe) = &cfg.moe else {
             return Ok(ResidentExperts { experts: vec![Vec::new(); cfg.n_layer], bytes: 0 });
         };
@@ -71,7 +98,12 @@ impl ResidentExperts {
             }
             let mut layer = Vec::with_capacity(moe.n_expert);
             for e in 0..moe.n_expert {
-                let w = load_expert(src, cfg, l, e)?;
+                let mut w = load_expert(src, cfg, l, e)?;
+                if copy {
+                    for m in &mut w {
+                        m.data = sluice_formats::Blob::from_vec(m.data.to_vec());
+                    }
+                }
                 bytes += w.iter().map(|w| w.bytes()).sum::<usize>();
                 layer.push(w);
             }

@@ -165,6 +165,12 @@ pub fn moe_ffn(
         }
     }
 
+    // Ask for the next sparse layer's likely experts now, so their reads overlap this layer's
+    // compute: its router applied to this layer's input predicts them.
+    if m.experts.wants_prefetch() {
+        prefetch_next(m, l, x, n);
+    }
+
     // Which (token, rank) slots each expert serves; experts in ascending id order.
     let mut users: Vec<Vec<usize>> = vec![Vec::new(); ne];
     for (slot, e) in chosen.iter().enumerate() {
@@ -211,4 +217,25 @@ pub fn moe_ffn(
         }
     }
     Ok(())
+}
+
+/// Predicts the experts of the next sparse layer after `l` from `x` (this layer's normed
+/// FFN input) and hands them to the expert source as a prefetch hint.
+fn prefetch_next(m: &Model, l: usize, x: &[f32], n: usize) {
+    let Some(next) = (l + 1..m.cfg.n_layer).find(|&j| m.cfg.sparse_layer[j]) else { return };
+    let FfnWeights::Moe(w) = &m.layers[next].ffn else { return };
+    let moe = m.cfg.moe.as_ref().expect("sparse layer of an MoE model");
+    let ne = moe.n_expert;
+    let mut logits = vec![0f32; n * ne];
+    matmul(&m.pool, w.router.mat(), x, n, &mut logits);
+    let mut want = vec![false; ne];
+    let (mut ex, mut wt) = (Vec::new(), Vec::new());
+    for t in 0..n {
+        route(moe.gating, &logits[t * ne..(t + 1) * ne], moe.n_expert_used, &mut ex, &mut wt);
+        for e in &ex {
+            want[*e as usize] = true;
+        }
+    }
+    let experts: Vec<u32> = (0..ne as u32).filter(|e| want[*e as usize]).collect();
+    m.experts.prefetch(next, &experts);
 }

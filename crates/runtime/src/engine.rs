@@ -1,23 +1,28 @@
-//! Loading: a path becomes a runnable model with its tokenizer and stop tokens.
+//! Loading: a path becomes a runnable model with its experts placed, its tokenizer and stop
+//! tokens.
 //!
 //! A directory holding `config.json` is a Hugging Face checkpoint; a file starting with the
 //! GGUF magic is a GGUF model. Anything else is refused with a message saying which it is not.
 
 use crate::error::{Result, RuntimeError};
+use crate::placement::{place, ExpertOptions, OwnedSource, Placement};
+use sluice_experts::pressure::PressureMonitor;
+use sluice_experts::StreamingExperts;
 use sluice_formats::{JsonConfig, Tokenizer};
 use sluice_kernels::ThreadPool;
 use sluice_model::gguf::GgufCheckpoint;
 use sluice_model::hf::HfCheckpoint;
-use sluice_model::{ExpertSource, Model, ResidentExperts, TensorSource};
+use sluice_model::{Model, ModelConfig, ModelError, TensorSource};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Default)]
 pub struct EngineOptions {
     /// Threads for the kernels (0: every core this process may use).
     pub threads: usize,
     /// Maximum context in tokens (0: the model's own maximum).
     pub max_context: usize,
+    pub experts: ExpertOptions,
 }
 
 /// Which file format a model came from.
@@ -35,58 +40,114 @@ pub struct Engine {
     /// Tokens that end generation.
     pub eos: Vec<u32>,
     pub options: EngineOptions,
+    /// Where the experts live and why.
+    pub placement: String,
+    /// The streaming source, when experts stream.
+    pub streaming: Option<Arc<StreamingExperts>>,
+    _monitor: Option<PressureMonitor>,
+}
+
+enum Checkpoint {
+    Hf(HfCheckpoint),
+    Gguf(GgufCheckpoint),
+}
+
+impl Checkpoint {
+    fn source(&self) -> &dyn TensorSource {
+        match self {
+            Checkpoint::Hf(c) => c,
+            Checkpoint::Gguf(c) => c,
+        }
+    }
+
+    fn config(&self) -> &ModelConfig {
+        match self {
+            Checkpoint::Hf(c) => &c.config,
+            Checkpoint::Gguf(c) => &c.config,
+        }
+    }
+
+    fn file_bytes(&self) -> u64 {
+        match self {
+            Checkpoint::Hf(c) => c.st.files.iter().map(|f| f.file_len() as u64).sum(),
+            Checkpoint::Gguf(c) => c.file.file_len(),
+        }
+    }
+
+    fn fingerprint(&self) -> sluice_experts::Result<String> {
+        match self {
+            Checkpoint::Hf(c) => sluice_experts::store::hf_fingerprint(c),
+            Checkpoint::Gguf(c) => sluice_experts::store::gguf_fingerprint(c),
+        }
+    }
+
+    fn layout(&self, pack: Option<&Path>) -> sluice_experts::Result<sluice_experts::layout::Layout> {
+        match pack {
+            Some(p) => sluice_experts::pack::open_pack(p, &self.fingerprint()?),
+            None => match self {
+                Checkpoint::Hf(c) => sluice_experts::store::layout_from_hf(c),
+                Checkpoint::Gguf(c) => sluice_experts::store::layout_from_gguf(c),
+            },
+        }
+    }
+}
+
+fn expert_err(e: sluice_experts::ExpertError) -> RuntimeError {
+    RuntimeError::Model(ModelError::Expert(e.to_string()))
 }
 
 impl Engine {
     pub fn load(path: &Path, options: EngineOptions) -> Result<Engine> {
         let threads = if options.threads == 0 { sluice_kernels::pool::available_threads() } else { options.threads };
         let pool = Arc::new(ThreadPool::new(threads));
-        if path.is_dir() {
-            return Self::load_hf(path, options, pool);
-        }
-        if !path.exists() {
+        let (ckpt, format) = if path.is_dir() {
+            (Checkpoint::Hf(HfCheckpoint::open(path)?), SourceFormat::Safetensors)
+        } else if !path.exists() {
             return Err(RuntimeError::Input(format!("{}: no such file or directory", path.display())));
-        }
-        if is_gguf(path)? {
-            return Self::load_gguf(path, options, pool);
-        }
-        Err(RuntimeError::Input(format!(
-            "{}: not a model: expected a Hugging Face model directory (with config.json) or a GGUF file",
-            path.display()
-        )))
-    }
-
-    fn load_hf(dir: &Path, options: EngineOptions, pool: Arc<ThreadPool>) -> Result<Engine> {
-        let ckpt = HfCheckpoint::open(dir)?;
-        let cfg = ckpt.config.clone();
-        let experts: Arc<dyn ExpertSource> = Arc::new(ResidentExperts::load(&ckpt as &dyn TensorSource, &cfg)?);
-        let model = Model::load(cfg, &ckpt, experts, pool)?;
-        let tok_path = dir.join("tokenizer.json");
-        let tokenizer = if tok_path.exists() { Some(Tokenizer::from_hf_file(&tok_path)?) } else { None };
-        let gen_path = dir.join("generation_config.json");
-        let mut eos = model.cfg.eos_tokens.clone();
-        if gen_path.exists() {
-            if let Some(ids) = JsonConfig::open(&gen_path)?.opt_usize_list("eos_token_id")? {
-                eos = ids.into_iter().map(|i| i as u32).collect();
+        } else if is_gguf(path)? {
+            (Checkpoint::Gguf(GgufCheckpoint::open(path)?), SourceFormat::Gguf)
+        } else {
+            return Err(RuntimeError::Input(format!(
+                "{}: not a model: expected a Hugging Face model directory (with config.json) or a GGUF file",
+                path.display()
+            )));
+        };
+        let cfg = ckpt.config().clone();
+        let ctx = if options.max_context == 0 { cfg.max_position.min(8192) } else { options.max_context };
+        let kv_bytes = (cfg.n_layer * cfg.kv_dim() * 2 * 4 * ctx) as u64;
+        let src = ckpt.source();
+        let layout = || ckpt.layout(options.experts.pack.as_deref()).map_err(expert_err);
+        let Placement { experts, copy_dense, reason, streaming, monitor } =
+            place(src, &cfg, &options.experts, ckpt.file_bytes(), kv_bytes, &layout)?;
+        let model = if copy_dense {
+            Model::load(cfg, &OwnedSource(src), experts, pool)?
+        } else {
+            Model::load(cfg, src, experts, pool)?
+        };
+        let (tokenizer, eos) = match &ckpt {
+            Checkpoint::Hf(_) => hf_tokenizer(path, &model)?,
+            Checkpoint::Gguf(c) => {
+                let tok = sluice_formats::gguf_tokenizer::GgufTokenizer::from_gguf(&c.file)?;
+                let mut eos = model.cfg.eos_tokens.clone();
+                for e in tok.eos() {
+                    if !eos.contains(&e) {
+                        eos.push(e);
+                    }
+                }
+                (Some(Tokenizer::Gguf(Box::new(tok))), eos)
             }
-        }
-        Ok(Engine { path: dir.to_path_buf(), format: SourceFormat::Safetensors, model, tokenizer, eos, options })
-    }
-
-    fn load_gguf(path: &Path, options: EngineOptions, pool: Arc<ThreadPool>) -> Result<Engine> {
-        let ckpt = GgufCheckpoint::open(path)?;
-        let cfg = ckpt.config.clone();
-        let experts: Arc<dyn ExpertSource> = Arc::new(ResidentExperts::load(&ckpt as &dyn TensorSource, &cfg)?);
-        let model = Model::load(cfg, &ckpt, experts, pool)?;
-        let tok = sluice_formats::gguf_tokenizer::GgufTokenizer::from_gguf(&ckpt.file)?;
-        let mut eos = model.cfg.eos_tokens.clone();
-        for e in tok.eos() {
-            if !eos.contains(&e) {
-                eos.push(e);
-            }
-        }
-        let tokenizer = Some(sluice_formats::Tokenizer::Gguf(Box::new(tok)));
-        Ok(Engine { path: path.to_path_buf(), format: SourceFormat::Gguf, model, tokenizer, eos, options })
+        };
+        Ok(Engine {
+            path: path.to_path_buf(),
+            format,
+            model,
+            tokenizer,
+            eos,
+            options,
+            placement: reason,
+            streaming,
+            _monitor: monitor,
+        })
     }
 
     /// The tokenizer, or an error saying the model has none.
@@ -104,7 +165,7 @@ impl Engine {
     /// The BOS token id, if the model has one.
     pub fn bos(&self) -> Option<u32> {
         match &self.tokenizer {
-            Some(sluice_formats::Tokenizer::Gguf(t)) => t.bos(),
+            Some(Tokenizer::Gguf(t)) => t.bos(),
             _ => self.model.cfg.bos_token,
         }
     }
@@ -112,8 +173,8 @@ impl Engine {
     /// Whether prompts start with BOS (the tokenizer's own setting).
     pub fn add_bos(&self) -> bool {
         match &self.tokenizer {
-            Some(sluice_formats::Tokenizer::Gguf(t)) => t.add_bos(),
-            Some(sluice_formats::Tokenizer::Hf(t)) => {
+            Some(Tokenizer::Gguf(t)) => t.add_bos(),
+            Some(Tokenizer::Hf(t)) => {
                 // A Hugging Face tokenizer adds BOS through its post-processor, if it does.
                 t.encode("a", true).map(|e| e.get_ids().first() == self.model.cfg.bos_token.as_ref()).unwrap_or(false)
             }
@@ -124,6 +185,19 @@ impl Engine {
     pub fn new_cache(&self) -> sluice_model::KvCache {
         self.model.new_cache(self.options.max_context)
     }
+}
+
+fn hf_tokenizer(dir: &Path, model: &Model) -> Result<(Option<Tokenizer>, Vec<u32>)> {
+    let tok_path = dir.join("tokenizer.json");
+    let tokenizer = if tok_path.exists() { Some(Tokenizer::from_hf_file(&tok_path)?) } else { None };
+    let gen_path = dir.join("generation_config.json");
+    let mut eos = model.cfg.eos_tokens.clone();
+    if gen_path.exists() {
+        if let Some(ids) = JsonConfig::open(&gen_path)?.opt_usize_list("eos_token_id")? {
+            eos = ids.into_iter().map(|i| i as u32).collect();
+        }
+    }
+    Ok((tokenizer, eos))
 }
 
 /// Whether `path` starts with the GGUF magic number.

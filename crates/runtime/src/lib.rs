@@ -6,6 +6,7 @@ pub mod engine;
 pub mod error;
 pub mod generate;
 pub mod perplexity;
+pub mod placement;
 pub mod sampler;
 
 pub use engine::{Engine, EngineOptions, SourceFormat};

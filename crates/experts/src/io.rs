@@ -1,0 +1,338 @@
+//! The IO engine: aligned reads of expert bytes straight into cache slots.
+//!
+//! * `UringIo`: io_uring, O_DIRECT files, the arena's slots as registered buffers when the
+//!   system allows (else plain reads); up to `depth` reads in flight.
+//! * `PreadIo`: a pool of threads calling `pread`, for systems without io_uring.
+//!
+//! Both take requests only while they have room (`room()`), so the caller decides priority:
+//! it hands over demand reads before prefetch reads. `FaultyIo` wraps either and injects
+//! errors, short reads and corruption for tests.
+
+use crate::arena::Arena;
+use std::collections::VecDeque;
+use std::fs::File;
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+
+#[derive(Clone, Copy, Debug)]
+pub struct IoRequest {
+    pub tag: u64,
+    pub file: usize,
+    pub offset: u64,
+    pub len: usize,
+    /// Destination inside the arena's slot `slot`.
+    pub slot: usize,
+    pub slot_offset: usize,
+}
+
+#[derive(Debug)]
+pub struct IoCompletion {
+    pub tag: u64,
+    pub result: io::Result<usize>,
+}
+
+pub trait IoEngine: Send {
+    fn name(&self) -> String;
+    /// How many more reads may be started now.
+    fn room(&self) -> usize;
+    /// Starts a read (the caller respects `room`).
+    fn start(&mut self, r: IoRequest) -> io::Result<()>;
+    /// Collects finished reads into `out`; waits until at least `min` have finished.
+    fn reap(&mut self, min: usize, out: &mut Vec<IoCompletion>) -> io::Result<()>;
+    fn in_flight(&self) -> usize;
+}
+
+/// Opens `path` for direct IO if the file system allows it, else for buffered reads.
+pub fn open_direct(path: &Path) -> io::Result<(File, bool)> {
+    match std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path) {
+        Ok(f) => Ok((f, true)),
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok((File::open(path)?, false)),
+        Err(e) => Err(e),
+    }
+}
+
+pub struct UringIo {
+    ring: io_uring::IoUring,
+    files: Vec<File>,
+    arena: Arc<Arena>,
+    depth: usize,
+    in_flight: usize,
+    registered: bool,
+    direct: bool,
+}
+
+impl UringIo {
+    pub fn new(paths: &[PathBuf], arena: Arc<Arena>, depth: usize, register: bool) -> io::Result<UringIo> {
+        let depth = depth.clamp(1, 4096);
+        let ring = io_uring::IoUring::new(depth.next_power_of_two() as u32)?;
+        let mut files = Vec::new();
+        let mut direct = true;
+        for p in paths {
+            let (f, d) = open_direct(p)?;
+            direct &= d;
+            files.push(f);
+        }
+        let mut registered = false;
+        if register && arena.n_slots <= 16384 {
+            let iov = arena.iovecs();
+            // SAFETY: the iovecs point into the arena, which outlives the ring (both are owned
+            // here, and the ring is dropped first: fields drop in declaration order).
+            registered = unsafe { ring.submitter().register_buffers(&iov) }.is_ok();
+        }
+        Ok(UringIo { ring, files, arena, depth, in_flight: 0, registered, direct })
+    }
+}
+
+impl IoEngine for UringIo {
+    fn name(&self) -> String {
+        format!(
+            "io_uring (depth {}, {}, {})",
+            self.depth,
+            if self.direct { "O_DIRECT" } else { "buffered" },
+            if self.registered { "registered buffers" } else { "plain buffers" }
+        )
+    }
+
+    fn room(&self) -> usize {
+        self.depth - self.in_flight
+    }
+
+    fn start(&mut self, r: IoRequest) -> io::Result<()> {
+        use io_uring::{opcode, types};
+        let fd = types::Fd(self.files[r.file].as_raw_fd());
+        // SAFETY: slot_offset + len lies inside the slot (layout guarantees it).
+        let dst = unsafe { self.arena.slot_ptr(r.slot).add(r.slot_offset) };
+        let e = if self.registered {
+            opcode::ReadFixed::new(fd, dst, r.len as u32, r.slot as u16).offset(r.offset).build()
+        } else {
+            opcode::Read::new(fd, dst, r.len as u32).offset(r.offset).build()
+        };
+        let e = e.user_data(r.tag);
+        // SAFETY: the buffer stays valid and untouched until the completion is reaped: the
+        // cache keeps the slot in the Loading state until then.
+        unsafe {
+            if self.ring.submission().push(&e).is_err() {
+                self.ring.submit()?;
+                self.ring.submission().push(&e).map_err(|_| io::Error::other("io_uring submission queue full"))?;
+            }
+        }
+        self.ring.submit()?;
+        self.in_flight += 1;
+        Ok(())
+    }
+
+    fn reap(&mut self, min: usize, out: &mut Vec<IoCompletion>) -> io::Result<()> {
+        let want = min.min(self.in_flight);
+        if want > 0 {
+            loop {
+                match self.ring.submit_and_wait(want) {
+                    Ok(_) => break,
+                    Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+        for cqe in self.ring.completion() {
+            self.in_flight -= 1;
+            let res = cqe.result();
+            out.push(IoCompletion {
+                tag: cqe.user_data(),
+                result: if res < 0 { Err(io::Error::from_raw_os_error(-res)) } else { Ok(res as usize) },
+            });
+        }
+        Ok(())
+    }
+
+    fn in_flight(&self) -> usize {
+        self.in_flight
+    }
+}
+
+/// Reads on a pool of threads with `pread`.
+pub struct PreadIo {
+    tx: Option<mpsc::Sender<IoRequest>>,
+    rx: mpsc::Receiver<IoCompletion>,
+    workers: Vec<std::thread::JoinHandle<()>>,
+    depth: usize,
+    in_flight: usize,
+    direct: bool,
+}
+
+impl PreadIo {
+    pub fn new(paths: &[PathBuf], arena: Arc<Arena>, depth: usize) -> io::Result<PreadIo> {
+        let depth = depth.clamp(1, 256);
+        let mut files = Vec::new();
+        let mut direct = true;
+        for p in paths {
+            let (f, d) = open_direct(p)?;
+            direct &= d;
+            files.push(f);
+        }
+        let files = Arc::new(files);
+        let (tx, jobs) = mpsc::channel::<IoRequest>();
+        let jobs = Arc::new(Mutex::new(jobs));
+        let (done_tx, rx) = mpsc::channel();
+        let threads = depth.min(16);
+        let workers = (0..threads)
+            .map(|i| {
+                let (files, arena, jobs, done) = (files.clone(), arena.clone(), jobs.clone(), done_tx.clone());
+                std::thread::Builder::new()
+                    .name(format!("sluice-io-{i}"))
+                    .spawn(move || loop {
+                        let job = jobs.lock().unwrap_or_else(|e| e.into_inner()).recv();
+                        let Ok(r) = job else { return };
+                        // SAFETY: the slot range is reserved for this read until its completion.
+                        let dst =
+                            unsafe { std::slice::from_raw_parts_mut(arena.slot_ptr(r.slot).add(r.slot_offset), r.len) };
+                        let mut got = 0;
+                        let result = loop {
+                            match files[r.file].read_at(&mut dst[got..], r.offset + got as u64) {
+                                Ok(0) => break Ok(got),
+                                Ok(n) => {
+                                    got += n;
+                                    if got == r.len {
+                                        break Ok(got);
+                                    }
+                                }
+                                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                                Err(e) => break Err(e),
+                            }
+                        };
+                        if done.send(IoCompletion { tag: r.tag, result }).is_err() {
+                            return;
+                        }
+                    })
+                    .expect("spawning an IO thread")
+            })
+            .collect();
+        Ok(PreadIo { tx: Some(tx), rx, workers, depth, in_flight: 0, direct })
+    }
+}
+
+impl IoEngine for PreadIo {
+    fn name(&self) -> String {
+        format!("pread pool (depth {}, {})", self.depth, if self.direct { "O_DIRECT" } else { "buffered" })
+    }
+
+    fn room(&self) -> usize {
+        self.depth - self.in_flight
+    }
+
+    fn start(&mut self, r: IoRequest) -> io::Result<()> {
+        self.tx.as_ref().expect("open").send(r).map_err(|_| io::Error::other("IO threads are gone"))?;
+        self.in_flight += 1;
+        Ok(())
+    }
+
+    fn reap(&mut self, min: usize, out: &mut Vec<IoCompletion>) -> io::Result<()> {
+        let mut got = 0;
+        while got < min.min(self.in_flight + got) && self.in_flight > 0 {
+            let c = self.rx.recv().map_err(|_| io::Error::other("IO threads are gone"))?;
+            self.in_flight -= 1;
+            out.push(c);
+            got += 1;
+        }
+        while let Ok(c) = self.rx.try_recv() {
+            self.in_flight -= 1;
+            out.push(c);
+        }
+        Ok(())
+    }
+
+    fn in_flight(&self) -> usize {
+        self.in_flight
+    }
+}
+
+impl Drop for PreadIo {
+    fn drop(&mut self) {
+        self.tx.take();
+        for w in self.workers.drain(..) {
+            let _ = w.join();
+        }
+    }
+}
+
+/// What `FaultyIo` does to a read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// The read fails with EIO.
+    Eio,
+    /// The read returns half of what was asked.
+    Short,
+    /// The read succeeds but one byte comes back flipped.
+    Corrupt,
+}
+
+/// Faults to inject: `(n, fault)` applies to the n-th read started (counting from 0).
+#[derive(Default)]
+pub struct FaultPlan {
+    pub faults: VecDeque<(u64, Fault)>,
+    pub started: u64,
+}
+
+/// Wraps an engine and injects faults (tests).
+pub struct FaultyIo {
+    pub inner: Box<dyn IoEngine>,
+    pub plan: Arc<Mutex<FaultPlan>>,
+    pub arena: Arc<Arena>,
+    pending: Vec<(u64, Fault, IoRequest)>,
+}
+
+impl FaultyIo {
+    pub fn new(inner: Box<dyn IoEngine>, arena: Arc<Arena>, plan: Arc<Mutex<FaultPlan>>) -> FaultyIo {
+        FaultyIo { inner, plan, arena, pending: Vec::new() }
+    }
+}
+
+impl IoEngine for FaultyIo {
+    fn name(&self) -> String {
+        format!("{} with fault injection", self.inner.name())
+    }
+    fn room(&self) -> usize {
+        self.inner.room()
+    }
+    fn start(&mut self, r: IoRequest) -> io::Result<()> {
+        let mut p = self.plan.lock().unwrap_or_else(|e| e.into_inner());
+        let n = p.started;
+        p.started += 1;
+        if let Some(i) = p.faults.iter().position(|(k, _)| *k == n) {
+            let (_, f) = p.faults.remove(i).expect("found");
+            self.pending.push((r.tag, f, r));
+        }
+        drop(p);
+        self.inner.start(r)
+    }
+    fn reap(&mut self, min: usize, out: &mut Vec<IoCompletion>) -> io::Result<()> {
+        let start = out.len();
+        self.inner.reap(min, out)?;
+        for c in &mut out[start..] {
+            if let Some(i) = self.pending.iter().position(|(t, _, _)| *t == c.tag) {
+                let (_, f, r) = self.pending.remove(i);
+                match f {
+                    Fault::Eio => c.result = Err(io::Error::from_raw_os_error(libc::EIO)),
+                    Fault::Short => {
+                        if let Ok(n) = c.result {
+                            c.result = Ok(n / 2);
+                        }
+                    }
+                    Fault::Corrupt => {
+                        // SAFETY: the read's destination, still reserved for it.
+                        unsafe {
+                            let p = self.arena.slot_ptr(r.slot).add(r.slot_offset + r.len / 2);
+                            *p ^= 0x5A;
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+    fn in_flight(&self) -> usize {
+        self.inner.in_flight()
+    }
+}

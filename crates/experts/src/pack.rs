@@ -1,0 +1,177 @@
+//! The pack: an offload-ready copy of a model's routed experts. One 4 KiB-aligned,
+//! contiguous record per (layer, expert) holding gate | up | down in their stored format, so
+//! a miss is one aligned read straight into a slot; an index with a checksum per record; and
+//! the fingerprint of the model it was made from (a pack refuses any other model).
+//!
+//! File: `SLUICEPK`, u32 version, u32 0, u64 index length, the index (JSON), zero padding to
+//! 4 KiB, then the records.
+
+use crate::layout::{align_up, ExpertPlan, Layout, PartLoc, ALIGN};
+use crate::{ExpertError, Result};
+use sluice_kernels::DType;
+use std::io::Write;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+const MAGIC: &[u8; 8] = b"SLUICEPK";
+const VERSION: u32 = 1;
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Index {
+    format: String,
+    version: u32,
+    fingerprint: String,
+    source: String,
+    layers: usize,
+    records: Vec<Record>,
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Record {
+    layer: usize,
+    expert: usize,
+    offset: u64,
+    /// (dtype, rows, cols, bytes) of gate, up, down.
+    parts: Vec<(String, usize, usize, u64)>,
+    checksum: String,
+}
+
+/// Writes a pack of `layout`'s experts to `out`. `progress(bytes)` is called as records land.
+pub fn write_pack(
+    layout: &Layout,
+    fingerprint: &str,
+    source: &str,
+    out: &Path,
+    mut progress: impl FnMut(u64),
+) -> Result<u64> {
+    fn io(p: &Path) -> impl Fn(std::io::Error) -> ExpertError + '_ {
+        move |e| ExpertError::Io { path: p.to_path_buf(), source: e }
+    }
+    let files: Vec<std::fs::File> =
+        layout.files.iter().map(|p| std::fs::File::open(p).map_err(io(p))).collect::<Result<_>>()?;
+    // Offsets first (the index goes before the records).
+    let mut records = Vec::new();
+    let mut body = 0u64;
+    for (l, layer) in layout.experts.iter().enumerate() {
+        for (e, plan) in layer.iter().enumerate() {
+            records.push(Record {
+                layer: l,
+                expert: e,
+                offset: body,
+                parts: plan.parts.iter().map(|p| (p.dtype.name().to_string(), p.rows, p.cols, p.len)).collect(),
+                checksum: String::new(),
+            });
+            body += align_up(plan.payload_bytes());
+        }
+    }
+    // Checksums need the bytes: compute them in a first pass so the index is final.
+    let read_expert = |plan: &ExpertPlan, buf: &mut Vec<u8>| -> Result<()> {
+        buf.clear();
+        for p in &plan.parts {
+            let start = buf.len();
+            buf.resize(start + p.len as usize, 0);
+            files[p.file].read_exact_at(&mut buf[start..], p.offset).map_err(io(&layout.files[p.file]))?;
+        }
+        Ok(())
+    };
+    let mut buf = Vec::new();
+    let mut i = 0;
+    for layer in &layout.experts {
+        for plan in layer {
+            read_expert(plan, &mut buf)?;
+            records[i].checksum = format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&buf));
+            i += 1;
+        }
+    }
+    let index = Index {
+        format: "sluice-pack".into(),
+        version: VERSION,
+        fingerprint: fingerprint.into(),
+        source: source.into(),
+        layers: layout.experts.len(),
+        records,
+    };
+    let json = serde_json::to_vec(&index).map_err(|e| ExpertError::Model(e.to_string()))?;
+    let header = align_up(24 + json.len() as u64);
+    let tmp = out.with_extension("partial");
+    let f = std::fs::File::create(&tmp).map_err(io(&tmp))?;
+    let mut w = std::io::BufWriter::with_capacity(8 << 20, f);
+    let mut head = Vec::with_capacity(header as usize);
+    head.extend_from_slice(MAGIC);
+    head.extend_from_slice(&VERSION.to_le_bytes());
+    head.extend_from_slice(&0u32.to_le_bytes());
+    head.extend_from_slice(&(json.len() as u64).to_le_bytes());
+    head.extend_from_slice(&json);
+    head.resize(header as usize, 0);
+    w.write_all(&head).map_err(io(&tmp))?;
+    for layer in &layout.experts {
+        for plan in layer {
+            read_expert(plan, &mut buf)?;
+            let padded = align_up(buf.len() as u64) as usize;
+            buf.resize(padded, 0);
+            w.write_all(&buf).map_err(io(&tmp))?;
+            progress(padded as u64);
+        }
+    }
+    let f = w.into_inner().map_err(|e| ExpertError::Io { path: tmp.clone(), source: e.into_error() })?;
+    f.sync_all().map_err(io(&tmp))?;
+    std::fs::rename(&tmp, out).map_err(io(out))?;
+    Ok(header + body)
+}
+
+/// Opens a pack and checks it belongs to the model with `fingerprint`.
+pub fn open_pack(path: &Path, fingerprint: &str) -> Result<Layout> {
+    let bad = |m: String| ExpertError::Pack { path: path.to_path_buf(), msg: m };
+    let f = std::fs::File::open(path).map_err(|e| ExpertError::Io { path: path.to_path_buf(), source: e })?;
+    let len = f.metadata().map_err(|e| ExpertError::Io { path: path.to_path_buf(), source: e })?.len();
+    let mut head = [0u8; 24];
+    f.read_exact_at(&mut head, 0).map_err(|_| bad("too short to be a pack".into()))?;
+    if &head[..8] != MAGIC {
+        return Err(bad("not a sluice pack (bad magic)".into()));
+    }
+    let version = u32::from_le_bytes(head[8..12].try_into().expect("4"));
+    if version != VERSION {
+        return Err(bad(format!("pack version {version} is not supported (expected {VERSION})")));
+    }
+    let jlen = u64::from_le_bytes(head[16..24].try_into().expect("8"));
+    if jlen > len.saturating_sub(24) {
+        return Err(bad(format!("index of {jlen} bytes runs past the end of the file (truncated?)")));
+    }
+    let mut json = vec![0u8; jlen as usize];
+    f.read_exact_at(&mut json, 24).map_err(|e| ExpertError::Io { path: path.to_path_buf(), source: e })?;
+    let index: Index = serde_json::from_slice(&json).map_err(|e| bad(format!("index is not valid: {e}")))?;
+    if index.fingerprint != fingerprint {
+        return Err(bad(format!(
+            "made from a different model ({}; fingerprint {} here, {} expected): repack it with `sluice pack`",
+            index.source, index.fingerprint, fingerprint
+        )));
+    }
+    let header = align_up(24 + jlen);
+    let mut experts: Vec<Vec<ExpertPlan>> = vec![Vec::new(); index.layers];
+    for r in index.records {
+        if r.parts.len() != 3 || r.layer >= index.layers {
+            return Err(bad(format!("record for layer {} expert {} is malformed", r.layer, r.expert)));
+        }
+        let mut parts = Vec::with_capacity(3);
+        for (dt, rows, cols, bytes) in &r.parts {
+            let dtype = DType::from_name(dt).ok_or_else(|| bad(format!("unknown dtype {dt}")))?;
+            parts.push(PartLoc { file: 0, offset: 0, len: *bytes, dtype, rows: *rows, cols: *cols });
+        }
+        let offset = header + r.offset;
+        let total: u64 = parts.iter().map(|p| p.len).sum();
+        if offset % ALIGN != 0 || offset + total > len {
+            return Err(bad(format!(
+                "record for layer {} expert {} runs past the end of the file (truncated?)",
+                r.layer, r.expert
+            )));
+        }
+        let sum = u64::from_str_radix(&r.checksum, 16).map_err(|_| bad("bad checksum field".into()))?;
+        let layer = &mut experts[r.layer];
+        if layer.len() != r.expert {
+            return Err(bad(format!("records out of order at layer {} expert {}", r.layer, r.expert)));
+        }
+        let parts: [PartLoc; 3] = parts.try_into().expect("3 parts");
+        layer.push(ExpertPlan::from_record(0, offset, parts, sum));
+    }
+    Ok(Layout { files: vec![PathBuf::from(path)], experts })
+}
