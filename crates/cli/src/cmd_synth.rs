@@ -1,7 +1,7 @@
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
-use sluice_formats::gguf::{GgufFile, GgufWriter, Value};
-use sluice_model::synth::{builtin_tokenizer, fill_rows, metadata, plan, FastRng, QuantMix, SynthArch, SynthSpec};
+use sluice_formats::gguf::{GgufFile, Value};
+use sluice_model::synth::{builtin_tokenizer, plan, write_model, QuantMix, SynthArch, SynthSpec};
 use sluice_model::trace::Observer;
 use sluice_model::Logits;
 use sluice_runtime::{Engine, EngineOptions};
@@ -106,15 +106,7 @@ pub fn main(a: Args) -> Result<()> {
         None => builtin_tokenizer(spec.vocab),
     };
     spec.validate().map_err(|e| anyhow::anyhow!("invalid shape: {e}"))?;
-    let tensors = plan(&spec);
-    let total: u64 = tensors.iter().map(|t| t.bytes()).sum();
-    let mut w = GgufWriter::default();
-    for (k, v) in metadata(&spec).into_iter().chain(tok_meta) {
-        w.add(&k, v);
-    }
-    for t in &tensors {
-        w.add_tensor(&t.name, t.dims.clone(), t.dtype);
-    }
+    let total: u64 = plan(&spec).iter().map(|t| t.bytes()).sum();
     eprintln!(
         "writing {} ({} layers, {} experts top-{}, hidden {}, {}): {:.2} GB",
         a.out.display(),
@@ -134,24 +126,7 @@ pub fn main(a: Args) -> Result<()> {
             .expect("valid template"),
     );
     let t0 = std::time::Instant::now();
-    let mut buf = Vec::with_capacity(16 << 20);
-    w.write(&mut out, |i, o| {
-        let t = &tensors[i];
-        let rows: usize = t.dims[1..].iter().product::<u64>() as usize;
-        let row_bytes = (t.bytes() / rows as u64).max(1) as usize;
-        let step = ((8 << 20) / row_bytes).max(1);
-        let mut rng = FastRng::new(spec.seed.wrapping_mul(1_000_003).wrapping_add(i as u64));
-        let mut r = 0;
-        while r < rows {
-            let n = step.min(rows - r);
-            buf.clear();
-            fill_rows(t, &mut rng, n, &mut buf);
-            o.write_all(&buf)?;
-            bar.inc(buf.len() as u64);
-            r += n;
-        }
-        Ok(())
-    })?;
+    write_model(&spec, tok_meta, &mut out, |n| bar.inc(n)).with_context(|| format!("writing {}", tmp.display()))?;
     out.flush()?;
     out.into_inner().map_err(|e| e.into_error())?.sync_all()?;
     std::fs::rename(&tmp, &a.out)?;

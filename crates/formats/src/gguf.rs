@@ -394,13 +394,15 @@ impl GgufFile {
             let start = data_offset.checked_add(t.offset);
             match start.and_then(|s| s.checked_add(t.size)) {
                 Some(end) if end <= file_len => t.offset = start.expect("checked"),
-                _ => return Err(FormatError::invalid(
-                    path,
-                    format!(
+                _ => {
+                    return Err(FormatError::invalid(
+                        path,
+                        format!(
                         "tensor `{}` ({} bytes at data offset {}) runs past the end of the file ({} bytes; truncated?)",
                         t.name, t.size, t.offset, file_len
                     ),
-                )),
+                    ))
+                }
             }
         }
         Ok(GgufFile { path: path.to_path_buf(), version, metadata, tensors, index, alignment, data_offset, map })
@@ -572,9 +574,9 @@ impl GgufWriter {
     }
 
     /// Writes the header, then asks `data(i, out)` for each declared tensor's bytes in order.
-    pub fn write(
+    pub fn write<W: Write + ?Sized>(
         &self,
-        out: &mut impl Write,
+        out: &mut W,
         mut data: impl FnMut(usize, &mut dyn Write) -> std::io::Result<()>,
     ) -> std::io::Result<u64> {
         let mut h: Vec<u8> = Vec::new();

@@ -101,7 +101,7 @@ impl ResidentExperts {
                 let mut w = load_expert(src, cfg, l, e)?;
                 if copy {
                     for m in &mut w {
-                        m.data = sluice_formats::Blob::from_vec(m.data.to_vec());
+                        m.data = m.data.to_owned_releasing();
                     }
                 }
                 bytes += w.iter().map(|w| w.bytes()).sum::<usize>();

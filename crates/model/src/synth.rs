@@ -325,6 +325,42 @@ fn byte_level_alphabet() -> Vec<String> {
     out
 }
 
+/// Writes the model described by `s` (with tokenizer metadata `tok`) to `out` as GGUF,
+/// calling `progress(bytes)` as tensor data is written. Returns the bytes written.
+pub fn write_model(
+    s: &SynthSpec,
+    tok: Vec<(String, Value)>,
+    out: &mut dyn std::io::Write,
+    mut progress: impl FnMut(u64),
+) -> std::io::Result<u64> {
+    let tensors = plan(s);
+    let mut w = sluice_formats::gguf::GgufWriter::default();
+    for (k, v) in metadata(s).into_iter().chain(tok) {
+        w.add(&k, v);
+    }
+    for t in &tensors {
+        w.add_tensor(&t.name, t.dims.clone(), t.dtype);
+    }
+    let mut buf = Vec::with_capacity(16 << 20);
+    w.write(out, |i, o| {
+        let t = &tensors[i];
+        let rows: usize = t.dims[1..].iter().product::<u64>() as usize;
+        let row_bytes = (t.bytes() / rows as u64).max(1) as usize;
+        let step = ((8 << 20) / row_bytes).max(1);
+        let mut rng = FastRng::new(s.seed.wrapping_mul(1_000_003).wrapping_add(i as u64));
+        let mut r = 0;
+        while r < rows {
+            let n = step.min(rows - r);
+            buf.clear();
+            fill_rows(t, &mut rng, n, &mut buf);
+            o.write_all(&buf)?;
+            progress(buf.len() as u64);
+            r += n;
+        }
+        Ok(())
+    })
+}
+
 /// wyrand: a fast, good-enough generator for weights.
 pub struct FastRng(u64);
 

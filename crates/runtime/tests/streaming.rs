@@ -1,0 +1,154 @@
+//! Streaming experts must not change a bit: every golden (Hugging Face and GGUF) and a
+//! synthetic model give the same logits resident, memory-mapped, and streamed through caches
+//! from one expert to everything, with each policy, prefetch on and off, queue depths 1 and
+//! 32, io_uring and pread, from the model file and from a pack.
+
+mod common;
+
+use common::*;
+use sluice_experts::{IoKind, Policy};
+use sluice_model::gguf::GgufCheckpoint;
+use sluice_model::hf::HfCheckpoint;
+use sluice_model::synth::QuantMix;
+use sluice_runtime::placement::ExpertMode;
+use std::path::{Path, PathBuf};
+
+fn make_pack(model: &Path, dir: &Path) -> PathBuf {
+    let out = dir.join(format!("{}.pack", model.file_name().unwrap().to_string_lossy()));
+    let (layout, fp) = if model.is_dir() {
+        let c = HfCheckpoint::open(model).unwrap();
+        (sluice_experts::store::layout_from_hf(&c).unwrap(), sluice_experts::store::hf_fingerprint(&c).unwrap())
+    } else {
+        let c = GgufCheckpoint::open(model).unwrap();
+        (sluice_experts::store::layout_from_gguf(&c).unwrap(), sluice_experts::store::gguf_fingerprint(&c).unwrap())
+    };
+    sluice_experts::pack::write_pack(&layout, &fp, "test", &out, |_| {}).unwrap();
+    out
+}
+
+fn models() -> Vec<PathBuf> {
+    let t = tests_dir();
+    vec![
+        synthetic_model("stream", QuantMix::Q4KM),
+        t.join("golden/qwen3_moe"),
+        t.join("golden/qwen2_moe"),
+        t.join("golden/olmoe"),
+        t.join("golden/mixtral"),
+        t.join("golden/gguf/olmoe-q8_0.gguf"),
+        t.join("golden/gguf/mixtral-bf16.gguf"),
+    ]
+}
+
+#[test]
+fn every_placement_gives_the_same_bits() {
+    let dir = scratch("packs");
+    for m in models() {
+        let slot = slot_bytes(&m);
+        let reference = run(&load(&m, &Place::resident(), slot));
+        let pack = make_pack(&m, &dir);
+        let n_experts = {
+            let e = load(&m, &Place::stream(1 << 20), slot);
+            e.streaming.as_ref().unwrap().layout().experts.iter().map(|l| l.len()).sum::<usize>()
+        };
+        let configs = vec![
+            Place { mode: ExpertMode::Mmap, ..Place::resident() },
+            Place::stream(n_experts),
+            Place::stream(1),
+            Place { prefetch: false, ..Place::stream(1) },
+            Place { policy: Policy::LfuAging, ..Place::stream(2) },
+            Place { depth: 1, io: IoKind::Pread, ..Place::stream(3) },
+            Place { policy: Policy::LfuAging, depth: 1, io: IoKind::Pread, ..Place::stream(n_experts / 2) },
+            Place { pack: Some(pack.clone()), ..Place::stream(n_experts / 2) },
+            Place { pack: Some(pack.clone()), io: IoKind::Pread, prefetch: false, ..Place::stream(1) },
+            Place { pack: Some(pack.clone()), policy: Policy::LfuAging, depth: 1, ..Place::stream(5) },
+        ];
+        for c in configs {
+            let got = run(&load(&m, &c, slot));
+            assert!(same_bits(&reference, &got), "{}: {c:?} changed the logits", m.display());
+        }
+    }
+}
+
+#[test]
+fn small_caches_miss_and_read_only_what_they_miss() {
+    let m = synthetic_model("stats", QuantMix::Q4KM);
+    let slot = slot_bytes(&m);
+    let dir = scratch("stats-pack");
+    let pack = make_pack(&m, &dir);
+    // Through a pack every miss is one aligned read of exactly one record.
+    let e = load(&m, &Place { pack: Some(pack), prefetch: false, ..Place::stream(3) }, slot);
+    run(&e);
+    let s = e.model.experts.stats();
+    let plan = e.streaming.as_ref().unwrap().layout().plan(0, 0).unwrap().clone();
+    assert!(s.misses > 0 && s.evictions > 0, "{s:?}");
+    assert!(s.resident_bytes as usize <= 3 * slot);
+    let per_expert = plan.payload_bytes() as f64;
+    let ratio = s.bytes_read as f64 / (s.misses as f64 * per_expert);
+    assert!(
+        (1.0..=1.1).contains(&ratio),
+        "read {} bytes for {} misses of {per_expert} bytes: ratio {ratio}",
+        s.bytes_read,
+        s.misses
+    );
+    // A cache holding everything misses each expert at most once.
+    let big = load(&m, &Place { prefetch: false, ..Place::stream(1 << 16) }, slot);
+    run(&big);
+    run(&big);
+    let s = big.model.experts.stats();
+    assert!(s.misses <= 4 * 16, "{s:?}");
+    assert_eq!(s.evictions, 0);
+    assert!(s.hits > s.misses);
+}
+
+#[test]
+fn prefetch_finds_the_next_layers_experts() {
+    // Routing of the synthetic model is token-driven, so the next layer's router applied to
+    // this layer's input predicts well.
+    let m = synthetic_model("prefetch", QuantMix::Q4KM);
+    let slot = slot_bytes(&m);
+    let e = load(&m, &Place::stream(12), slot);
+    run(&e);
+    let s = e.model.experts.stats();
+    assert!(s.prefetch_issued > 0, "{s:?}");
+    let precision = s.prefetch_hits as f64 / s.prefetch_issued as f64;
+    assert!(precision > 0.5, "prefetch precision {precision}: {s:?}");
+}
+
+#[test]
+fn a_quota_below_one_expert_is_refused_with_the_minimum() {
+    let m = synthetic_model("minquota", QuantMix::Q4KM);
+    let slot = slot_bytes(&m);
+    let o = sluice_runtime::placement::ExpertOptions {
+        mode: ExpertMode::Stream,
+        cache_bytes: Some(slot as u64 - 1),
+        pressure: false,
+        ..Default::default()
+    };
+    let err =
+        sluice_runtime::Engine::load(&m, sluice_runtime::EngineOptions { threads: 1, max_context: 64, experts: o })
+            .err()
+            .unwrap()
+            .to_string();
+    assert!(err.contains("smaller than one expert") && err.contains(&format!("{slot} bytes")), "{err}");
+}
+
+#[test]
+fn a_pack_of_another_model_is_refused() {
+    let a = synthetic_model("pack-a", QuantMix::Q4KM);
+    let b = tests_dir().join("golden/gguf/olmoe-q8_0.gguf");
+    let dir = scratch("pack-mismatch");
+    let pack_b = make_pack(&b, &dir);
+    let o = sluice_runtime::placement::ExpertOptions {
+        mode: ExpertMode::Stream,
+        cache_bytes: Some(1 << 30),
+        pack: Some(pack_b),
+        pressure: false,
+        ..Default::default()
+    };
+    let err =
+        sluice_runtime::Engine::load(&a, sluice_runtime::EngineOptions { threads: 1, max_context: 64, experts: o })
+            .err()
+            .unwrap()
+            .to_string();
+    assert!(err.contains("made from a different model"), "{err}");
+}
