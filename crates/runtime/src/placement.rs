@@ -7,7 +7,6 @@ use crate::error::{Result, RuntimeError};
 use sluice_experts::pressure::{PressureConfig, PressureMonitor};
 use sluice_experts::{IoKind, Policy, StreamOptions, StreamingExperts};
 use sluice_formats::safetensors::TensorData;
-use sluice_formats::Blob;
 use sluice_model::weights::{ExpertPart, Key};
 use sluice_model::{ExpertSource, ModelConfig, ModelError, ResidentExperts, TensorSource};
 use std::path::PathBuf;
@@ -111,7 +110,7 @@ pub fn gib(b: u64) -> String {
 pub struct OwnedSource<'a>(pub &'a dyn TensorSource);
 
 fn own(t: TensorData) -> TensorData {
-    TensorData { data: Blob::from_vec(t.data.to_vec()), ..t }
+    TensorData { data: t.data.to_owned_releasing(), ..t }
 }
 
 impl TensorSource for OwnedSource<'_> {
