@@ -61,6 +61,44 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     out[0]
 }
 
+/// `acc[i] = fma(s, x[i], acc[i])`, element by element (the same bits at every ISA level).
+pub fn axpy(acc: &mut [f32], s: f32, x: &[f32]) {
+    assert_eq!(acc.len(), x.len());
+    match crate::cpu::isa() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the ISA level was detected on this CPU; slices have equal lengths.
+        crate::cpu::Isa::Avx512 | crate::cpu::Isa::Avx2 => unsafe { x86::axpy_fma(acc, s, x) },
+        _ => {
+            for (a, v) in acc.iter_mut().zip(x) {
+                *a = s.mul_add(*v, *a);
+            }
+        }
+    }
+}
+
+/// Dot products of `q` with `n` rows of `keys` (row `j` starts at `j * stride`), each in the
+/// contract's order, scaled by `scale`.
+pub fn dots_f32(q: &[f32], keys: &[f32], stride: usize, n: usize, scale: f32, out: &mut [f32]) {
+    let isa = crate::cpu::isa();
+    let k = q.len();
+    let mut j = 0;
+    let mut buf = [0f32; 8];
+    while j < n {
+        let m = (n - j).min(8);
+        let mut rows: [&[u8]; 8] = [&[]; 8];
+        for (r, row) in rows.iter_mut().enumerate().take(m) {
+            let kr = &keys[(j + r) * stride..(j + r) * stride + k];
+            // SAFETY: reinterpreting an f32 slice as its bytes.
+            *row = unsafe { std::slice::from_raw_parts(kr.as_ptr() as *const u8, k * 4) };
+        }
+        tile(isa, DType::F32, &rows[..m], &[q], &mut buf, 8);
+        for r in 0..m {
+            out[j + r] = buf[r] * scale;
+        }
+        j += m;
+    }
+}
+
 /// Computes `out[t * ldo + r] = dot(rows[r], xs[t])` for up to 8 rows and 4 tokens.
 pub fn tile(isa: crate::cpu::Isa, dtype: DType, rows: &[&[u8]], xs: &[&[f32]], out: &mut [f32], ldo: usize) {
     use crate::cpu::Isa;
@@ -128,6 +166,22 @@ mod x86 {
                 n => panic!("tile of {n} rows"),
             }
         }};
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn axpy_fma(acc: &mut [f32], s: f32, x: &[f32]) {
+        let n = acc.len();
+        let sv = _mm256_set1_ps(s);
+        let (a, xp) = (acc.as_mut_ptr(), x.as_ptr());
+        let mut i = 0;
+        while i + 8 <= n {
+            _mm256_storeu_ps(a.add(i), _mm256_fmadd_ps(sv, _mm256_loadu_ps(xp.add(i)), _mm256_loadu_ps(a.add(i))));
+            i += 8;
+        }
+        while i < n {
+            *a.add(i) = s.mul_add(*xp.add(i), *a.add(i));
+            i += 1;
+        }
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")]
@@ -327,6 +381,25 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    #[test]
+    fn axpy_and_dots_agree_with_scalar_definitions() {
+        let x = rand_vec(37, 1);
+        let mut a = rand_vec(37, 2);
+        let mut b = a.clone();
+        axpy(&mut a, 0.3, &x);
+        for (bv, xv) in b.iter_mut().zip(&x) {
+            *bv = 0.3f32.mul_add(*xv, *bv);
+        }
+        assert!(a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()));
+        let keys = rand_vec(11 * 40, 3);
+        let q = rand_vec(32, 4);
+        let mut out = vec![0f32; 11];
+        dots_f32(&q, &keys, 40, 11, 0.5, &mut out);
+        for j in 0..11 {
+            assert_eq!(out[j].to_bits(), (dot_f32(&q, &keys[j * 40..j * 40 + 32]) * 0.5).to_bits());
         }
     }
 

@@ -72,11 +72,9 @@ pub fn add_inplace(acc: &mut [f32], x: &[f32]) {
     }
 }
 
-/// `acc += s * x`
+/// `acc += s * x` (fused multiply-add per element; runtime-dispatched).
 pub fn axpy(acc: &mut [f32], s: f32, x: &[f32]) {
-    for (a, v) in acc.iter_mut().zip(x) {
-        *a = s.mul_add(*v, *a);
-    }
+    crate::float::axpy(acc, s, x)
 }
 
 /// Index of the largest value (first on ties).

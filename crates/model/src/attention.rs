@@ -6,7 +6,7 @@ use crate::kv_cache::KvCache;
 use crate::model::{observe, Model};
 use crate::trace::Observer;
 use crate::weights::{vector, Key, TensorSource, Weight};
-use sluice_kernels::{float::dot_f32, matmul, ops, SendPtr, ThreadPool};
+use sluice_kernels::{float::dots_f32, matmul, ops, SendPtr, ThreadPool};
 
 /// A projection with an optional bias.
 pub struct Linear {
@@ -156,9 +156,8 @@ pub fn attention(
             let first = window.map_or(0, |w| (p + 1).saturating_sub(w));
             let qv = &qr[t * qd + head * hd..t * qd + (head + 1) * hd];
             scores.clear();
-            for j in first..=p {
-                scores.push(dot_f32(qv, &kc[j * kvd + g * hd..j * kvd + (g + 1) * hd]) * scale);
-            }
+            scores.resize(p + 1 - first, 0.0);
+            dots_f32(qv, &kc[first * kvd + g * hd..], kvd, p + 1 - first, scale, &mut scores);
             ops::softmax(&mut scores);
             // SAFETY: task (t, head) owns this head_dim slice of `att`.
             let o = unsafe { std::slice::from_raw_parts_mut(att_ptr.get().add(t * qd + head * hd), hd) };

@@ -8,7 +8,7 @@
 //!
 //! Quantization is per token row, so it never depends on the batch.
 
-use super::blocks::nearest_int;
+use super::blocks::{nearest_int, round_away};
 use crate::dtype::DType;
 use half::f16;
 
@@ -52,15 +52,21 @@ pub struct QuantAct {
     pub sum: Vec<i32>,
     /// Q8_K: Σq of every 16 values. Empty otherwise.
     pub bsums: Vec<i32>,
-    /// `rows × cols` quantized values.
+    /// Quantized values, row after row; each row padded with zero blocks to `stride` blocks
+    /// (a multiple of 8), so kernels can take eight blocks at a time.
     pub qs: Vec<i8>,
+    /// Blocks per row in the padded layout.
+    pub stride: usize,
 }
 
 impl QuantAct {
     pub fn new(kind: ActKind, x: &[f32], rows: usize, cols: usize) -> QuantAct {
         assert_eq!(x.len(), rows * cols);
         assert!(cols.is_multiple_of(kind.block()), "{cols} columns are not whole {kind:?} blocks");
-        let nb = rows * cols / kind.block();
+        let bl = kind.block();
+        let per_row = cols / bl;
+        let stride = per_row.div_ceil(8) * 8;
+        let nb = rows * stride;
         let mut a = QuantAct {
             kind,
             cols,
@@ -69,11 +75,12 @@ impl QuantAct {
             s: if kind == ActKind::Q8_1 { vec![0.0; nb] } else { Vec::new() },
             sum: vec![0; nb],
             bsums: if kind == ActKind::Q8_K { vec![0; nb * 16] } else { Vec::new() },
-            qs: vec![0; rows * cols],
+            qs: vec![0; nb * bl],
+            stride,
         };
-        let bl = kind.block();
-        for b in 0..nb {
-            let xs = &x[b * bl..(b + 1) * bl];
+        for (t, b) in (0..rows).flat_map(|t| (0..per_row).map(move |b| (t, b))) {
+            let xs = &x[t * cols + b * bl..t * cols + (b + 1) * bl];
+            let b = t * stride + b;
             let q = &mut a.qs[b * bl..(b + 1) * bl];
             match kind {
                 ActKind::Q8_0 | ActKind::Q8_1 => {
@@ -82,7 +89,7 @@ impl QuantAct {
                     let id = if d != 0.0 { 1.0 / d } else { 0.0 };
                     let mut sum = 0;
                     for (qv, xv) in q.iter_mut().zip(xs) {
-                        *qv = (xv * id).round() as i8;
+                        *qv = round_away(xv * id) as i8;
                         sum += *qv as i32;
                     }
                     a.d[b] = f16::from_f32(d).to_f32();
@@ -126,13 +133,14 @@ impl QuantAct {
     #[inline(always)]
     pub fn block_qs(&self, t: usize, b: usize) -> &[i8] {
         let bl = self.kind.block();
-        let o = t * self.cols + b * bl;
+        let o = self.idx(t, b) * bl;
         &self.qs[o..o + bl]
     }
 
+    /// Index of block `b` of row `t` in the per-block arrays.
     #[inline(always)]
     pub fn idx(&self, t: usize, b: usize) -> usize {
-        t * self.blocks_per_row() + b
+        t * self.stride + b
     }
 }
 
@@ -156,10 +164,13 @@ mod tests {
     fn q8_1_carries_the_scaled_sum() {
         let x: Vec<f32> = (0..64).map(|i| (i as f32 - 20.0) / 10.0).collect();
         let a = QuantAct::new(ActKind::Q8_1, &x, 2, 32);
-        for b in 0..2 {
-            let sum: i32 = a.qs[32 * b..32 * b + 32].iter().map(|v| *v as i32).sum();
+        for t in 0..2 {
+            let b = a.idx(t, 0);
+            let sum: i32 = a.block_qs(t, 0).iter().map(|v| *v as i32).sum();
             assert_eq!(a.sum[b], sum);
             assert!((a.s[b] - a.d[b] * sum as f32).abs() <= 0.01 * a.s[b].abs().max(1.0));
+            // Padding blocks are all zero.
+            assert!(a.block_qs(t, 1).iter().all(|q| *q == 0) && a.d[a.idx(t, 7)] == 0.0);
         }
     }
 }

@@ -215,10 +215,25 @@ pub fn dequantize_block(dtype: DType, b: &[u8], y: &mut [f32]) {
     }
 }
 
-/// Round half to even, as GGML's `nearest_int`.
+/// Round half to even, as GGML's `nearest_int` (exact for |v| < 2^22, as GGML assumes):
+/// adding 1.5·2^23 leaves the rounded integer in the low mantissa bits.
 #[inline(always)]
 pub fn nearest_int(v: f32) -> i32 {
-    v.round_ties_even() as i32
+    let bits = (v + 12_582_912.0).to_bits();
+    (bits & 0x007f_ffff) as i32 - 0x0040_0000
+}
+
+/// Round half away from zero (C's `roundf`) without a library call.
+#[inline(always)]
+pub fn round_away(v: f32) -> i32 {
+    let a = v.abs();
+    let i = a as i32;
+    let r = if a - i as f32 >= 0.5 { i + 1 } else { i };
+    if v < 0.0 {
+        -r
+    } else {
+        r
+    }
 }
 
 /// Quantizes one block of `dtype.block_elems()` values (a simple, deterministic quantizer:
@@ -454,6 +469,19 @@ mod tests {
         assert_eq!(y[15], 3.5);
         assert_eq!(y[16], 3.5);
         assert_eq!(y[31], -4.0);
+    }
+
+    #[test]
+    fn roundings_match_the_library() {
+        for i in -40000..40000 {
+            let v = i as f32 * 0.01 + 0.005;
+            assert_eq!(nearest_int(v), v.round_ties_even() as i32, "{v}");
+            assert_eq!(round_away(v), v.round() as i32, "{v}");
+        }
+        for v in [0.5f32, 1.5, 2.5, -0.5, -1.5, 0.49999997, -2.5, 126.5] {
+            assert_eq!(nearest_int(v), v.round_ties_even() as i32, "{v}");
+            assert_eq!(round_away(v), v.round() as i32, "{v}");
+        }
     }
 
     #[test]

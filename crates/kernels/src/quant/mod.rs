@@ -10,6 +10,8 @@ pub mod blocks;
 pub mod dot_ref;
 #[cfg(target_arch = "x86_64")]
 mod x86;
+#[cfg(target_arch = "x86_64")]
+mod x86_512;
 
 use crate::cpu::Isa;
 use crate::dtype::DType;
@@ -76,72 +78,57 @@ pub(crate) fn matmul_quant_isa(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, x: &[
     let o = SendPtr(out.as_mut_ptr());
     let vnni = isa == Isa::Avx512 && crate::cpu::has_vnni();
     pool.for_ranges(w.rows, 4, &|rows| {
+        let mut vals = vec![0f32; n];
+        let mut lanes = vec![[0f32; dot_ref::LANES32]; n];
         for r in rows {
-            let row = w.row(r);
-            let mut t = 0;
-            while t < n {
-                let left = n - t;
-                let mut vals = [0f32; 4];
-                let k = match left {
-                    1 => rows_tile::<1>(isa, vnni, w.dtype, row, &act, t, &mut vals),
-                    2 => rows_tile::<2>(isa, vnni, w.dtype, row, &act, t, &mut vals),
-                    3 => rows_tile::<3>(isa, vnni, w.dtype, row, &act, t, &mut vals),
-                    _ => rows_tile::<4>(isa, vnni, w.dtype, row, &act, t, &mut vals),
-                };
-                for (i, v) in vals.iter().enumerate().take(k) {
-                    // SAFETY: this thread owns row r's column of the n × rows output.
-                    unsafe { *o.get().add((t + i) * w.rows + r) = *v };
-                }
-                t += k;
+            row_all_tokens(isa, vnni, w.dtype, w.row(r), &act, &mut lanes, &mut vals);
+            for (t, v) in vals.iter().enumerate() {
+                // SAFETY: this thread owns row r's column of the n × rows output.
+                unsafe { *o.get().add(t * w.rows + r) = *v };
             }
         }
     });
 }
 
-/// One weight row against tokens `t0..t0 + T`; returns T.
-#[inline(always)]
-fn rows_tile<const T: usize>(
+/// One weight row against every token of `act`, into `out` (`act.rows` values).
+fn row_all_tokens(
     isa: Isa,
     vnni: bool,
     dtype: DType,
     row: &[u8],
     act: &QuantAct,
-    t0: usize,
-    out: &mut [f32; 4],
-) -> usize {
+    lanes: &mut [[f32; dot_ref::LANES32]],
+    out: &mut [f32],
+) {
     #[cfg(target_arch = "x86_64")]
     if isa >= Isa::Avx2 {
         // SAFETY: `isa` and `vnni` come from this CPU's detected features; rows and activation
         // blocks have their formats' full sizes (checked by MatRef::new and QuantAct::new).
-        let r: Option<[f32; T]> = unsafe {
+        unsafe {
+            // One token is bound by memory, not arithmetic: the 256-bit kernels keep the
+            // core's clock up there; 512-bit ones pay off from two tokens on.
+            let vnni = vnni && act.rows > 1;
             match (vnni, dtype) {
                 (true, DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0) => {
-                    Some(x86::vnni::row32::<T>(dtype, row, act, t0))
+                    return x86_512::row32(dtype, row, act, lanes, out)
                 }
                 (false, DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0) => {
-                    Some(x86::avx2::row32::<T>(dtype, row, act, t0))
+                    return x86::avx2::row32(dtype, row, act, lanes, out)
                 }
-                (true, DType::Q4_K | DType::Q5_K) => {
-                    Some(x86::vnni::row_q4k_q5k::<T>(dtype == DType::Q5_K, row, act, t0))
-                }
+                (true, DType::Q4_K | DType::Q5_K) => return x86_512::row_q4k_q5k(dtype == DType::Q5_K, row, act, out),
                 (false, DType::Q4_K | DType::Q5_K) => {
-                    Some(x86::avx2::row_q4k_q5k::<T>(dtype == DType::Q5_K, row, act, t0))
+                    return x86::avx2::row_q4k_q5k(dtype == DType::Q5_K, row, act, out)
                 }
-                (true, DType::Q6_K) => Some(x86::vnni::row_q6k::<T>(row, act, t0)),
-                (false, DType::Q6_K) => Some(x86::avx2::row_q6k::<T>(row, act, t0)),
-                _ => None,
+                (true, DType::Q6_K) => return x86_512::row_q6k(row, act, out),
+                (false, DType::Q6_K) => return x86::avx2::row_q6k(row, act, out),
+                _ => {}
             }
-        };
-        if let Some(v) = r {
-            out[..T].copy_from_slice(&v);
-            return T;
         }
     }
-    let _ = (isa, vnni);
-    for (i, o) in out.iter_mut().enumerate().take(T) {
-        *o = dot_ref::row_dot(dtype, row, act, t0 + i);
+    let _ = (isa, vnni, lanes);
+    for (t, o) in out.iter_mut().enumerate().take(act.rows) {
+        *o = dot_ref::row_dot(dtype, row, act, t);
     }
-    T
 }
 
 #[cfg(test)]

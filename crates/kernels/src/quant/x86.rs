@@ -11,12 +11,12 @@
 //! and every other format keeps its weight codes below 64.
 
 use super::act::QuantAct;
-use super::dot_ref::{accumulate, reduce8, BlockInts, BlockScales, LANES32};
+use super::dot_ref::{accumulate, BlockInts, BlockScales, LANES32};
 use crate::DType;
 use std::arch::x86_64::*;
 
 #[inline(always)]
-unsafe fn hsum8(v: __m256i) -> i32 {
+pub(crate) unsafe fn hsum8(v: __m256i) -> i32 {
     let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
     let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
     let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
@@ -60,7 +60,7 @@ unsafe fn reduce8x8(a: &[__m256i; 8]) -> __m256i {
 /// Asks for the cache lines of `len` bytes at `p + PREFETCH_AHEAD`: a single decode stream
 /// does not keep enough loads in flight for the hardware prefetcher to reach full bandwidth.
 #[inline(always)]
-unsafe fn prefetch_ahead(p: *const u8, len: usize) {
+pub(crate) unsafe fn prefetch_ahead(p: *const u8, len: usize) {
     let mut o = 0;
     while o < len {
         _mm_prefetch(p.wrapping_add(PREFETCH_AHEAD + o) as *const i8, _MM_HINT_T0);
@@ -69,6 +69,24 @@ unsafe fn prefetch_ahead(p: *const u8, len: usize) {
 }
 
 const PREFETCH_AHEAD: usize = 1024;
+
+/// Sums 8 float lanes in `dot_ref::reduce8`'s order (4, 2, 1).
+#[inline(always)]
+pub(crate) unsafe fn hsum_ps8(v: __m256) -> f32 {
+    let s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    let s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
+    _mm_cvtss_f32(s1)
+}
+
+/// Sixteen i32 values (each within i16 range) packed to i16 lanes.
+#[inline(always)]
+pub(crate) unsafe fn pack_i32x16_to_i16(p: *const i32) -> __m256i {
+    let a = _mm256_loadu_si256(p as *const __m256i);
+    let b = _mm256_loadu_si256(p.add(8) as *const __m256i);
+    // packs works within 128-bit lanes: fix the order with a 64-bit permute.
+    _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0b11_01_10_00)
+}
 
 #[inline(always)]
 fn f16_bits(w: &[u8], o: usize) -> u16 {
@@ -88,282 +106,258 @@ fn layout32(dtype: DType) -> (Option<usize>, usize, i32) {
     }
 }
 
-macro_rules! kernels {
-    ($m:ident, $feat:literal, $vnni:literal) => {
-        pub mod $m {
-            use super::*;
+/// AVX2 (no VNNI): u8×i8 products through `vpmaddubsw` + `vpmaddwd`.
+pub mod avx2 {
+    use super::*;
 
-            /// Σ u8·i8 over 32 bytes into 8 lanes.
-            #[inline(always)]
-            unsafe fn dp(acc: __m256i, u: __m256i, x: __m256i) -> __m256i {
-                if $vnni {
-                    vnni_dp(acc, u, x)
-                } else {
-                    _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)))
+    /// Σ u8·i8 over 32 bytes into 8 lanes.
+    #[inline(always)]
+    unsafe fn dp(acc: __m256i, u: __m256i, x: __m256i) -> __m256i {
+        _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)))
+    }
+
+    /// Σ (u8·i8 pairs as i16) · scale16 into 8 lanes.
+    #[inline(always)]
+    unsafe fn dp_scaled(acc: __m256i, u: __m256i, x: __m256i, scale16: __m256i) -> __m256i {
+        _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), scale16))
+    }
+
+    /// The 32 codes of a block: unsigned, except Q8_0's, which stay signed (the sign
+    /// moves to the activations at use).
+    #[inline(always)]
+    unsafe fn codes32(dtype: DType, w: *const u8) -> __m256i {
+        let (qh, qs, _) = layout32(dtype);
+        if dtype == DType::Q8_0 {
+            return _mm256_loadu_si256(w.add(2) as *const __m256i);
+        }
+        let mut u = nibbles_split16(w.add(qs));
+        if let Some(o) = qh {
+            let h = u32::from_le_bytes([*w.add(o), *w.add(o + 1), *w.add(o + 2), *w.add(o + 3)]);
+            u = _mm256_or_si256(u, fifth_bits(h));
+        }
+        u
+    }
+
+    /// What Σ code·x overshoots by, per unit of Σx.
+    #[inline(always)]
+    fn bias32(dtype: DType) -> i32 {
+        match dtype {
+            DType::Q8_0 => 0,
+            d => layout32(d).2,
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn dp32(dtype: DType, u: __m256i, x: __m256i) -> __m256i {
+        if dtype == DType::Q8_0 {
+            // |q| · (x with q's sign): exact, and |q| ≤ 127 keeps pairs inside i16.
+            dp(_mm256_setzero_si256(), _mm256_sign_epi8(u, u), _mm256_sign_epi8(x, u))
+        } else {
+            dp(_mm256_setzero_si256(), u, x)
+        }
+    }
+
+    /// One row of a 32-block format against every token of `act`; `lanes` is scratch of
+    /// `act.rows` lane sets. Blocks go eight at a time (a final partial group is padded
+    /// with blocks that add exactly nothing), each unpacked once for all tokens.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn row32(dtype: DType, row: &[u8], act: &QuantAct, lanes: &mut [[f32; LANES32]], out: &mut [f32]) {
+        let n = act.rows;
+        let bb = dtype.block_bytes();
+        let nb = act.blocks_per_row();
+        let bias = bias32(dtype);
+        let has_m = matches!(dtype, DType::Q4_1 | DType::Q5_1);
+        let lanes = &mut lanes[..n];
+        for l in lanes.iter_mut() {
+            *l = [0.0; LANES32];
+        }
+        let biasv = _mm256_set1_epi32(bias);
+        let mut b0 = 0;
+        while b0 < nb {
+            let m = (nb - b0).min(LANES32);
+            let base = row.as_ptr().add(b0 * bb);
+            if n == 1 {
+                prefetch_ahead(base, 8 * bb);
+            }
+            let mut u = [_mm256_setzero_si256(); 8];
+            let mut dbits = [0u16; 8];
+            let mut mbits = [0u16; 8];
+            for j in 0..m {
+                let w = base.add(j * bb);
+                u[j] = codes32(dtype, w);
+                dbits[j] = u16::from_le_bytes([*w, *w.add(1)]);
+                if has_m {
+                    mbits[j] = u16::from_le_bytes([*w.add(2), *w.add(3)]);
                 }
             }
-
-            /// Σ (u8·i8 pairs as i16) · scale16 into 8 lanes.
-            #[inline(always)]
-            unsafe fn dp_scaled(acc: __m256i, u: __m256i, x: __m256i, scale16: __m256i) -> __m256i {
-                let p = _mm256_maddubs_epi16(u, x);
-                if $vnni {
-                    vnni_dpwssd(acc, p, scale16)
-                } else {
-                    _mm256_add_epi32(acc, _mm256_madd_epi16(p, scale16))
+            // Padding blocks have zero codes and scales: they add (±)0 to their lanes.
+            let dw = _mm256_cvtph_ps(_mm_loadu_si128(dbits.as_ptr() as *const __m128i));
+            let mw = _mm256_cvtph_ps(_mm_loadu_si128(mbits.as_ptr() as *const __m128i));
+            for t in 0..n {
+                // Activation rows are padded to whole groups of eight zero blocks.
+                let i0 = act.idx(t, b0);
+                let xq = act.qs.as_ptr().add(i0 * 32);
+                let mut a = [_mm256_setzero_si256(); 8];
+                for j in 0..8 {
+                    a[j] = dp32(dtype, u[j], _mm256_loadu_si256(xq.add(32 * j) as *const __m256i));
                 }
+                let mut isum = reduce8x8(&a);
+                let xs = _mm256_loadu_si256(act.sum.as_ptr().add(i0) as *const __m256i);
+                let dx = _mm256_loadu_ps(act.d.as_ptr().add(i0));
+                let sx = if has_m { _mm256_loadu_ps(act.s.as_ptr().add(i0)) } else { _mm256_setzero_ps() };
+                if bias != 0 {
+                    isum = _mm256_sub_epi32(isum, _mm256_mullo_epi32(xs, biasv));
+                }
+                let lp = lanes.as_mut_ptr().add(t) as *mut f32;
+                let mut l =
+                    _mm256_add_ps(_mm256_loadu_ps(lp), _mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(isum)));
+                if has_m {
+                    l = _mm256_add_ps(l, _mm256_mul_ps(mw, sx));
+                }
+                _mm256_storeu_ps(lp, l);
             }
+            b0 += m;
+        }
+        for t in 0..n {
+            out[t] = hsum_ps8(_mm256_loadu_ps(lanes.as_ptr().add(t) as *const f32));
+        }
+    }
 
-            /// The unsigned 32 codes of a 32-block and the bias to take off Σ code·x per Σx;
-            /// for Q8_0 without VNNI the codes stay signed (sign transfer at use).
-            #[inline(always)]
-            unsafe fn codes32(dtype: DType, w: *const u8) -> __m256i {
-                let (qh, qs, _) = layout32(dtype);
-                if dtype == DType::Q8_0 {
-                    let q = _mm256_loadu_si256(w.add(2) as *const __m256i);
-                    return if $vnni { _mm256_xor_si256(q, _mm256_set1_epi8(-128)) } else { q };
-                }
-                let mut u = nibbles_split16(w.add(qs));
-                if let Some(o) = qh {
-                    let h = u32::from_le_bytes([*w.add(o), *w.add(o + 1), *w.add(o + 2), *w.add(o + 3)]);
-                    u = _mm256_or_si256(u, fifth_bits(h));
-                }
-                u
+    /// One Q4_K or Q5_K row against every token of `act`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn row_q4k_q5k(q5: bool, row: &[u8], act: &QuantAct, out: &mut [f32]) {
+        let n = act.rows;
+        let dtype = if q5 { DType::Q5_K } else { DType::Q4_K };
+        let bb = dtype.block_bytes();
+        let nb = act.blocks_per_row();
+        let mask = _mm256_set1_epi8(0x0F);
+        let one = _mm256_set1_epi8(1);
+        out[..n].fill(0.0);
+        for b in 0..nb {
+            let w = &row[b * bb..(b + 1) * bb];
+            if n == 1 {
+                prefetch_ahead(w.as_ptr(), bb);
             }
-
-            #[inline(always)]
-            fn bias32(dtype: DType) -> i32 {
-                match dtype {
-                    DType::Q8_0 => {
-                        if $vnni {
-                            128
-                        } else {
-                            0
-                        }
-                    }
-                    d => layout32(d).2,
-                }
+            let sc = &w[4..16];
+            let mut s = [0i16; 8];
+            let mut m = [0i32; 8];
+            for j in 0..8 {
+                let (a, c) = crate::quant::blocks::scale_min_k4(j, sc);
+                s[j] = a as i16;
+                m[j] = c as i32;
             }
-
-            #[inline(always)]
-            unsafe fn dp32(dtype: DType, u: __m256i, x: __m256i) -> __m256i {
-                if dtype == DType::Q8_0 && !$vnni {
-                    // |q| · (x with q's sign): exact, and |q| ≤ 127 keeps pairs inside i16.
-                    dp(_mm256_setzero_si256(), _mm256_sign_epi8(u, u), _mm256_sign_epi8(x, u))
-                } else {
-                    dp(_mm256_setzero_si256(), u, x)
+            let dm = _mm_cvtph_ps(_mm_cvtsi32_si128(u32::from_le_bytes([w[0], w[1], w[2], w[3]]) as i32));
+            let scales = BlockScales { d: _mm_cvtss_f32(dm), m: _mm_cvtss_f32(_mm_movehdup_ps(dm)) };
+            let (qh, qs) = if q5 { (w.as_ptr().add(16), w.as_ptr().add(48)) } else { (w.as_ptr(), w.as_ptr().add(16)) };
+            let hbits = if q5 { _mm256_loadu_si256(qh as *const __m256i) } else { _mm256_setzero_si256() };
+            let mut u = [_mm256_setzero_si256(); 8];
+            let mut sv = [_mm256_setzero_si256(); 8];
+            for c in 0..4 {
+                let q = _mm256_loadu_si256(qs.add(32 * c) as *const __m256i);
+                let mut lo = _mm256_and_si256(q, mask);
+                let mut hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
+                if q5 {
+                    let b0 = _mm256_and_si256(_mm256_srl_epi16(hbits, _mm_cvtsi32_si128(2 * c as i32)), one);
+                    let b1 = _mm256_and_si256(_mm256_srl_epi16(hbits, _mm_cvtsi32_si128(2 * c as i32 + 1)), one);
+                    lo = _mm256_or_si256(lo, _mm256_slli_epi16(b0, 4));
+                    hi = _mm256_or_si256(hi, _mm256_slli_epi16(b1, 4));
                 }
+                u[2 * c] = lo;
+                u[2 * c + 1] = hi;
+                sv[2 * c] = _mm256_set1_epi16(s[2 * c]);
+                sv[2 * c + 1] = _mm256_set1_epi16(s[2 * c + 1]);
             }
-
-            /// A row of a 32-block format against tokens `t0..t0 + T`.
-            #[target_feature(enable = $feat)]
-            pub unsafe fn row32<const T: usize>(dtype: DType, row: &[u8], act: &QuantAct, t0: usize) -> [f32; T] {
-                let bb = dtype.block_bytes();
-                let nb = act.blocks_per_row();
-                let bias = bias32(dtype);
-                let has_m = matches!(dtype, DType::Q4_1 | DType::Q5_1);
-                let mut lanes = [_mm256_setzero_ps(); T];
-                let groups = nb / LANES32;
-                for g in 0..groups {
-                    let b0 = g * LANES32;
-                    let base = row.as_ptr().add(b0 * bb);
-                    prefetch_ahead(base, 8 * bb);
-                    let mut u = [_mm256_setzero_si256(); 8];
-                    let mut dbits = [0u16; 8];
-                    let mut mbits = [0u16; 8];
-                    for j in 0..8 {
-                        let w = base.add(j * bb);
-                        u[j] = codes32(dtype, w);
-                        dbits[j] = u16::from_le_bytes([*w, *w.add(1)]);
-                        if has_m {
-                            mbits[j] = u16::from_le_bytes([*w.add(2), *w.add(3)]);
-                        }
-                    }
-                    let dw = _mm256_cvtph_ps(_mm_loadu_si128(dbits.as_ptr() as *const __m128i));
-                    let mw = _mm256_cvtph_ps(_mm_loadu_si128(mbits.as_ptr() as *const __m128i));
-                    for t in 0..T {
-                        let i0 = act.idx(t0 + t, b0);
-                        let xq = act.qs.as_ptr().add(i0 * 32);
-                        let mut a = [_mm256_setzero_si256(); 8];
-                        for j in 0..8 {
-                            a[j] = dp32(dtype, u[j], _mm256_loadu_si256(xq.add(32 * j) as *const __m256i));
-                        }
-                        let mut isum = reduce8x8(&a);
-                        if bias != 0 {
-                            let xs = _mm256_loadu_si256(act.sum.as_ptr().add(i0) as *const __m256i);
-                            isum = _mm256_sub_epi32(isum, _mm256_mullo_epi32(xs, _mm256_set1_epi32(bias)));
-                        }
-                        let dx = _mm256_loadu_ps(act.d.as_ptr().add(i0));
-                        let mut l =
-                            _mm256_add_ps(lanes[t], _mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(isum)));
-                        if has_m {
-                            l = _mm256_add_ps(l, _mm256_mul_ps(mw, _mm256_loadu_ps(act.s.as_ptr().add(i0))));
-                        }
-                        lanes[t] = l;
-                    }
+            for t in 0..n {
+                let xi = act.idx(t, b);
+                let xq = act.qs.as_ptr().add(xi * 256);
+                let mut acc = _mm256_setzero_si256();
+                for k in 0..8 {
+                    acc = dp_scaled(acc, u[k], _mm256_loadu_si256(xq.add(32 * k) as *const __m256i), sv[k]);
                 }
-                let mut out = [0f32; T];
-                for t in 0..T {
-                    let mut l = [0f32; LANES32];
-                    _mm256_storeu_ps(l.as_mut_ptr(), lanes[t]);
-                    for b in groups * LANES32..nb {
-                        let w = &row[b * bb..(b + 1) * bb];
-                        let i = act.idx(t0 + t, b);
-                        let x = _mm256_loadu_si256(act.qs.as_ptr().add(i * 32) as *const __m256i);
-                        let isum = hsum8(dp32(dtype, codes32(dtype, w.as_ptr()), x)) - bias * act.sum[i];
-                        let sc = BlockScales {
-                            d: _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(f16_bits(w, 0) as i32))),
-                            m: if has_m {
-                                _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(f16_bits(w, 2) as i32)))
-                            } else {
-                                0.0
-                            },
-                        };
-                        let sx = if has_m { act.s[i] } else { 0.0 };
-                        l[b % LANES32] =
-                            accumulate(dtype, l[b % LANES32], sc, BlockInts { isum, mins: 0 }, act.d[i], sx);
-                    }
-                    out[t] = reduce8(l);
+                let bs = act.bsums.as_ptr().add(xi * 16);
+                let mut mins = 0;
+                for j in 0..8 {
+                    mins += m[j] * (*bs.add(2 * j) + *bs.add(2 * j + 1));
                 }
-                out
-            }
-
-            /// Q4_K and Q5_K rows.
-            #[target_feature(enable = $feat)]
-            pub unsafe fn row_q4k_q5k<const T: usize>(q5: bool, row: &[u8], act: &QuantAct, t0: usize) -> [f32; T] {
-                let dtype = if q5 { DType::Q5_K } else { DType::Q4_K };
-                let bb = dtype.block_bytes();
-                let mask = _mm256_set1_epi8(0x0F);
-                let one = _mm256_set1_epi8(1);
-                let mut out = [0f32; T];
-                for b in 0..act.blocks_per_row() {
-                    let w = &row[b * bb..(b + 1) * bb];
-                    prefetch_ahead(w.as_ptr(), bb);
-                    let sc = &w[4..16];
-                    let mut s = [0i16; 8];
-                    let mut m = [0i32; 8];
-                    for j in 0..8 {
-                        let (a, c) = crate::quant::blocks::scale_min_k4(j, sc);
-                        s[j] = a as i16;
-                        m[j] = c as i32;
-                    }
-                    let dm = _mm_cvtph_ps(_mm_cvtsi32_si128(u32::from_le_bytes([w[0], w[1], w[2], w[3]]) as i32));
-                    let scales = BlockScales { d: _mm_cvtss_f32(dm), m: _mm_cvtss_f32(_mm_movehdup_ps(dm)) };
-                    let (qh, qs) =
-                        if q5 { (w.as_ptr().add(16), w.as_ptr().add(48)) } else { (w.as_ptr(), w.as_ptr().add(16)) };
-                    let hbits = if q5 { _mm256_loadu_si256(qh as *const __m256i) } else { _mm256_setzero_si256() };
-                    let mut acc = [_mm256_setzero_si256(); T];
-                    let xi: [usize; T] = std::array::from_fn(|t| act.idx(t0 + t, b));
-                    for c in 0..4 {
-                        let q = _mm256_loadu_si256(qs.add(32 * c) as *const __m256i);
-                        let mut lo = _mm256_and_si256(q, mask);
-                        let mut hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
-                        if q5 {
-                            let b0 = _mm256_and_si256(_mm256_srl_epi16(hbits, _mm_cvtsi32_si128(2 * c as i32)), one);
-                            let b1 =
-                                _mm256_and_si256(_mm256_srl_epi16(hbits, _mm_cvtsi32_si128(2 * c as i32 + 1)), one);
-                            lo = _mm256_or_si256(lo, _mm256_slli_epi16(b0, 4));
-                            hi = _mm256_or_si256(hi, _mm256_slli_epi16(b1, 4));
-                        }
-                        let s_lo = _mm256_set1_epi16(s[2 * c]);
-                        let s_hi = _mm256_set1_epi16(s[2 * c + 1]);
-                        for t in 0..T {
-                            let xq = act.qs.as_ptr().add(xi[t] * 256 + 64 * c);
-                            acc[t] = dp_scaled(acc[t], lo, _mm256_loadu_si256(xq as *const __m256i), s_lo);
-                            acc[t] = dp_scaled(acc[t], hi, _mm256_loadu_si256(xq.add(32) as *const __m256i), s_hi);
-                        }
-                    }
-                    for t in 0..T {
-                        let bs = &act.bsums[xi[t] * 16..xi[t] * 16 + 16];
-                        let mut mins = 0;
-                        for j in 0..8 {
-                            mins += m[j] * (bs[2 * j] + bs[2 * j + 1]);
-                        }
-                        let ints = BlockInts { isum: hsum8(acc[t]), mins };
-                        out[t] = accumulate(dtype, out[t], scales, ints, act.d[xi[t]], 0.0);
-                    }
-                }
-                out
-            }
-
-            /// Q6_K rows: codes 0..63; the −32 comes off through the 16-value sums.
-            #[target_feature(enable = $feat)]
-            pub unsafe fn row_q6k<const T: usize>(row: &[u8], act: &QuantAct, t0: usize) -> [f32; T] {
-                let bb = DType::Q6_K.block_bytes();
-                let mask = _mm256_set1_epi8(0x0F);
-                let three = _mm256_set1_epi8(3);
-                let mut out = [0f32; T];
-                for b in 0..act.blocks_per_row() {
-                    let w = &row[b * bb..(b + 1) * bb];
-                    prefetch_ahead(w.as_ptr(), bb);
-                    let (ql, qh, sc) = (w.as_ptr(), w.as_ptr().add(128), &w[192..208]);
-                    let scales = BlockScales {
-                        d: _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(f16_bits(w, 208) as i32))),
-                        m: 0.0,
-                    };
-                    let xi: [usize; T] = std::array::from_fn(|t| act.idx(t0 + t, b));
-                    let mut acc = [_mm256_setzero_si256(); T];
-                    for n in 0..2 {
-                        let a = _mm256_loadu_si256(ql.add(64 * n) as *const __m256i);
-                        let bq = _mm256_loadu_si256(ql.add(64 * n + 32) as *const __m256i);
-                        let h = _mm256_loadu_si256(qh.add(32 * n) as *const __m256i);
-                        let q = [
-                            _mm256_or_si256(
-                                _mm256_and_si256(a, mask),
-                                _mm256_slli_epi16(_mm256_and_si256(h, three), 4),
-                            ),
-                            _mm256_or_si256(
-                                _mm256_and_si256(bq, mask),
-                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), three), 4),
-                            ),
-                            _mm256_or_si256(
-                                _mm256_and_si256(_mm256_srli_epi16(a, 4), mask),
-                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), three), 4),
-                            ),
-                            _mm256_or_si256(
-                                _mm256_and_si256(_mm256_srli_epi16(bq, 4), mask),
-                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), three), 4),
-                            ),
-                        ];
-                        for (k, qk) in q.iter().enumerate() {
-                            let g = 8 * n + 2 * k;
-                            let scale = _mm256_set_m128i(
-                                _mm_set1_epi16(sc[g + 1] as i8 as i16),
-                                _mm_set1_epi16(sc[g] as i8 as i16),
-                            );
-                            for t in 0..T {
-                                let xq = act.qs.as_ptr().add(xi[t] * 256 + 128 * n + 32 * k);
-                                acc[t] = dp_scaled(acc[t], *qk, _mm256_loadu_si256(xq as *const __m256i), scale);
-                            }
-                        }
-                    }
-                    for t in 0..T {
-                        let bs = &act.bsums[xi[t] * 16..xi[t] * 16 + 16];
-                        let mut corr = 0;
-                        for g in 0..16 {
-                            corr += (sc[g] as i8) as i32 * bs[g];
-                        }
-                        let ints = BlockInts { isum: hsum8(acc[t]) - 32 * corr, mins: 0 };
-                        out[t] = accumulate(DType::Q6_K, out[t], scales, ints, act.d[xi[t]], 0.0);
-                    }
-                }
-                out
+                let ints = BlockInts { isum: hsum8(acc), mins };
+                out[t] = accumulate(dtype, out[t], scales, ints, act.d[xi], 0.0);
             }
         }
-    };
+    }
+
+    /// One Q6_K row against every token of `act`: codes 0..63, the −32 taken off through
+    /// the 16-value sums.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn row_q6k(row: &[u8], act: &QuantAct, out: &mut [f32]) {
+        let n = act.rows;
+        let bb = DType::Q6_K.block_bytes();
+        let mask = _mm256_set1_epi8(0x0F);
+        let three = _mm256_set1_epi8(3);
+        out[..n].fill(0.0);
+        for b in 0..act.blocks_per_row() {
+            let w = &row[b * bb..(b + 1) * bb];
+            if n == 1 {
+                prefetch_ahead(w.as_ptr(), bb);
+            }
+            let (ql, qh, sc) = (w.as_ptr(), w.as_ptr().add(128), &w[192..208]);
+            let scales =
+                BlockScales { d: _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(f16_bits(w, 208) as i32))), m: 0.0 };
+            let mut u = [_mm256_setzero_si256(); 8];
+            let mut sv = [_mm256_setzero_si256(); 8];
+            for nn in 0..2 {
+                let a = _mm256_loadu_si256(ql.add(64 * nn) as *const __m256i);
+                let bq = _mm256_loadu_si256(ql.add(64 * nn + 32) as *const __m256i);
+                let h = _mm256_loadu_si256(qh.add(32 * nn) as *const __m256i);
+                u[4 * nn] =
+                    _mm256_or_si256(_mm256_and_si256(a, mask), _mm256_slli_epi16(_mm256_and_si256(h, three), 4));
+                u[4 * nn + 1] = _mm256_or_si256(
+                    _mm256_and_si256(bq, mask),
+                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), three), 4),
+                );
+                u[4 * nn + 2] = _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi16(a, 4), mask),
+                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), three), 4),
+                );
+                u[4 * nn + 3] = _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi16(bq, 4), mask),
+                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), three), 4),
+                );
+                for k in 0..4 {
+                    let g = 8 * nn + 2 * k;
+                    sv[4 * nn + k] =
+                        _mm256_set_m128i(_mm_set1_epi16(sc[g + 1] as i8 as i16), _mm_set1_epi16(sc[g] as i8 as i16));
+                }
+            }
+            // Σ scale·bsum for the −32 offset, per token: sixteen i16 products.
+            let sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(sc.as_ptr() as *const __m128i));
+            for t in 0..n {
+                let xi = act.idx(t, b);
+                let xq = act.qs.as_ptr().add(xi * 256);
+                let mut acc = _mm256_setzero_si256();
+                for k in 0..8 {
+                    acc = dp_scaled(acc, u[k], _mm256_loadu_si256(xq.add(32 * k) as *const __m256i), sv[k]);
+                }
+                let bs = pack_i32x16_to_i16(act.bsums.as_ptr().add(xi * 16));
+                let corr = hsum8(_mm256_madd_epi16(sc16, bs));
+                let ints = BlockInts { isum: hsum8(acc) - 32 * corr, mins: 0 };
+                out[t] = accumulate(DType::Q6_K, out[t], scales, ints, act.d[xi], 0.0);
+            }
+        }
+    }
 }
 
-#[target_feature(enable = "avx2,avx512f,avx512vl,avx512vnni")]
-#[inline]
-unsafe fn vnni_dp(acc: __m256i, u: __m256i, x: __m256i) -> __m256i {
-    _mm256_dpbusd_epi32(acc, u, x)
+/// The unsigned codes of a 32-block as the VNNI kernels use them (Q8_0 offset by 128).
+#[inline(always)]
+pub(crate) unsafe fn codes32_vnni(dtype: DType, w: *const u8) -> __m256i {
+    let (qh, qs, _) = layout32(dtype);
+    if dtype == DType::Q8_0 {
+        let q = _mm256_loadu_si256(w.add(2) as *const __m256i);
+        return _mm256_xor_si256(q, _mm256_set1_epi8(-128));
+    }
+    let mut u = nibbles_split16(w.add(qs));
+    if let Some(o) = qh {
+        let h = u32::from_le_bytes([*w.add(o), *w.add(o + 1), *w.add(o + 2), *w.add(o + 3)]);
+        u = _mm256_or_si256(u, fifth_bits(h));
+    }
+    u
 }
-
-#[target_feature(enable = "avx2,avx512f,avx512vl,avx512vnni")]
-#[inline]
-unsafe fn vnni_dpwssd(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
-    _mm256_dpwssd_epi32(acc, a, b)
-}
-
-kernels!(vnni, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni", true);
-kernels!(avx2, "avx2,fma,f16c", false);

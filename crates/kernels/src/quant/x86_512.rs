@@ -1,0 +1,229 @@
+//! AVX-512 VNNI row kernels: the same integer sums and float formula as `x86` and the scalar
+//! reference (so the same bits), two blocks (or two halves of a superblock) per 512-bit
+//! instruction, and an all-vector reduction of eight blocks' sums.
+
+use super::act::QuantAct;
+use super::dot_ref::{accumulate, BlockInts, BlockScales, LANES32};
+use super::x86::{codes32_vnni, hsum8, hsum_ps8, pack_i32x16_to_i16, prefetch_ahead};
+use crate::DType;
+use std::arch::x86_64::*;
+
+const FEATURES: &str = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni";
+
+/// Sums of each 8-lane half of four vectors, in block order: `v[k]` holds blocks 2k (lanes
+/// 0..8) and 2k+1 (lanes 8..16); the result lists blocks 0..8.
+#[inline(always)]
+unsafe fn reduce_blocks(v: &[__m512i; 4]) -> __m256i {
+    let ab = _mm512_add_epi32(_mm512_unpacklo_epi32(v[0], v[1]), _mm512_unpackhi_epi32(v[0], v[1]));
+    let cd = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2], v[3]), _mm512_unpackhi_epi32(v[2], v[3]));
+    // 128-bit lane k now holds [A, B, C, D], each the sum of its lanes 4k..4k+3.
+    let abcd = _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
+    // Add neighbouring 128-bit lanes: lanes 0..4 = first halves (blocks 0, 2, 4, 6), lanes
+    // 8..12 = second halves (blocks 1, 3, 5, 7).
+    let s = _mm512_add_epi32(abcd, _mm512_shuffle_i32x4(abcd, abcd, 0b10_11_00_01));
+    let idx = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 0, 0, 0, 0, 0, 0, 0, 0);
+    _mm512_castsi512_si256(_mm512_permutexvar_epi32(idx, s))
+}
+
+#[inline(always)]
+unsafe fn pair(a: __m256i, b: __m256i) -> __m512i {
+    _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1)
+}
+
+/// One row of a 32-block format against every token (see `x86::row32`).
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")]
+pub unsafe fn row32(dtype: DType, row: &[u8], act: &QuantAct, lanes: &mut [[f32; LANES32]], out: &mut [f32]) {
+    let _ = FEATURES;
+    let n = act.rows;
+    let bb = dtype.block_bytes();
+    let nb = act.blocks_per_row();
+    let bias = match dtype {
+        DType::Q4_0 => 8,
+        DType::Q5_0 => 16,
+        DType::Q8_0 => 128,
+        _ => 0,
+    };
+    let has_m = matches!(dtype, DType::Q4_1 | DType::Q5_1);
+    let lanes = &mut lanes[..n];
+    for l in lanes.iter_mut() {
+        *l = [0.0; LANES32];
+    }
+    let biasv = _mm256_set1_epi32(bias);
+    let mut b0 = 0;
+    while b0 < nb {
+        let m = (nb - b0).min(LANES32);
+        let base = row.as_ptr().add(b0 * bb);
+        if n == 1 {
+            prefetch_ahead(base, 8 * bb);
+        }
+        let mut u = [_mm256_setzero_si256(); 8];
+        let mut dbits = [0u16; 8];
+        let mut mbits = [0u16; 8];
+        for j in 0..m {
+            let w = base.add(j * bb);
+            u[j] = codes32_vnni(dtype, w);
+            dbits[j] = u16::from_le_bytes([*w, *w.add(1)]);
+            if has_m {
+                mbits[j] = u16::from_le_bytes([*w.add(2), *w.add(3)]);
+            }
+        }
+        let w4 = [pair(u[0], u[1]), pair(u[2], u[3]), pair(u[4], u[5]), pair(u[6], u[7])];
+        // Padding blocks have zero codes and scales: they add (±)0 to their lanes.
+        let dw = _mm256_cvtph_ps(_mm_loadu_si128(dbits.as_ptr() as *const __m128i));
+        let mw = _mm256_cvtph_ps(_mm_loadu_si128(mbits.as_ptr() as *const __m128i));
+        for t in 0..n {
+            let i0 = act.idx(t, b0);
+            let xq = act.qs.as_ptr().add(i0 * 32);
+            let z = _mm512_setzero_si512();
+            let a = [
+                _mm512_dpbusd_epi32(z, w4[0], _mm512_loadu_si512(xq as *const _)),
+                _mm512_dpbusd_epi32(z, w4[1], _mm512_loadu_si512(xq.add(64) as *const _)),
+                _mm512_dpbusd_epi32(z, w4[2], _mm512_loadu_si512(xq.add(128) as *const _)),
+                _mm512_dpbusd_epi32(z, w4[3], _mm512_loadu_si512(xq.add(192) as *const _)),
+            ];
+            let mut isum = reduce_blocks(&a);
+            if bias != 0 {
+                let xs = _mm256_loadu_si256(act.sum.as_ptr().add(i0) as *const __m256i);
+                isum = _mm256_sub_epi32(isum, _mm256_mullo_epi32(xs, biasv));
+            }
+            let dx = _mm256_loadu_ps(act.d.as_ptr().add(i0));
+            let lp = lanes.as_mut_ptr().add(t) as *mut f32;
+            let mut l =
+                _mm256_add_ps(_mm256_loadu_ps(lp), _mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(isum)));
+            if has_m {
+                l = _mm256_add_ps(l, _mm256_mul_ps(mw, _mm256_loadu_ps(act.s.as_ptr().add(i0))));
+            }
+            _mm256_storeu_ps(lp, l);
+        }
+        b0 += m;
+    }
+    for t in 0..n {
+        out[t] = hsum_ps8(_mm256_loadu_ps(lanes.as_ptr().add(t) as *const f32));
+    }
+}
+
+#[inline(always)]
+unsafe fn hsum16(v: __m512i) -> i32 {
+    hsum8(_mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1)))
+}
+
+/// One Q4_K or Q5_K row against every token.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")]
+pub unsafe fn row_q4k_q5k(q5: bool, row: &[u8], act: &QuantAct, out: &mut [f32]) {
+    let n = act.rows;
+    let dtype = if q5 { DType::Q5_K } else { DType::Q4_K };
+    let bb = dtype.block_bytes();
+    let mask = _mm256_set1_epi8(0x0F);
+    let one = _mm256_set1_epi8(1);
+    out[..n].fill(0.0);
+    for b in 0..act.blocks_per_row() {
+        let w = &row[b * bb..(b + 1) * bb];
+        if n == 1 {
+            prefetch_ahead(w.as_ptr(), bb);
+        }
+        let sc = &w[4..16];
+        let mut s = [0i16; 8];
+        // Each min twice: it multiplies the two 16-value sums of its 32-value sub-block.
+        let mut m2 = [0i16; 16];
+        for j in 0..8 {
+            let (a, c) = crate::quant::blocks::scale_min_k4(j, sc);
+            s[j] = a as i16;
+            m2[2 * j] = c as i16;
+            m2[2 * j + 1] = c as i16;
+        }
+        let mins16 = _mm256_loadu_si256(m2.as_ptr() as *const __m256i);
+        let dm = _mm_cvtph_ps(_mm_cvtsi32_si128(u32::from_le_bytes([w[0], w[1], w[2], w[3]]) as i32));
+        let scales = BlockScales { d: _mm_cvtss_f32(dm), m: _mm_cvtss_f32(_mm_movehdup_ps(dm)) };
+        let (qh, qs) = if q5 { (w.as_ptr().add(16), w.as_ptr().add(48)) } else { (w.as_ptr(), w.as_ptr().add(16)) };
+        let hbits = if q5 { _mm256_loadu_si256(qh as *const __m256i) } else { _mm256_setzero_si256() };
+        let mut u = [_mm512_setzero_si512(); 4];
+        let mut sv = [_mm512_setzero_si512(); 4];
+        for c in 0..4 {
+            let q = _mm256_loadu_si256(qs.add(32 * c) as *const __m256i);
+            let mut lo = _mm256_and_si256(q, mask);
+            let mut hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
+            if q5 {
+                let b0 = _mm256_and_si256(_mm256_srl_epi16(hbits, _mm_cvtsi32_si128(2 * c as i32)), one);
+                let b1 = _mm256_and_si256(_mm256_srl_epi16(hbits, _mm_cvtsi32_si128(2 * c as i32 + 1)), one);
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(b0, 4));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16(b1, 4));
+            }
+            u[c] = pair(lo, hi);
+            sv[c] = pair(_mm256_set1_epi16(s[2 * c]), _mm256_set1_epi16(s[2 * c + 1]));
+        }
+        for t in 0..n {
+            let xi = act.idx(t, b);
+            let xq = act.qs.as_ptr().add(xi * 256);
+            let mut acc = _mm512_setzero_si512();
+            for c in 0..4 {
+                let p = _mm512_maddubs_epi16(u[c], _mm512_loadu_si512(xq.add(64 * c) as *const _));
+                acc = _mm512_dpwssd_epi32(acc, p, sv[c]);
+            }
+            let bs = pack_i32x16_to_i16(act.bsums.as_ptr().add(xi * 16));
+            let mins = hsum8(_mm256_madd_epi16(mins16, bs));
+            let ints = BlockInts { isum: hsum16(acc), mins };
+            out[t] = accumulate(dtype, out[t], scales, ints, act.d[xi], 0.0);
+        }
+    }
+}
+
+/// One Q6_K row against every token.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")]
+pub unsafe fn row_q6k(row: &[u8], act: &QuantAct, out: &mut [f32]) {
+    let n = act.rows;
+    let bb = DType::Q6_K.block_bytes();
+    let mask = _mm256_set1_epi8(0x0F);
+    let three = _mm256_set1_epi8(3);
+    out[..n].fill(0.0);
+    for b in 0..act.blocks_per_row() {
+        let w = &row[b * bb..(b + 1) * bb];
+        if n == 1 {
+            prefetch_ahead(w.as_ptr(), bb);
+        }
+        let (ql, qh, sc) = (w.as_ptr(), w.as_ptr().add(128), &w[192..208]);
+        let scales = BlockScales {
+            d: _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(u16::from_le_bytes([w[208], w[209]]) as i32))),
+            m: 0.0,
+        };
+        let mut u = [_mm512_setzero_si512(); 4];
+        let mut sv = [_mm512_setzero_si512(); 4];
+        for nn in 0..2 {
+            let a = _mm256_loadu_si256(ql.add(64 * nn) as *const __m256i);
+            let bq = _mm256_loadu_si256(ql.add(64 * nn + 32) as *const __m256i);
+            let h = _mm256_loadu_si256(qh.add(32 * nn) as *const __m256i);
+            let q0 = _mm256_or_si256(_mm256_and_si256(a, mask), _mm256_slli_epi16(_mm256_and_si256(h, three), 4));
+            let q1 = _mm256_or_si256(
+                _mm256_and_si256(bq, mask),
+                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), three), 4),
+            );
+            let q2 = _mm256_or_si256(
+                _mm256_and_si256(_mm256_srli_epi16(a, 4), mask),
+                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), three), 4),
+            );
+            let q3 = _mm256_or_si256(
+                _mm256_and_si256(_mm256_srli_epi16(bq, 4), mask),
+                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), three), 4),
+            );
+            u[2 * nn] = pair(q0, q1);
+            u[2 * nn + 1] = pair(q2, q3);
+            let s = |g: usize| _mm_set1_epi16(sc[g] as i8 as i16);
+            let g = 8 * nn;
+            sv[2 * nn] = pair(_mm256_set_m128i(s(g + 1), s(g)), _mm256_set_m128i(s(g + 3), s(g + 2)));
+            sv[2 * nn + 1] = pair(_mm256_set_m128i(s(g + 5), s(g + 4)), _mm256_set_m128i(s(g + 7), s(g + 6)));
+        }
+        let sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(sc.as_ptr() as *const __m128i));
+        for t in 0..n {
+            let xi = act.idx(t, b);
+            let xq = act.qs.as_ptr().add(xi * 256);
+            let mut acc = _mm512_setzero_si512();
+            for k in 0..4 {
+                let p = _mm512_maddubs_epi16(u[k], _mm512_loadu_si512(xq.add(64 * k) as *const _));
+                acc = _mm512_dpwssd_epi32(acc, p, sv[k]);
+            }
+            let bs = pack_i32x16_to_i16(act.bsums.as_ptr().add(xi * 16));
+            let corr = hsum8(_mm256_madd_epi16(sc16, bs));
+            let ints = BlockInts { isum: hsum16(acc) - 32 * corr, mins: 0 };
+            out[t] = accumulate(DType::Q6_K, out[t], scales, ints, act.d[xi], 0.0);
+        }
+    }
+}
