@@ -170,6 +170,34 @@ fn main() {
             results.push(gbs);
         }
     }
+    // 3. Prefill: many tokens against one matrix, as GMAC/s (arithmetic, not bandwidth, bound).
+    let n_tok = 64;
+    let (rows, cols) = if quick { (1024, 1024) } else { (2048, 2048) };
+    for threads in [1usize, 2] {
+        let pool = ThreadPool::new(threads);
+        for &d in &dtypes {
+            let w = weights(d, rows, cols, 5);
+            let mut r = rng(4);
+            let x: Vec<f32> = (0..n_tok * cols).map(|_| r()).collect();
+            let mut out = vec![0f32; n_tok * rows];
+            let m = MatRef::new(d, rows, cols, &w).unwrap();
+            let mut best = f64::MAX;
+            for _ in 0..3 {
+                let t0 = Instant::now();
+                sluice_kernels::matmul(&pool, m, &x, n_tok, &mut out);
+                best = best.min(t0.elapsed().as_secs_f64());
+            }
+            let gmacs = (rows * cols * n_tok) as f64 / best / 1e9;
+            if json {
+                println!(
+                    "{{\"kernel\":\"matmul\",\"dtype\":\"{}\",\"tokens\":{n_tok},\"rows\":{rows},\"cols\":{cols},\"threads\":{threads},\"gmac_s\":{gmacs:.2}}}",
+                    d.name()
+                );
+            } else {
+                println!("matmul {:6} {rows}x{cols} x {n_tok} tokens, threads {threads}: {gmacs:7.2} GMAC/s", d.name());
+            }
+        }
+    }
     if !ok {
         eprintln!("some kernel variants disagree with the reference");
         std::process::exit(1);

@@ -74,29 +74,48 @@ pub(crate) fn matmul_quant(pool: &ThreadPool, w: MatRef<'_>, x: &[f32], n: usize
 
 pub(crate) fn matmul_quant_isa(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, x: &[f32], n: usize, out: &mut [f32]) {
     let kind = ActKind::for_weights(w.dtype).expect("MatRef::new checks support");
-    let act = QuantAct::new(kind, x, n, w.cols);
+    let mut act = QuantAct::new(kind, x, n, w.cols);
     let o = SendPtr(out.as_mut_ptr());
     let vnni = isa == Isa::Avx512 && crate::cpu::has_vnni();
+    if vnni && n > 1 && kind != ActKind::Q8_K {
+        act.interleave32();
+    }
+    // Rows in blocks of ROWS, tokens in chunks of TOKENS: a block's weights and a chunk's
+    // activations stay in L1 while every pair is computed.
+    const ROWS: usize = 16;
+    const TOKENS: usize = 32;
     pool.for_ranges(w.rows, 4, &|rows| {
-        let mut vals = vec![0f32; n];
-        let mut lanes = vec![[0f32; dot_ref::LANES32]; n];
-        for r in rows {
-            row_all_tokens(isa, vnni, w.dtype, w.row(r), &act, &mut lanes, &mut vals);
-            for (t, v) in vals.iter().enumerate() {
-                // SAFETY: this thread owns row r's column of the n × rows output.
-                unsafe { *o.get().add(t * w.rows + r) = *v };
+        let mut vals = vec![0f32; TOKENS.min(n)];
+        let mut lanes = vec![[0f32; dot_ref::LANES32]; TOKENS.min(n)];
+        let mut r0 = rows.start;
+        while r0 < rows.end {
+            let r1 = (r0 + ROWS).min(rows.end);
+            let mut t0 = 0;
+            while t0 < n {
+                let t1 = (t0 + TOKENS).min(n);
+                for r in r0..r1 {
+                    row_tokens(isa, vnni, w.dtype, w.row(r), &act, t0..t1, &mut lanes, &mut vals);
+                    for (i, v) in vals[..t1 - t0].iter().enumerate() {
+                        // SAFETY: this thread owns row r's column of the n × rows output.
+                        unsafe { *o.get().add((t0 + i) * w.rows + r) = *v };
+                    }
+                }
+                t0 = t1;
             }
+            r0 = r1;
         }
     });
 }
 
-/// One weight row against every token of `act`, into `out` (`act.rows` values).
-fn row_all_tokens(
+/// One weight row against tokens `toks` of `act`, into `out` (one value per token).
+#[allow(clippy::too_many_arguments)]
+fn row_tokens(
     isa: Isa,
     vnni: bool,
     dtype: DType,
     row: &[u8],
     act: &QuantAct,
+    toks: std::ops::Range<usize>,
     lanes: &mut [[f32; dot_ref::LANES32]],
     out: &mut [f32],
 ) {
@@ -110,23 +129,25 @@ fn row_all_tokens(
             let vnni = vnni && act.rows > 1;
             match (vnni, dtype) {
                 (true, DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0) => {
-                    return x86_512::row32(dtype, row, act, lanes, out)
+                    return x86_512::row32(dtype, row, act, toks, lanes, out)
                 }
                 (false, DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0) => {
-                    return x86::avx2::row32(dtype, row, act, lanes, out)
+                    return x86::avx2::row32(dtype, row, act, toks, lanes, out)
                 }
-                (true, DType::Q4_K | DType::Q5_K) => return x86_512::row_q4k_q5k(dtype == DType::Q5_K, row, act, out),
+                (true, DType::Q4_K | DType::Q5_K) => {
+                    return x86_512::row_q4k_q5k(dtype == DType::Q5_K, row, act, toks, out)
+                }
                 (false, DType::Q4_K | DType::Q5_K) => {
-                    return x86::avx2::row_q4k_q5k(dtype == DType::Q5_K, row, act, out)
+                    return x86::avx2::row_q4k_q5k(dtype == DType::Q5_K, row, act, toks, out)
                 }
-                (true, DType::Q6_K) => return x86_512::row_q6k(row, act, out),
-                (false, DType::Q6_K) => return x86::avx2::row_q6k(row, act, out),
+                (true, DType::Q6_K) => return x86_512::row_q6k(row, act, toks, out),
+                (false, DType::Q6_K) => return x86::avx2::row_q6k(row, act, toks, out),
                 _ => {}
             }
         }
     }
     let _ = (isa, vnni, lanes);
-    for (t, o) in out.iter_mut().enumerate().take(act.rows) {
+    for (o, t) in out.iter_mut().zip(toks) {
         *o = dot_ref::row_dot(dtype, row, act, t);
     }
 }

@@ -161,8 +161,15 @@ pub mod avx2 {
     /// `act.rows` lane sets. Blocks go eight at a time (a final partial group is padded
     /// with blocks that add exactly nothing), each unpacked once for all tokens.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn row32(dtype: DType, row: &[u8], act: &QuantAct, lanes: &mut [[f32; LANES32]], out: &mut [f32]) {
-        let n = act.rows;
+    pub unsafe fn row32(
+        dtype: DType,
+        row: &[u8],
+        act: &QuantAct,
+        toks: std::ops::Range<usize>,
+        lanes: &mut [[f32; LANES32]],
+        out: &mut [f32],
+    ) {
+        let (t0, n) = (toks.start, toks.len());
         let bb = dtype.block_bytes();
         let nb = act.blocks_per_row();
         let bias = bias32(dtype);
@@ -176,7 +183,7 @@ pub mod avx2 {
         while b0 < nb {
             let m = (nb - b0).min(LANES32);
             let base = row.as_ptr().add(b0 * bb);
-            if n == 1 {
+            if act.rows == 1 {
                 prefetch_ahead(base, 8 * bb);
             }
             let mut u = [_mm256_setzero_si256(); 8];
@@ -195,7 +202,7 @@ pub mod avx2 {
             let mw = _mm256_cvtph_ps(_mm_loadu_si128(mbits.as_ptr() as *const __m128i));
             for t in 0..n {
                 // Activation rows are padded to whole groups of eight zero blocks.
-                let i0 = act.idx(t, b0);
+                let i0 = act.idx(t0 + t, b0);
                 let xq = act.qs.as_ptr().add(i0 * 32);
                 let mut a = [_mm256_setzero_si256(); 8];
                 for j in 0..8 {
@@ -225,8 +232,8 @@ pub mod avx2 {
 
     /// One Q4_K or Q5_K row against every token of `act`.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn row_q4k_q5k(q5: bool, row: &[u8], act: &QuantAct, out: &mut [f32]) {
-        let n = act.rows;
+    pub unsafe fn row_q4k_q5k(q5: bool, row: &[u8], act: &QuantAct, toks: std::ops::Range<usize>, out: &mut [f32]) {
+        let (t0, n) = (toks.start, toks.len());
         let dtype = if q5 { DType::Q5_K } else { DType::Q4_K };
         let bb = dtype.block_bytes();
         let nb = act.blocks_per_row();
@@ -235,7 +242,7 @@ pub mod avx2 {
         out[..n].fill(0.0);
         for b in 0..nb {
             let w = &row[b * bb..(b + 1) * bb];
-            if n == 1 {
+            if act.rows == 1 {
                 prefetch_ahead(w.as_ptr(), bb);
             }
             let sc = &w[4..16];
@@ -268,7 +275,7 @@ pub mod avx2 {
                 sv[2 * c + 1] = _mm256_set1_epi16(s[2 * c + 1]);
             }
             for t in 0..n {
-                let xi = act.idx(t, b);
+                let xi = act.idx(t0 + t, b);
                 let xq = act.qs.as_ptr().add(xi * 256);
                 let mut acc = _mm256_setzero_si256();
                 for k in 0..8 {
@@ -288,15 +295,15 @@ pub mod avx2 {
     /// One Q6_K row against every token of `act`: codes 0..63, the −32 taken off through
     /// the 16-value sums.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn row_q6k(row: &[u8], act: &QuantAct, out: &mut [f32]) {
-        let n = act.rows;
+    pub unsafe fn row_q6k(row: &[u8], act: &QuantAct, toks: std::ops::Range<usize>, out: &mut [f32]) {
+        let (t0, n) = (toks.start, toks.len());
         let bb = DType::Q6_K.block_bytes();
         let mask = _mm256_set1_epi8(0x0F);
         let three = _mm256_set1_epi8(3);
         out[..n].fill(0.0);
         for b in 0..act.blocks_per_row() {
             let w = &row[b * bb..(b + 1) * bb];
-            if n == 1 {
+            if act.rows == 1 {
                 prefetch_ahead(w.as_ptr(), bb);
             }
             let (ql, qh, sc) = (w.as_ptr(), w.as_ptr().add(128), &w[192..208]);
@@ -331,7 +338,7 @@ pub mod avx2 {
             // Σ scale·bsum for the −32 offset, per token: sixteen i16 products.
             let sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(sc.as_ptr() as *const __m128i));
             for t in 0..n {
-                let xi = act.idx(t, b);
+                let xi = act.idx(t0 + t, b);
                 let xq = act.qs.as_ptr().add(xi * 256);
                 let mut acc = _mm256_setzero_si256();
                 for k in 0..8 {

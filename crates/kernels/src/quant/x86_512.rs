@@ -10,19 +10,35 @@ use std::arch::x86_64::*;
 
 const FEATURES: &str = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni";
 
-/// Sums of each 8-lane half of four vectors, in block order: `v[k]` holds blocks 2k (lanes
-/// 0..8) and 2k+1 (lanes 8..16); the result lists blocks 0..8.
+/// Transposes 8×8 dwords: `r[j]` row j → column c in the result's element c.
 #[inline(always)]
-unsafe fn reduce_blocks(v: &[__m512i; 4]) -> __m256i {
-    let ab = _mm512_add_epi32(_mm512_unpacklo_epi32(v[0], v[1]), _mm512_unpackhi_epi32(v[0], v[1]));
-    let cd = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2], v[3]), _mm512_unpackhi_epi32(v[2], v[3]));
-    // 128-bit lane k now holds [A, B, C, D], each the sum of its lanes 4k..4k+3.
-    let abcd = _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
-    // Add neighbouring 128-bit lanes: lanes 0..4 = first halves (blocks 0, 2, 4, 6), lanes
-    // 8..12 = second halves (blocks 1, 3, 5, 7).
-    let s = _mm512_add_epi32(abcd, _mm512_shuffle_i32x4(abcd, abcd, 0b10_11_00_01));
-    let idx = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 0, 0, 0, 0, 0, 0, 0, 0);
-    _mm512_castsi512_si256(_mm512_permutexvar_epi32(idx, s))
+unsafe fn transpose8x8(r: &[__m256i; 8]) -> [__m256i; 8] {
+    let t0 = _mm256_unpacklo_epi32(r[0], r[1]);
+    let t1 = _mm256_unpackhi_epi32(r[0], r[1]);
+    let t2 = _mm256_unpacklo_epi32(r[2], r[3]);
+    let t3 = _mm256_unpackhi_epi32(r[2], r[3]);
+    let t4 = _mm256_unpacklo_epi32(r[4], r[5]);
+    let t5 = _mm256_unpackhi_epi32(r[4], r[5]);
+    let t6 = _mm256_unpacklo_epi32(r[6], r[7]);
+    let t7 = _mm256_unpackhi_epi32(r[6], r[7]);
+    let s0 = _mm256_unpacklo_epi64(t0, t2);
+    let s1 = _mm256_unpackhi_epi64(t0, t2);
+    let s2 = _mm256_unpacklo_epi64(t1, t3);
+    let s3 = _mm256_unpackhi_epi64(t1, t3);
+    let s4 = _mm256_unpacklo_epi64(t4, t6);
+    let s5 = _mm256_unpackhi_epi64(t4, t6);
+    let s6 = _mm256_unpacklo_epi64(t5, t7);
+    let s7 = _mm256_unpackhi_epi64(t5, t7);
+    [
+        _mm256_permute2x128_si256(s0, s4, 0x20),
+        _mm256_permute2x128_si256(s1, s5, 0x20),
+        _mm256_permute2x128_si256(s2, s6, 0x20),
+        _mm256_permute2x128_si256(s3, s7, 0x20),
+        _mm256_permute2x128_si256(s0, s4, 0x31),
+        _mm256_permute2x128_si256(s1, s5, 0x31),
+        _mm256_permute2x128_si256(s2, s6, 0x31),
+        _mm256_permute2x128_si256(s3, s7, 0x31),
+    ]
 }
 
 #[inline(always)]
@@ -32,12 +48,19 @@ unsafe fn pair(a: __m256i, b: __m256i) -> __m512i {
 
 /// One row of a 32-block format against every token (see `x86::row32`).
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")]
-pub unsafe fn row32(dtype: DType, row: &[u8], act: &QuantAct, lanes: &mut [[f32; LANES32]], out: &mut [f32]) {
+pub unsafe fn row32(
+    dtype: DType,
+    row: &[u8],
+    act: &QuantAct,
+    toks: std::ops::Range<usize>,
+    lanes: &mut [[f32; LANES32]],
+    out: &mut [f32],
+) {
     let _ = FEATURES;
-    let n = act.rows;
+    let (t0, n) = (toks.start, toks.len());
     let bb = dtype.block_bytes();
     let nb = act.blocks_per_row();
-    let bias = match dtype {
+    let bias: i32 = match dtype {
         DType::Q4_0 => 8,
         DType::Q5_0 => 16,
         DType::Q8_0 => 128,
@@ -48,12 +71,13 @@ pub unsafe fn row32(dtype: DType, row: &[u8], act: &QuantAct, lanes: &mut [[f32;
     for l in lanes.iter_mut() {
         *l = [0.0; LANES32];
     }
-    let biasv = _mm256_set1_epi32(bias);
+    // The biases are powers of two: subtract bias·Σx as a shift.
+    let bias_shift = _mm_cvtsi32_si128(bias.trailing_zeros() as i32);
     let mut b0 = 0;
     while b0 < nb {
         let m = (nb - b0).min(LANES32);
         let base = row.as_ptr().add(b0 * bb);
-        if n == 1 {
+        if act.rows == 1 {
             prefetch_ahead(base, 8 * bb);
         }
         let mut u = [_mm256_setzero_si256(); 8];
@@ -67,24 +91,28 @@ pub unsafe fn row32(dtype: DType, row: &[u8], act: &QuantAct, lanes: &mut [[f32;
                 mbits[j] = u16::from_le_bytes([*w.add(2), *w.add(3)]);
             }
         }
-        let w4 = [pair(u[0], u[1]), pair(u[2], u[3]), pair(u[4], u[5]), pair(u[6], u[7])];
+        // Transpose the eight blocks (rows) by dword (columns) to match `qs_il`: vector k
+        // holds dwords 2k (lanes 0..8) and 2k + 1 (lanes 8..16) of blocks 0..8.
+        let c = transpose8x8(&u);
+        let w4 = [pair(c[0], c[1]), pair(c[2], c[3]), pair(c[4], c[5]), pair(c[6], c[7])];
         // Padding blocks have zero codes and scales: they add (±)0 to their lanes.
         let dw = _mm256_cvtph_ps(_mm_loadu_si128(dbits.as_ptr() as *const __m128i));
         let mw = _mm256_cvtph_ps(_mm_loadu_si128(mbits.as_ptr() as *const __m128i));
         for t in 0..n {
-            let i0 = act.idx(t, b0);
-            let xq = act.qs.as_ptr().add(i0 * 32);
+            let i0 = act.idx(t0 + t, b0);
+            let xq = act.qs_il.as_ptr().add(i0 * 32);
+            // Two chains of two, so the dot products overlap.
             let z = _mm512_setzero_si512();
-            let a = [
-                _mm512_dpbusd_epi32(z, w4[0], _mm512_loadu_si512(xq as *const _)),
-                _mm512_dpbusd_epi32(z, w4[1], _mm512_loadu_si512(xq.add(64) as *const _)),
-                _mm512_dpbusd_epi32(z, w4[2], _mm512_loadu_si512(xq.add(128) as *const _)),
-                _mm512_dpbusd_epi32(z, w4[3], _mm512_loadu_si512(xq.add(192) as *const _)),
-            ];
-            let mut isum = reduce_blocks(&a);
+            let a0 = _mm512_dpbusd_epi32(z, w4[0], _mm512_loadu_si512(xq as *const _));
+            let a1 = _mm512_dpbusd_epi32(z, w4[1], _mm512_loadu_si512(xq.add(64) as *const _));
+            let a0 = _mm512_dpbusd_epi32(a0, w4[2], _mm512_loadu_si512(xq.add(128) as *const _));
+            let a1 = _mm512_dpbusd_epi32(a1, w4[3], _mm512_loadu_si512(xq.add(192) as *const _));
+            let acc = _mm512_add_epi32(a0, a1);
+            // Lane j + lane j + 8 = block j's whole sum.
+            let mut isum = _mm256_add_epi32(_mm512_castsi512_si256(acc), _mm512_extracti64x4_epi64(acc, 1));
             if bias != 0 {
                 let xs = _mm256_loadu_si256(act.sum.as_ptr().add(i0) as *const __m256i);
-                isum = _mm256_sub_epi32(isum, _mm256_mullo_epi32(xs, biasv));
+                isum = _mm256_sub_epi32(isum, _mm256_sll_epi32(xs, bias_shift));
             }
             let dx = _mm256_loadu_ps(act.d.as_ptr().add(i0));
             let lp = lanes.as_mut_ptr().add(t) as *mut f32;
@@ -109,8 +137,8 @@ unsafe fn hsum16(v: __m512i) -> i32 {
 
 /// One Q4_K or Q5_K row against every token.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")]
-pub unsafe fn row_q4k_q5k(q5: bool, row: &[u8], act: &QuantAct, out: &mut [f32]) {
-    let n = act.rows;
+pub unsafe fn row_q4k_q5k(q5: bool, row: &[u8], act: &QuantAct, toks: std::ops::Range<usize>, out: &mut [f32]) {
+    let (t0, n) = (toks.start, toks.len());
     let dtype = if q5 { DType::Q5_K } else { DType::Q4_K };
     let bb = dtype.block_bytes();
     let mask = _mm256_set1_epi8(0x0F);
@@ -118,7 +146,7 @@ pub unsafe fn row_q4k_q5k(q5: bool, row: &[u8], act: &QuantAct, out: &mut [f32])
     out[..n].fill(0.0);
     for b in 0..act.blocks_per_row() {
         let w = &row[b * bb..(b + 1) * bb];
-        if n == 1 {
+        if act.rows == 1 {
             prefetch_ahead(w.as_ptr(), bb);
         }
         let sc = &w[4..16];
@@ -152,7 +180,7 @@ pub unsafe fn row_q4k_q5k(q5: bool, row: &[u8], act: &QuantAct, out: &mut [f32])
             sv[c] = pair(_mm256_set1_epi16(s[2 * c]), _mm256_set1_epi16(s[2 * c + 1]));
         }
         for t in 0..n {
-            let xi = act.idx(t, b);
+            let xi = act.idx(t0 + t, b);
             let xq = act.qs.as_ptr().add(xi * 256);
             let mut acc = _mm512_setzero_si512();
             for c in 0..4 {
@@ -169,15 +197,15 @@ pub unsafe fn row_q4k_q5k(q5: bool, row: &[u8], act: &QuantAct, out: &mut [f32])
 
 /// One Q6_K row against every token.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")]
-pub unsafe fn row_q6k(row: &[u8], act: &QuantAct, out: &mut [f32]) {
-    let n = act.rows;
+pub unsafe fn row_q6k(row: &[u8], act: &QuantAct, toks: std::ops::Range<usize>, out: &mut [f32]) {
+    let (t0, n) = (toks.start, toks.len());
     let bb = DType::Q6_K.block_bytes();
     let mask = _mm256_set1_epi8(0x0F);
     let three = _mm256_set1_epi8(3);
     out[..n].fill(0.0);
     for b in 0..act.blocks_per_row() {
         let w = &row[b * bb..(b + 1) * bb];
-        if n == 1 {
+        if act.rows == 1 {
             prefetch_ahead(w.as_ptr(), bb);
         }
         let (ql, qh, sc) = (w.as_ptr(), w.as_ptr().add(128), &w[192..208]);
@@ -213,7 +241,7 @@ pub unsafe fn row_q6k(row: &[u8], act: &QuantAct, out: &mut [f32]) {
         }
         let sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(sc.as_ptr() as *const __m128i));
         for t in 0..n {
-            let xi = act.idx(t, b);
+            let xi = act.idx(t0 + t, b);
             let xq = act.qs.as_ptr().add(xi * 256);
             let mut acc = _mm512_setzero_si512();
             for k in 0..4 {
