@@ -50,8 +50,8 @@ pub struct QuantAct {
     pub s: Vec<f32>,
     /// Per block: Σq as an integer (all kinds).
     pub sum: Vec<i32>,
-    /// Q8_K: Σq of every 16 values. Empty otherwise.
-    pub bsums: Vec<i32>,
+    /// Q8_K: Σq of every 16 values (at most 16·127 in magnitude). Empty otherwise.
+    pub bsums: Vec<i16>,
     /// Quantized values, row after row; each row padded with zero blocks to `stride` blocks
     /// (a multiple of 8), so kernels can take eight blocks at a time.
     pub qs: Vec<i8>,
@@ -119,9 +119,9 @@ impl QuantAct {
                         *qv = nearest_int(iscale * xv).min(127) as i8;
                     }
                     for g in 0..16 {
-                        a.bsums[b * 16 + g] = q[16 * g..16 * g + 16].iter().map(|v| *v as i32).sum();
+                        a.bsums[b * 16 + g] = q[16 * g..16 * g + 16].iter().map(|v| *v as i16).sum();
                     }
-                    a.sum[b] = a.bsums[b * 16..b * 16 + 16].iter().sum();
+                    a.sum[b] = a.bsums[b * 16..b * 16 + 16].iter().map(|v| *v as i32).sum();
                     a.d[b] = 1.0 / iscale;
                 }
             }
@@ -185,7 +185,7 @@ mod tests {
         assert_eq!(a.qs[5], -127);
         assert_eq!(a.qs[9], 64); // −1 / (−2/127) = 63.5 → ties to even
         assert!((a.d[0] * a.qs[5] as f32 - 2.0).abs() < 1e-6);
-        assert_eq!(a.bsums[0], a.qs[..16].iter().map(|v| *v as i32).sum::<i32>());
+        assert_eq!(a.bsums[0] as i32, a.qs[..16].iter().map(|v| *v as i32).sum::<i32>());
     }
 
     #[test]

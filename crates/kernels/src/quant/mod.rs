@@ -86,7 +86,7 @@ pub(crate) fn matmul_quant_isa(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, x: &[
     const TOKENS: usize = 32;
     pool.for_ranges(w.rows, 4, &|rows| {
         let mut vals = vec![0f32; TOKENS.min(n)];
-        let mut lanes = vec![[0f32; dot_ref::LANES32]; TOKENS.min(n)];
+        let mut scratch = vec![[0f32; 24]; TOKENS.min(n)];
         let mut r0 = rows.start;
         while r0 < rows.end {
             let r1 = (r0 + ROWS).min(rows.end);
@@ -94,7 +94,7 @@ pub(crate) fn matmul_quant_isa(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, x: &[
             while t0 < n {
                 let t1 = (t0 + TOKENS).min(n);
                 for r in r0..r1 {
-                    row_tokens(isa, vnni, w.dtype, w.row(r), &act, t0..t1, &mut lanes, &mut vals);
+                    row_tokens(isa, vnni, w.dtype, w.row(r), &act, t0..t1, &mut scratch, &mut vals);
                     for (i, v) in vals[..t1 - t0].iter().enumerate() {
                         // SAFETY: this thread owns row r's column of the n × rows output.
                         unsafe { *o.get().add((t0 + i) * w.rows + r) = *v };
@@ -107,6 +107,14 @@ pub(crate) fn matmul_quant_isa(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, x: &[
     });
 }
 
+/// The 32-block kernels' 8-lane view of the per-token scratch (they use one set per token).
+#[cfg(target_arch = "x86_64")]
+fn lane8(s: &mut [[f32; 24]]) -> &mut [[f32; dot_ref::LANES32]] {
+    let len = s.len();
+    // SAFETY: `len` sets of 8 floats fit in the first third of `len` sets of 24.
+    unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr() as *mut [f32; dot_ref::LANES32], len) }
+}
+
 /// One weight row against tokens `toks` of `act`, into `out` (one value per token).
 #[allow(clippy::too_many_arguments)]
 fn row_tokens(
@@ -116,7 +124,7 @@ fn row_tokens(
     row: &[u8],
     act: &QuantAct,
     toks: std::ops::Range<usize>,
-    lanes: &mut [[f32; dot_ref::LANES32]],
+    scratch: &mut [[f32; 24]],
     out: &mut [f32],
 ) {
     #[cfg(target_arch = "x86_64")]
@@ -127,6 +135,7 @@ fn row_tokens(
             // One token is bound by memory, not arithmetic: the 256-bit kernels keep the
             // core's clock up there; 512-bit ones pay off from two tokens on.
             let vnni = vnni && act.rows > 1;
+            let lanes = lane8(scratch);
             match (vnni, dtype) {
                 (true, DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0) => {
                     return x86_512::row32(dtype, row, act, toks, lanes, out)
@@ -135,18 +144,18 @@ fn row_tokens(
                     return x86::avx2::row32(dtype, row, act, toks, lanes, out)
                 }
                 (true, DType::Q4_K | DType::Q5_K) => {
-                    return x86_512::row_q4k_q5k(dtype == DType::Q5_K, row, act, toks, out)
+                    return x86_512::row_q4k_q5k(dtype == DType::Q5_K, row, act, toks, scratch, out)
                 }
                 (false, DType::Q4_K | DType::Q5_K) => {
-                    return x86::avx2::row_q4k_q5k(dtype == DType::Q5_K, row, act, toks, out)
+                    return x86::avx2::row_q4k_q5k(dtype == DType::Q5_K, row, act, toks, scratch, out)
                 }
-                (true, DType::Q6_K) => return x86_512::row_q6k(row, act, toks, out),
-                (false, DType::Q6_K) => return x86::avx2::row_q6k(row, act, toks, out),
+                (true, DType::Q6_K) => return x86_512::row_q6k(row, act, toks, scratch, out),
+                (false, DType::Q6_K) => return x86::avx2::row_q6k(row, act, toks, scratch, out),
                 _ => {}
             }
         }
     }
-    let _ = (isa, vnni, lanes);
+    let _ = (isa, vnni, scratch);
     for (o, t) in out.iter_mut().zip(toks) {
         *o = dot_ref::row_dot(dtype, row, act, t);
     }

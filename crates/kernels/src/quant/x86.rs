@@ -11,17 +11,10 @@
 //! and every other format keeps its weight codes below 64.
 
 use super::act::QuantAct;
-use super::dot_ref::{accumulate, BlockInts, BlockScales, LANES32};
+use super::dot_ref::LANES32;
+use super::x86_512::KAcc;
 use crate::DType;
 use std::arch::x86_64::*;
-
-#[inline(always)]
-pub(crate) unsafe fn hsum8(v: __m256i) -> i32 {
-    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-    _mm_cvtsi128_si32(s)
-}
 
 /// 32 four-bit codes: low nibbles of `q` then high nibbles (the Q4_0/Q4_1/Q5 order).
 #[inline(always)]
@@ -77,15 +70,6 @@ pub(crate) unsafe fn hsum_ps8(v: __m256) -> f32 {
     let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
     let s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
     _mm_cvtss_f32(s1)
-}
-
-/// Sixteen i32 values (each within i16 range) packed to i16 lanes.
-#[inline(always)]
-pub(crate) unsafe fn pack_i32x16_to_i16(p: *const i32) -> __m256i {
-    let a = _mm256_loadu_si256(p as *const __m256i);
-    let b = _mm256_loadu_si256(p.add(8) as *const __m256i);
-    // packs works within 128-bit lanes: fix the order with a 64-bit permute.
-    _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0b11_01_10_00)
 }
 
 #[inline(always)]
@@ -230,31 +214,36 @@ pub mod avx2 {
         }
     }
 
-    /// One Q4_K or Q5_K row against every token of `act`.
+    /// One Q4_K or Q5_K row against tokens `toks`, in `dot_ref::kquant_lanes`' lanes
+    /// (16 main lanes as two 8-lane halves: even and odd sub-blocks).
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn row_q4k_q5k(q5: bool, row: &[u8], act: &QuantAct, toks: std::ops::Range<usize>, out: &mut [f32]) {
+    pub unsafe fn row_q4k_q5k(q5: bool, row: &[u8], act: &QuantAct, toks: std::ops::Range<usize>, acc: &mut [KAcc], out: &mut [f32]) {
         let (t0, n) = (toks.start, toks.len());
         let dtype = if q5 { DType::Q5_K } else { DType::Q4_K };
         let bb = dtype.block_bytes();
-        let nb = act.blocks_per_row();
         let mask = _mm256_set1_epi8(0x0F);
         let one = _mm256_set1_epi8(1);
-        out[..n].fill(0.0);
-        for b in 0..nb {
+        let acc = &mut acc[..n];
+        for a in acc.iter_mut() {
+            *a = [0.0; 24];
+        }
+        for b in 0..act.blocks_per_row() {
             let w = &row[b * bb..(b + 1) * bb];
             if act.rows == 1 {
                 prefetch_ahead(w.as_ptr(), bb);
             }
             let sc = &w[4..16];
             let mut s = [0i16; 8];
-            let mut m = [0i32; 8];
+            let mut m2 = [0i16; 16];
             for j in 0..8 {
                 let (a, c) = crate::quant::blocks::scale_min_k4(j, sc);
                 s[j] = a as i16;
-                m[j] = c as i32;
+                m2[2 * j] = c as i16;
+                m2[2 * j + 1] = c as i16;
             }
+            let mins16 = _mm256_loadu_si256(m2.as_ptr() as *const __m256i);
             let dm = _mm_cvtph_ps(_mm_cvtsi32_si128(u32::from_le_bytes([w[0], w[1], w[2], w[3]]) as i32));
-            let scales = BlockScales { d: _mm_cvtss_f32(dm), m: _mm_cvtss_f32(_mm_movehdup_ps(dm)) };
+            let (d, dmin) = (_mm_cvtss_f32(dm), _mm_cvtss_f32(_mm_movehdup_ps(dm)));
             let (qh, qs) = if q5 { (w.as_ptr().add(16), w.as_ptr().add(48)) } else { (w.as_ptr(), w.as_ptr().add(16)) };
             let hbits = if q5 { _mm256_loadu_si256(qh as *const __m256i) } else { _mm256_setzero_si256() };
             let mut u = [_mm256_setzero_si256(); 8];
@@ -277,46 +266,45 @@ pub mod avx2 {
             for t in 0..n {
                 let xi = act.idx(t0 + t, b);
                 let xq = act.qs.as_ptr().add(xi * 256);
-                let mut acc = _mm256_setzero_si256();
-                for k in 0..8 {
-                    acc = dp_scaled(acc, u[k], _mm256_loadu_si256(xq.add(32 * k) as *const __m256i), sv[k]);
+                let (mut lo, mut hi) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+                for c in 0..4 {
+                    lo = dp_scaled(lo, u[2 * c], _mm256_loadu_si256(xq.add(64 * c) as *const __m256i), sv[2 * c]);
+                    hi = dp_scaled(hi, u[2 * c + 1], _mm256_loadu_si256(xq.add(64 * c + 32) as *const __m256i), sv[2 * c + 1]);
                 }
-                let bs = act.bsums.as_ptr().add(xi * 16);
-                let mut mins = 0;
-                for j in 0..8 {
-                    mins += m[j] * (*bs.add(2 * j) + *bs.add(2 * j + 1));
-                }
-                let ints = BlockInts { isum: hsum8(acc), mins };
-                out[t] = accumulate(dtype, out[t], scales, ints, act.d[xi], 0.0);
+                let side = _mm256_madd_epi16(mins16, _mm256_loadu_si256(act.bsums.as_ptr().add(xi * 16) as *const __m256i));
+                let dx = *act.d.get_unchecked(xi);
+                kacc_add(acc.as_mut_ptr().add(t) as *mut f32, d * dx, lo, hi, dmin * dx, side);
             }
         }
+        finish_kacc(acc, out);
     }
 
-    /// One Q6_K row against every token of `act`: codes 0..63, the −32 taken off through
-    /// the 16-value sums.
+    /// One Q6_K row against tokens `toks`, in `dot_ref::kquant_lanes`' lanes.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn row_q6k(row: &[u8], act: &QuantAct, toks: std::ops::Range<usize>, out: &mut [f32]) {
+    pub unsafe fn row_q6k(row: &[u8], act: &QuantAct, toks: std::ops::Range<usize>, acc: &mut [KAcc], out: &mut [f32]) {
         let (t0, n) = (toks.start, toks.len());
         let bb = DType::Q6_K.block_bytes();
         let mask = _mm256_set1_epi8(0x0F);
         let three = _mm256_set1_epi8(3);
-        out[..n].fill(0.0);
+        let acc = &mut acc[..n];
+        for a in acc.iter_mut() {
+            *a = [0.0; 24];
+        }
         for b in 0..act.blocks_per_row() {
             let w = &row[b * bb..(b + 1) * bb];
             if act.rows == 1 {
                 prefetch_ahead(w.as_ptr(), bb);
             }
             let (ql, qh, sc) = (w.as_ptr(), w.as_ptr().add(128), &w[192..208]);
-            let scales =
-                BlockScales { d: _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(f16_bits(w, 208) as i32))), m: 0.0 };
+            let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(f16_bits(w, 208) as i32)));
+            // u[j]: elements 32j..32j+32, natural order.
             let mut u = [_mm256_setzero_si256(); 8];
             let mut sv = [_mm256_setzero_si256(); 8];
             for nn in 0..2 {
                 let a = _mm256_loadu_si256(ql.add(64 * nn) as *const __m256i);
                 let bq = _mm256_loadu_si256(ql.add(64 * nn + 32) as *const __m256i);
                 let h = _mm256_loadu_si256(qh.add(32 * nn) as *const __m256i);
-                u[4 * nn] =
-                    _mm256_or_si256(_mm256_and_si256(a, mask), _mm256_slli_epi16(_mm256_and_si256(h, three), 4));
+                u[4 * nn] = _mm256_or_si256(_mm256_and_si256(a, mask), _mm256_slli_epi16(_mm256_and_si256(h, three), 4));
                 u[4 * nn + 1] = _mm256_or_si256(
                     _mm256_and_si256(bq, mask),
                     _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), three), 4),
@@ -331,24 +319,42 @@ pub mod avx2 {
                 );
                 for k in 0..4 {
                     let g = 8 * nn + 2 * k;
-                    sv[4 * nn + k] =
-                        _mm256_set_m128i(_mm_set1_epi16(sc[g + 1] as i8 as i16), _mm_set1_epi16(sc[g] as i8 as i16));
+                    sv[4 * nn + k] = _mm256_set_m128i(_mm_set1_epi16(sc[g + 1] as i8 as i16), _mm_set1_epi16(sc[g] as i8 as i16));
                 }
             }
-            // Σ scale·bsum for the −32 offset, per token: sixteen i16 products.
             let sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(sc.as_ptr() as *const __m128i));
             for t in 0..n {
                 let xi = act.idx(t0 + t, b);
                 let xq = act.qs.as_ptr().add(xi * 256);
-                let mut acc = _mm256_setzero_si256();
-                for k in 0..8 {
-                    acc = dp_scaled(acc, u[k], _mm256_loadu_si256(xq.add(32 * k) as *const __m256i), sv[k]);
+                let (mut lo, mut hi) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+                for j in 0..4 {
+                    lo = dp_scaled(lo, u[2 * j], _mm256_loadu_si256(xq.add(64 * j) as *const __m256i), sv[2 * j]);
+                    hi = dp_scaled(hi, u[2 * j + 1], _mm256_loadu_si256(xq.add(64 * j + 32) as *const __m256i), sv[2 * j + 1]);
                 }
-                let bs = pack_i32x16_to_i16(act.bsums.as_ptr().add(xi * 16));
-                let corr = hsum8(_mm256_madd_epi16(sc16, bs));
-                let ints = BlockInts { isum: hsum8(acc) - 32 * corr, mins: 0 };
-                out[t] = accumulate(DType::Q6_K, out[t], scales, ints, act.d[xi], 0.0);
+                let corr = _mm256_madd_epi16(sc16, _mm256_loadu_si256(act.bsums.as_ptr().add(xi * 16) as *const __m256i));
+                let ddx = d * *act.d.get_unchecked(xi);
+                kacc_add(acc.as_mut_ptr().add(t) as *mut f32, ddx, lo, hi, ddx, _mm256_slli_epi32(corr, 5));
             }
+        }
+        finish_kacc(acc, out);
+    }
+
+    /// main[0..8] += s·lo, main[8..16] += s·hi, side += m·side (fused).
+    #[inline(always)]
+    unsafe fn kacc_add(p: *mut f32, s: f32, lo: __m256i, hi: __m256i, m: f32, side: __m256i) {
+        let sv = _mm256_set1_ps(s);
+        _mm256_storeu_ps(p, _mm256_fmadd_ps(sv, _mm256_cvtepi32_ps(lo), _mm256_loadu_ps(p)));
+        _mm256_storeu_ps(p.add(8), _mm256_fmadd_ps(sv, _mm256_cvtepi32_ps(hi), _mm256_loadu_ps(p.add(8))));
+        _mm256_storeu_ps(p.add(16), _mm256_fmadd_ps(_mm256_set1_ps(m), _mm256_cvtepi32_ps(side), _mm256_loadu_ps(p.add(16))));
+    }
+
+    /// `reduce16(main) − reduce8(side)` for each token.
+    #[inline(always)]
+    unsafe fn finish_kacc(acc: &[KAcc], out: &mut [f32]) {
+        for (a, o) in acc.iter().zip(out.iter_mut()) {
+            let p = a.as_ptr();
+            let main = _mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)));
+            *o = hsum_ps8(main) - hsum_ps8(_mm256_loadu_ps(p.add(16)));
         }
     }
 }

@@ -3,8 +3,8 @@
 //! instruction, and an all-vector reduction of eight blocks' sums.
 
 use super::act::QuantAct;
-use super::dot_ref::{accumulate, BlockInts, BlockScales, LANES32};
-use super::x86::{codes32_vnni, hsum8, hsum_ps8, pack_i32x16_to_i16, prefetch_ahead};
+use super::dot_ref::LANES32;
+use super::x86::{codes32_vnni, hsum_ps8, prefetch_ahead};
 use crate::DType;
 use std::arch::x86_64::*;
 
@@ -130,20 +130,21 @@ pub unsafe fn row32(
     }
 }
 
-#[inline(always)]
-unsafe fn hsum16(v: __m512i) -> i32 {
-    hsum8(_mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1)))
-}
+/// Per-token scratch of the K-quant kernels: 16 main lanes then 8 side lanes.
+pub type KAcc = [f32; 24];
 
-/// One Q4_K or Q5_K row against every token.
+/// One Q4_K or Q5_K row against tokens `toks`, in `dot_ref::kquant_lanes`' lanes.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")]
-pub unsafe fn row_q4k_q5k(q5: bool, row: &[u8], act: &QuantAct, toks: std::ops::Range<usize>, out: &mut [f32]) {
+pub unsafe fn row_q4k_q5k(q5: bool, row: &[u8], act: &QuantAct, toks: std::ops::Range<usize>, acc: &mut [KAcc], out: &mut [f32]) {
     let (t0, n) = (toks.start, toks.len());
     let dtype = if q5 { DType::Q5_K } else { DType::Q4_K };
     let bb = dtype.block_bytes();
     let mask = _mm256_set1_epi8(0x0F);
     let one = _mm256_set1_epi8(1);
-    out[..n].fill(0.0);
+    let acc = &mut acc[..n];
+    for a in acc.iter_mut() {
+        *a = [0.0; 24];
+    }
     for b in 0..act.blocks_per_row() {
         let w = &row[b * bb..(b + 1) * bb];
         if act.rows == 1 {
@@ -161,7 +162,7 @@ pub unsafe fn row_q4k_q5k(q5: bool, row: &[u8], act: &QuantAct, toks: std::ops::
         }
         let mins16 = _mm256_loadu_si256(m2.as_ptr() as *const __m256i);
         let dm = _mm_cvtph_ps(_mm_cvtsi32_si128(u32::from_le_bytes([w[0], w[1], w[2], w[3]]) as i32));
-        let scales = BlockScales { d: _mm_cvtss_f32(dm), m: _mm_cvtss_f32(_mm_movehdup_ps(dm)) };
+        let (d, dmin) = (_mm_cvtss_f32(dm), _mm_cvtss_f32(_mm_movehdup_ps(dm)));
         let (qh, qs) = if q5 { (w.as_ptr().add(16), w.as_ptr().add(48)) } else { (w.as_ptr(), w.as_ptr().add(16)) };
         let hbits = if q5 { _mm256_loadu_si256(qh as *const __m256i) } else { _mm256_setzero_si256() };
         let mut u = [_mm512_setzero_si512(); 4];
@@ -182,37 +183,50 @@ pub unsafe fn row_q4k_q5k(q5: bool, row: &[u8], act: &QuantAct, toks: std::ops::
         for t in 0..n {
             let xi = act.idx(t0 + t, b);
             let xq = act.qs.as_ptr().add(xi * 256);
-            let mut acc = _mm512_setzero_si512();
-            for c in 0..4 {
-                let p = _mm512_maddubs_epi16(u[c], _mm512_loadu_si512(xq.add(64 * c) as *const _));
-                acc = _mm512_dpwssd_epi32(acc, p, sv[c]);
-            }
-            let bs = pack_i32x16_to_i16(act.bsums.as_ptr().add(xi * 16));
-            let mins = hsum8(_mm256_madd_epi16(mins16, bs));
-            let ints = BlockInts { isum: hsum16(acc), mins };
-            out[t] = accumulate(dtype, out[t], scales, ints, act.d[xi], 0.0);
+            let z = _mm512_setzero_si512();
+            let p0 = _mm512_dpwssd_epi32(z, _mm512_maddubs_epi16(u[0], _mm512_loadu_si512(xq as *const _)), sv[0]);
+            let p1 = _mm512_dpwssd_epi32(z, _mm512_maddubs_epi16(u[1], _mm512_loadu_si512(xq.add(64) as *const _)), sv[1]);
+            let p0 = _mm512_dpwssd_epi32(p0, _mm512_maddubs_epi16(u[2], _mm512_loadu_si512(xq.add(128) as *const _)), sv[2]);
+            let p1 = _mm512_dpwssd_epi32(p1, _mm512_maddubs_epi16(u[3], _mm512_loadu_si512(xq.add(192) as *const _)), sv[3]);
+            let lanes = _mm512_add_epi32(p0, p1);
+            let side = _mm256_madd_epi16(mins16, _mm256_loadu_si256(act.bsums.as_ptr().add(xi * 16) as *const __m256i));
+            let dx = *act.d.get_unchecked(xi);
+            let ap = acc.as_mut_ptr().add(t) as *mut f32;
+            _mm512_storeu_ps(ap, _mm512_fmadd_ps(_mm512_set1_ps(d * dx), _mm512_cvtepi32_ps(lanes), _mm512_loadu_ps(ap)));
+            _mm256_storeu_ps(ap.add(16), _mm256_fmadd_ps(_mm256_set1_ps(dmin * dx), _mm256_cvtepi32_ps(side), _mm256_loadu_ps(ap.add(16))));
         }
+    }
+    finish_kacc(acc, out);
+}
+
+/// `reduce16(main) − reduce8(side)` for each token.
+#[inline(always)]
+unsafe fn finish_kacc(acc: &[KAcc], out: &mut [f32]) {
+    for (a, o) in acc.iter().zip(out.iter_mut()) {
+        let p = a.as_ptr();
+        let main = _mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)));
+        *o = hsum_ps8(main) - hsum_ps8(_mm256_loadu_ps(p.add(16)));
     }
 }
 
-/// One Q6_K row against every token.
+/// One Q6_K row against tokens `toks`, in `dot_ref::kquant_lanes`' lanes.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")]
-pub unsafe fn row_q6k(row: &[u8], act: &QuantAct, toks: std::ops::Range<usize>, out: &mut [f32]) {
+pub unsafe fn row_q6k(row: &[u8], act: &QuantAct, toks: std::ops::Range<usize>, acc: &mut [KAcc], out: &mut [f32]) {
     let (t0, n) = (toks.start, toks.len());
     let bb = DType::Q6_K.block_bytes();
     let mask = _mm256_set1_epi8(0x0F);
     let three = _mm256_set1_epi8(3);
-    out[..n].fill(0.0);
+    let acc = &mut acc[..n];
+    for a in acc.iter_mut() {
+        *a = [0.0; 24];
+    }
     for b in 0..act.blocks_per_row() {
         let w = &row[b * bb..(b + 1) * bb];
         if act.rows == 1 {
             prefetch_ahead(w.as_ptr(), bb);
         }
         let (ql, qh, sc) = (w.as_ptr(), w.as_ptr().add(128), &w[192..208]);
-        let scales = BlockScales {
-            d: _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(u16::from_le_bytes([w[208], w[209]]) as i32))),
-            m: 0.0,
-        };
+        let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(u16::from_le_bytes([w[208], w[209]]) as i32)));
         let mut u = [_mm512_setzero_si512(); 4];
         let mut sv = [_mm512_setzero_si512(); 4];
         for nn in 0..2 {
@@ -220,10 +234,7 @@ pub unsafe fn row_q6k(row: &[u8], act: &QuantAct, toks: std::ops::Range<usize>, 
             let bq = _mm256_loadu_si256(ql.add(64 * nn + 32) as *const __m256i);
             let h = _mm256_loadu_si256(qh.add(32 * nn) as *const __m256i);
             let q0 = _mm256_or_si256(_mm256_and_si256(a, mask), _mm256_slli_epi16(_mm256_and_si256(h, three), 4));
-            let q1 = _mm256_or_si256(
-                _mm256_and_si256(bq, mask),
-                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), three), 4),
-            );
+            let q1 = _mm256_or_si256(_mm256_and_si256(bq, mask), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), three), 4));
             let q2 = _mm256_or_si256(
                 _mm256_and_si256(_mm256_srli_epi16(a, 4), mask),
                 _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), three), 4),
@@ -243,15 +254,19 @@ pub unsafe fn row_q6k(row: &[u8], act: &QuantAct, toks: std::ops::Range<usize>, 
         for t in 0..n {
             let xi = act.idx(t0 + t, b);
             let xq = act.qs.as_ptr().add(xi * 256);
-            let mut acc = _mm512_setzero_si512();
-            for k in 0..4 {
-                let p = _mm512_maddubs_epi16(u[k], _mm512_loadu_si512(xq.add(64 * k) as *const _));
-                acc = _mm512_dpwssd_epi32(acc, p, sv[k]);
-            }
-            let bs = pack_i32x16_to_i16(act.bsums.as_ptr().add(xi * 16));
-            let corr = hsum8(_mm256_madd_epi16(sc16, bs));
-            let ints = BlockInts { isum: hsum16(acc) - 32 * corr, mins: 0 };
-            out[t] = accumulate(DType::Q6_K, out[t], scales, ints, act.d[xi], 0.0);
+            let z = _mm512_setzero_si512();
+            let p0 = _mm512_dpwssd_epi32(z, _mm512_maddubs_epi16(u[0], _mm512_loadu_si512(xq as *const _)), sv[0]);
+            let p1 = _mm512_dpwssd_epi32(z, _mm512_maddubs_epi16(u[1], _mm512_loadu_si512(xq.add(64) as *const _)), sv[1]);
+            let p0 = _mm512_dpwssd_epi32(p0, _mm512_maddubs_epi16(u[2], _mm512_loadu_si512(xq.add(128) as *const _)), sv[2]);
+            let p1 = _mm512_dpwssd_epi32(p1, _mm512_maddubs_epi16(u[3], _mm512_loadu_si512(xq.add(192) as *const _)), sv[3]);
+            let lanes = _mm512_add_epi32(p0, p1);
+            let corr = _mm256_madd_epi16(sc16, _mm256_loadu_si256(act.bsums.as_ptr().add(xi * 16) as *const __m256i));
+            let side = _mm256_slli_epi32(corr, 5);
+            let ddx = d * *act.d.get_unchecked(xi);
+            let ap = acc.as_mut_ptr().add(t) as *mut f32;
+            _mm512_storeu_ps(ap, _mm512_fmadd_ps(_mm512_set1_ps(ddx), _mm512_cvtepi32_ps(lanes), _mm512_loadu_ps(ap)));
+            _mm256_storeu_ps(ap.add(16), _mm256_fmadd_ps(_mm256_set1_ps(ddx), _mm256_cvtepi32_ps(side), _mm256_loadu_ps(ap.add(16))));
         }
     }
+    finish_kacc(acc, out);
 }
