@@ -159,7 +159,7 @@ pub fn open_pack(path: &Path, fingerprint: &str) -> Result<Layout> {
         }
         let offset = header + r.offset;
         let total: u64 = parts.iter().map(|p| p.len).sum();
-        if offset % ALIGN != 0 || offset + total > len {
+        if !offset.is_multiple_of(ALIGN) || offset + total > len {
             return Err(bad(format!(
                 "record for layer {} expert {} runs past the end of the file (truncated?)",
                 r.layer, r.expert

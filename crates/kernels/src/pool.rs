@@ -156,7 +156,7 @@ fn worker_loop(s: &Shared, idx: usize) {
                 break;
             }
             spins = spins.wrapping_add(1);
-            if spins % 256 != 0 || started.elapsed() < SPIN {
+            if !spins.is_multiple_of(256) || started.elapsed() < SPIN {
                 std::hint::spin_loop();
                 continue;
             }

@@ -168,10 +168,7 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig> {
             Arch::Qwen2Moe | Arch::Qwen3Moe => u("expert_feed_forward_length")?,
             _ => ou("expert_feed_forward_length")?.unwrap_or(ff),
         };
-        let norm_topk = match arch {
-            Arch::Mixtral | Arch::Qwen3Moe => true,
-            _ => false,
-        };
+        let norm_topk = matches!(arch, Arch::Mixtral | Arch::Qwen3Moe);
         let shared =
             if arch == Arch::Qwen2Moe { Some(ou("expert_shared_feed_forward_length")?.unwrap_or(ff)) } else { None };
         Some(MoeConfig {

@@ -370,7 +370,7 @@ impl FastRng {
     }
 
     #[inline(always)]
-    pub fn next(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0xA076_1D64_78BD_642F);
         let t = (self.0 as u128).wrapping_mul((self.0 ^ 0xE703_7ED1_A0B4_28DB) as u128);
         ((t >> 64) ^ t) as u64
@@ -379,7 +379,7 @@ impl FastRng {
     /// Roughly normal with unit variance (sum of four uniforms, rescaled).
     #[inline(always)]
     pub fn normalish(&mut self) -> f32 {
-        let r = self.next();
+        let r = self.next_u64();
         let s: u32 = (r & 0xFFFF) as u32 + ((r >> 16) & 0xFFFF) as u32 + ((r >> 32) & 0xFFFF) as u32 + (r >> 48) as u32;
         // Four uniforms on [0, 65535]: mean 131070, variance 4 · 65536² / 12.
         (s as f32 - 131_070.0) / 37_837.0
@@ -387,7 +387,7 @@ impl FastRng {
 
     fn fill(&mut self, b: &mut [u8]) {
         for c in b.chunks_mut(8) {
-            let r = self.next().to_le_bytes();
+            let r = self.next_u64().to_le_bytes();
             c.copy_from_slice(&r[..c.len()]);
         }
     }

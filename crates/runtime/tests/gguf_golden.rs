@@ -11,7 +11,7 @@ fn root() -> PathBuf {
 }
 
 fn load(p: PathBuf) -> Engine {
-    Engine::load(&p, EngineOptions { threads: 2, max_context: 512 }).unwrap()
+    Engine::load(&p, EngineOptions { threads: 2, max_context: 512, ..Default::default() }).unwrap()
 }
 
 fn golden(fam: &str) -> (Vec<u32>, Vec<Vec<f32>>) {

@@ -57,9 +57,6 @@ pub struct QuantAct {
     pub qs: Vec<i8>,
     /// Blocks per row in the padded layout.
     pub stride: usize,
-    /// `qs` regrouped for the 512-bit kernels of 32-value blocks (see `interleave32`); empty
-    /// until asked for.
-    pub qs_il: Vec<i8>,
 }
 
 impl QuantAct {
@@ -80,7 +77,6 @@ impl QuantAct {
             bsums: if kind == ActKind::Q8_K { vec![0; nb * 16] } else { Vec::new() },
             qs: vec![0; nb * bl],
             stride,
-            qs_il: Vec::new(),
         };
         for (t, b) in (0..rows).flat_map(|t| (0..per_row).map(move |b| (t, b))) {
             let xs = &x[t * cols + b * bl..t * cols + (b + 1) * bl];
@@ -127,30 +123,6 @@ impl QuantAct {
             }
         }
         a
-    }
-
-    /// Fills `qs_il`: each group of eight 32-value blocks (256 bytes, 64 dwords) reordered so
-    /// that 512-bit vector `k` (of 4) holds, in lane `L`, dword `2k + L/8` of block `L % 8`.
-    /// A vector dot product of such vectors leaves block `j`'s partial sums in lanes `j` and
-    /// `j + 8` only, so eight blocks reduce with one add.
-    pub fn interleave32(&mut self) {
-        assert_eq!(self.kind.block(), 32);
-        if !self.qs_il.is_empty() {
-            return;
-        }
-        let mut il = vec![0i8; self.qs.len()];
-        for (g, (src, dst)) in self.qs.chunks_exact(256).zip(il.chunks_exact_mut(256)).enumerate() {
-            let _ = g;
-            for k in 0..4 {
-                for lane in 0..16 {
-                    let (block, dword) = (lane % 8, 2 * k + lane / 8);
-                    let from = block * 32 + dword * 4;
-                    let to = k * 64 + lane * 4;
-                    dst[to..to + 4].copy_from_slice(&src[from..from + 4]);
-                }
-            }
-        }
-        self.qs_il = il;
     }
 
     pub fn blocks_per_row(&self) -> usize {

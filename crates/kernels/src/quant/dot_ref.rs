@@ -1,11 +1,12 @@
-//! Scalar reference of every quantized dot product, and the float accumulation that every
-//! SIMD variant shares.
+//! Scalar reference of every quantized dot product, and the float accumulation every SIMD
+//! variant reproduces.
 //!
-//! A block's contribution splits into exact integer sums (`BlockInts`, computed here by plain
-//! loops and by SIMD elsewhere; integer sums do not depend on order) and one float formula per
-//! format (`accumulate`), applied block after block in order. SIMD variants call the same
-//! `accumulate`, so they agree with this reference to the bit, and a row's result never
-//! depends on the other rows or tokens of its tile.
+//! A block's contribution splits into exact integer sums (`BlockInts`: computed here by plain
+//! loops, by SIMD elsewhere; integer sums do not depend on order) and one float formula per
+//! format (`accumulate`), applied block after block, in order, with fused multiply-adds. A
+//! SIMD kernel may put tokens or rows in its lanes, but each (row, token) pair goes through
+//! exactly these operations, so every variant agrees with this reference to the bit and a
+//! row's result never depends on the other rows or tokens it was computed with.
 
 use super::act::QuantAct;
 use super::blocks::{e8m0_half, f16_at, q3k_scales, scale_min_k4, MXFP4_VALUES};
@@ -141,95 +142,6 @@ pub fn block_ints(dtype: DType, w: &[u8], x: &[i8], bsums: &[i16]) -> BlockInts 
     }
 }
 
-/// Integer lanes of a Q4_K/Q5_K/Q6_K superblock, as the 512-bit kernels leave them.
-///
-/// Lane `L` of vector `k` (0..4) covers elements `64k + 32·(L/8) + 4·(L%8) + 0..4` (for
-/// Q4_K/Q5_K: sub-block `2k + L/8`); `main[L]` sums over `k` of scale × Σ code·x of those four
-/// elements. `side[L]` (8 lanes) is Q4_K/Q5_K's `min_L · Σx` of sub-block L, or Q6_K's
-/// `32 · (scale_{2L}·Σx_{2L} + scale_{2L+1}·Σx_{2L+1})` over its 16-value groups.
-pub fn kquant_lanes(dtype: DType, w: &[u8], x: &[i8], bsums: &[i16]) -> ([i32; 16], [i32; 8]) {
-    let mut main = [0i32; 16];
-    let mut side = [0i32; 8];
-    let mut codes = [0i32; 256];
-    let mut scale_of = [0i32; 256];
-    match dtype {
-        DType::Q4_K | DType::Q5_K => {
-            let sc = &w[4..16];
-            let (qh, qs) = if dtype == DType::Q5_K { (&w[16..48], &w[48..176]) } else { (&w[0..0], &w[16..144]) };
-            for c in 0..4 {
-                let (s1, _) = scale_min_k4(2 * c, sc);
-                let (s2, _) = scale_min_k4(2 * c + 1, sc);
-                for l in 0..32 {
-                    let q = qs[32 * c + l];
-                    let (mut lo, mut hi) = ((q & 0xF) as i32, (q >> 4) as i32);
-                    if dtype == DType::Q5_K {
-                        lo += (((qh[l] >> (2 * c)) & 1) as i32) << 4;
-                        hi += (((qh[l] >> (2 * c + 1)) & 1) as i32) << 4;
-                    }
-                    codes[64 * c + l] = lo;
-                    codes[64 * c + 32 + l] = hi;
-                    scale_of[64 * c + l] = s1 as i32;
-                    scale_of[64 * c + 32 + l] = s2 as i32;
-                }
-            }
-            for (j, s) in side.iter_mut().enumerate() {
-                let (_, m) = scale_min_k4(j, sc);
-                *s = m as i32 * (bsums[2 * j] as i32 + bsums[2 * j + 1] as i32);
-            }
-        }
-        DType::Q6_K => {
-            let (ql, qh, sc) = (&w[0..128], &w[128..192], &w[192..208]);
-            for n in 0..2 {
-                for l in 0..32 {
-                    let (a, h) = (ql[64 * n + l], qh[32 * n + l]);
-                    let b = ql[64 * n + l + 32];
-                    let base = 128 * n;
-                    codes[base + l] = ((a & 0xF) | ((h & 3) << 4)) as i32;
-                    codes[base + l + 32] = ((b & 0xF) | (((h >> 2) & 3) << 4)) as i32;
-                    codes[base + l + 64] = ((a >> 4) | (((h >> 4) & 3) << 4)) as i32;
-                    codes[base + l + 96] = ((b >> 4) | (((h >> 6) & 3) << 4)) as i32;
-                }
-            }
-            for (e, s) in scale_of.iter_mut().enumerate() {
-                *s = (sc[e / 16] as i8) as i32;
-            }
-            for (j, s) in side.iter_mut().enumerate() {
-                let g = (sc[2 * j] as i8) as i32 * bsums[2 * j] as i32 + (sc[2 * j + 1] as i8) as i32 * bsums[2 * j + 1] as i32;
-                *s = 32 * g;
-            }
-        }
-        _ => unreachable!("{dtype} has no lane layout"),
-    }
-    for k in 0..4 {
-        for (lane, m) in main.iter_mut().enumerate() {
-            let e0 = 64 * k + 32 * (lane / 8) + 4 * (lane % 8);
-            let dot: i32 = (e0..e0 + 4).map(|e| codes[e] * x[e] as i32).sum();
-            *m += scale_of[e0] * dot;
-        }
-    }
-    (main, side)
-}
-
-/// Whether `dtype` accumulates in K-quant lanes (the formats with SIMD kernels).
-pub fn has_kquant_lanes(dtype: DType) -> bool {
-    matches!(dtype, DType::Q4_K | DType::Q5_K | DType::Q6_K)
-}
-
-/// Float lanes of the 32-element block formats: block `b` accumulates into lane `b % 8`, and
-/// the lanes are tree-summed at the end, so eight blocks at a time can go through one vector.
-pub const LANES32: usize = 8;
-
-/// Tree-sums the eight lanes in the fixed order (4, 2, 1).
-#[inline(always)]
-pub fn reduce8(mut l: [f32; LANES32]) -> f32 {
-    for w in [4, 2, 1] {
-        for i in 0..w {
-            l[i] += l[i + w];
-        }
-    }
-    l[0]
-}
-
 /// The scales a block's float formula needs, widened from f16/E8M0 (exact).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct BlockScales {
@@ -250,48 +162,32 @@ pub fn block_scales(dtype: DType, w: &[u8]) -> BlockScales {
     }
 }
 
-/// One block's contribution added to `acc` (a lane for 32-blocks, the row sum for K-quants):
-/// the float formula of each format. `dx` is the activation block's scale, `sx` its `d·Σq`
-/// (Q8_1 only). SIMD variants evaluate exactly these operations, in this order.
+/// Whether the format's float formula has a second term (a block minimum).
+pub fn has_min(dtype: DType) -> bool {
+    matches!(dtype, DType::Q4_1 | DType::Q5_1 | DType::Q2_K | DType::Q4_K | DType::Q5_K)
+}
+
+/// One block's contribution added to `acc`:
+///
+/// * every format: `acc = fma(d·dx, isum, acc)`;
+/// * Q4_1, Q5_1: then `acc = fma(m, sx, acc)` (`sx` = the activation block's `d·Σq`);
+/// * Q2_K, Q4_K, Q5_K: then `acc = fma(−(dmin·dx), mins, acc)`.
+///
+/// Products of two scales are rounded to f32 before the fused step; integers convert to f32
+/// with round-to-nearest. SIMD kernels evaluate exactly these operations.
 #[inline(always)]
 pub fn accumulate(dtype: DType, acc: f32, w: BlockScales, ints: BlockInts, dx: f32, sx: f32) -> f32 {
+    let acc = (w.d * dx).mul_add(ints.isum as f32, acc);
     match dtype {
-        DType::Q4_0 | DType::Q5_0 | DType::Q8_0 | DType::MXFP4 | DType::Q6_K | DType::Q3_K => {
-            acc + (w.d * dx) * ints.isum as f32
-        }
-        DType::Q4_1 | DType::Q5_1 => acc + (w.d * dx) * ints.isum as f32 + w.m * sx,
-        DType::Q2_K | DType::Q4_K | DType::Q5_K => acc + (w.d * dx) * ints.isum as f32 - (w.m * dx) * ints.mins as f32,
-        _ => unreachable!("{dtype} is not block-quantized"),
+        DType::Q4_1 | DType::Q5_1 => w.m.mul_add(sx, acc),
+        DType::Q2_K | DType::Q4_K | DType::Q5_K => (-(w.m * dx)).mul_add(ints.mins as f32, acc),
+        _ => acc,
     }
 }
 
 /// Reference dot product of one weight row with activation row `t`.
-///
-/// Q4_K, Q5_K and Q6_K accumulate lane by lane: per superblock, `main[L] += (d·dx)·lane` and
-/// `side[L] += (m·dx)·side_lane` (fused multiply-adds, `m` = dmin, or d for Q6_K), and the
-/// result is `reduce16(main) − reduce8(side)`.
 pub fn row_dot(dtype: DType, row: &[u8], act: &QuantAct, t: usize) -> f32 {
     let bb = dtype.block_bytes();
-    if has_kquant_lanes(dtype) {
-        let mut main = [0f32; 16];
-        let mut side = [0f32; 8];
-        for b in 0..act.blocks_per_row() {
-            let i = act.idx(t, b);
-            let w = &row[b * bb..(b + 1) * bb];
-            let (li, si) = kquant_lanes(dtype, w, act.block_qs(t, b), &act.bsums[i * 16..i * 16 + 16]);
-            let sc = block_scales(dtype, w);
-            let (md, ms) = (sc.d * act.d[i], if dtype == DType::Q6_K { sc.d } else { sc.m } * act.d[i]);
-            for l in 0..16 {
-                main[l] = md.mul_add(li[l] as f32, main[l]);
-            }
-            for l in 0..8 {
-                side[l] = ms.mul_add(si[l] as f32, side[l]);
-            }
-        }
-        return crate::float::reduce16(main) - reduce8(side);
-    }
-    let lanes32 = dtype.block_elems() == 32;
-    let mut lanes = [0f32; LANES32];
     let mut acc = 0f32;
     for b in 0..act.blocks_per_row() {
         let i = act.idx(t, b);
@@ -299,16 +195,7 @@ pub fn row_dot(dtype: DType, row: &[u8], act: &QuantAct, t: usize) -> f32 {
         let w = &row[b * bb..(b + 1) * bb];
         let ints = block_ints(dtype, w, act.block_qs(t, b), bs);
         let sx = if act.s.is_empty() { 0.0 } else { act.s[i] };
-        let sc = block_scales(dtype, w);
-        if lanes32 {
-            lanes[b % LANES32] = accumulate(dtype, lanes[b % LANES32], sc, ints, act.d[i], sx);
-        } else {
-            acc = accumulate(dtype, acc, sc, ints, act.d[i], sx);
-        }
+        acc = accumulate(dtype, acc, block_scales(dtype, w), ints, act.d[i], sx);
     }
-    if lanes32 {
-        reduce8(lanes)
-    } else {
-        acc
-    }
+    acc
 }

@@ -74,11 +74,15 @@ pub(crate) fn matmul_quant(pool: &ThreadPool, w: MatRef<'_>, x: &[f32], n: usize
 
 pub(crate) fn matmul_quant_isa(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, x: &[f32], n: usize, out: &mut [f32]) {
     let kind = ActKind::for_weights(w.dtype).expect("MatRef::new checks support");
-    let mut act = QuantAct::new(kind, x, n, w.cols);
+    let act = QuantAct::new(kind, x, n, w.cols);
     let o = SendPtr(out.as_mut_ptr());
-    let vnni = isa == Isa::Avx512 && crate::cpu::has_vnni();
-    if vnni && n > 1 && kind != ActKind::Q8_K {
-        act.interleave32();
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 && crate::cpu::has_vnni() && n >= GEMM_MIN_TOKENS && gemm_supports(w.dtype) {
+        return gemm_tiled(pool, w, &act, n, o);
+    }
+    #[cfg(target_arch = "x86_64")]
+    if n == 1 && isa >= Isa::Avx2 && is_block32(w.dtype) {
+        return decode32(pool, w, &act, o);
     }
     // Rows in blocks of ROWS, tokens in chunks of TOKENS: a block's weights and a chunk's
     // activations stay in L1 while every pair is computed.
@@ -86,7 +90,6 @@ pub(crate) fn matmul_quant_isa(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, x: &[
     const TOKENS: usize = 32;
     pool.for_ranges(w.rows, 4, &|rows| {
         let mut vals = vec![0f32; TOKENS.min(n)];
-        let mut scratch = vec![[0f32; 24]; TOKENS.min(n)];
         let mut r0 = rows.start;
         while r0 < rows.end {
             let r1 = (r0 + ROWS).min(rows.end);
@@ -94,7 +97,7 @@ pub(crate) fn matmul_quant_isa(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, x: &[
             while t0 < n {
                 let t1 = (t0 + TOKENS).min(n);
                 for r in r0..r1 {
-                    row_tokens(isa, vnni, w.dtype, w.row(r), &act, t0..t1, &mut scratch, &mut vals);
+                    row_tokens(isa, w.dtype, w.row(r), &act, t0..t1, &mut vals);
                     for (i, v) in vals[..t1 - t0].iter().enumerate() {
                         // SAFETY: this thread owns row r's column of the n × rows output.
                         unsafe { *o.get().add((t0 + i) * w.rows + r) = *v };
@@ -107,55 +110,128 @@ pub(crate) fn matmul_quant_isa(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, x: &[
     });
 }
 
-/// The 32-block kernels' 8-lane view of the per-token scratch (they use one set per token).
+fn is_block32(dtype: DType) -> bool {
+    matches!(dtype, DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0)
+}
+
+/// One token against a 32-block matrix, four rows at a time.
 #[cfg(target_arch = "x86_64")]
-fn lane8(s: &mut [[f32; 24]]) -> &mut [[f32; dot_ref::LANES32]] {
-    let len = s.len();
-    // SAFETY: `len` sets of 8 floats fit in the first third of `len` sets of 24.
-    unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr() as *mut [f32; dot_ref::LANES32], len) }
+fn decode32(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, o: SendPtr) {
+    let rb = w.row_bytes();
+    let vl = crate::cpu::isa() == Isa::Avx512;
+    pool.for_ranges(w.rows, 4, &|rows| {
+        let mut vals = [0f32; 4];
+        let mut r = rows.start;
+        while r < rows.end {
+            let k = (rows.end - r).min(4);
+            let wr = &w.data[r * rb..(r + k) * rb];
+            macro_rules! go {
+                ($f:ident, $dt:expr) => {
+                    match k {
+                        4 => x86::$f::<4, { $dt }>(wr, rb, act, &mut vals),
+                        3 => x86::$f::<3, { $dt }>(wr, rb, act, &mut vals),
+                        2 => x86::$f::<2, { $dt }>(wr, rb, act, &mut vals),
+                        _ => x86::$f::<1, { $dt }>(wr, rb, act, &mut vals),
+                    }
+                };
+            }
+            macro_rules! by_type {
+                ($f:ident) => {
+                    match w.dtype {
+                        DType::Q4_0 => go!($f, 2),
+                        DType::Q4_1 => go!($f, 3),
+                        DType::Q5_0 => go!($f, 6),
+                        DType::Q5_1 => go!($f, 7),
+                        _ => go!($f, 8),
+                    }
+                };
+            }
+            // SAFETY: AVX2/FMA/F16C (and AVX-512 for `_vl`) were detected; `wr` holds k whole rows.
+            unsafe {
+                if vl {
+                    by_type!(rows32_decode_vl)
+                } else {
+                    by_type!(rows32_decode)
+                }
+            }
+            for (i, v) in vals.iter().enumerate().take(k) {
+                // SAFETY: this thread owns these rows of the single output row.
+                unsafe { *o.get().add(r + i) = *v };
+            }
+            r += k;
+        }
+    });
+}
+
+/// Fewest tokens for which the tiled kernel beats the row kernels.
+const GEMM_MIN_TOKENS: usize = 4;
+
+fn gemm_supports(dtype: DType) -> bool {
+    matches!(
+        dtype,
+        DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 | DType::Q4_K | DType::Q5_K | DType::Q6_K
+    )
+}
+
+/// The tiled AVX-512 VNNI path: panels of 16 tokens, rows in blocks that stay in L2.
+#[cfg(target_arch = "x86_64")]
+fn gemm_tiled(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, n: usize, o: SendPtr) {
+    use x86_512::{Panel, ROWS, TILE};
+    let panels: Vec<Panel> = (0..n).step_by(TILE).map(|t0| Panel::new(act, t0, (n - t0).min(TILE))).collect();
+    let rb = w.row_bytes();
+    const BLOCK_ROWS: usize = 64;
+    pool.for_ranges(w.rows, ROWS, &|rows| {
+        let mut vals = [[0f32; TILE]; ROWS];
+        let mut b0 = rows.start;
+        while b0 < rows.end {
+            let b1 = (b0 + BLOCK_ROWS).min(rows.end);
+            for (pi, p) in panels.iter().enumerate() {
+                let mut r = b0;
+                while r < b1 {
+                    let k = (b1 - r).min(ROWS);
+                    let wr = &w.data[r * rb..(r + k) * rb];
+                    // SAFETY: AVX-512 VNNI was detected; `wr` holds k whole rows; the panel
+                    // covers this matrix's reduction dimension.
+                    unsafe {
+                        match k {
+                            4 => x86_512::gemm::<4>(w.dtype, wr, rb, p, &mut vals),
+                            3 => x86_512::gemm::<3>(w.dtype, wr, rb, p, &mut vals),
+                            2 => x86_512::gemm::<2>(w.dtype, wr, rb, p, &mut vals),
+                            _ => x86_512::gemm::<1>(w.dtype, wr, rb, p, &mut vals),
+                        }
+                    }
+                    for (i, row_vals) in vals.iter().enumerate().take(k) {
+                        for (c, v) in row_vals.iter().enumerate().take(p.n) {
+                            // SAFETY: this thread owns rows b0..b1 of every token's output.
+                            unsafe { *o.get().add((pi * TILE + c) * w.rows + r + i) = *v };
+                        }
+                    }
+                    r += k;
+                }
+            }
+            b0 = b1;
+        }
+    });
 }
 
 /// One weight row against tokens `toks` of `act`, into `out` (one value per token).
-#[allow(clippy::too_many_arguments)]
-fn row_tokens(
-    isa: Isa,
-    vnni: bool,
-    dtype: DType,
-    row: &[u8],
-    act: &QuantAct,
-    toks: std::ops::Range<usize>,
-    scratch: &mut [[f32; 24]],
-    out: &mut [f32],
-) {
+fn row_tokens(isa: Isa, dtype: DType, row: &[u8], act: &QuantAct, toks: std::ops::Range<usize>, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if isa >= Isa::Avx2 {
-        // SAFETY: `isa` and `vnni` come from this CPU's detected features; rows and activation
-        // blocks have their formats' full sizes (checked by MatRef::new and QuantAct::new).
+        // SAFETY: AVX2/FMA/F16C were detected; rows and activation blocks have their formats'
+        // full sizes (checked by MatRef::new and QuantAct::new).
         unsafe {
-            // One token is bound by memory, not arithmetic: the 256-bit kernels keep the
-            // core's clock up there; 512-bit ones pay off from two tokens on.
-            let vnni = vnni && act.rows > 1;
-            let lanes = lane8(scratch);
-            match (vnni, dtype) {
-                (true, DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0) => {
-                    return x86_512::row32(dtype, row, act, toks, lanes, out)
+            match dtype {
+                DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 => {
+                    return x86::row32(dtype, row, act, toks, out)
                 }
-                (false, DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0) => {
-                    return x86::avx2::row32(dtype, row, act, toks, lanes, out)
-                }
-                (true, DType::Q4_K | DType::Q5_K) => {
-                    return x86_512::row_q4k_q5k(dtype == DType::Q5_K, row, act, toks, scratch, out)
-                }
-                (false, DType::Q4_K | DType::Q5_K) => {
-                    return x86::avx2::row_q4k_q5k(dtype == DType::Q5_K, row, act, toks, scratch, out)
-                }
-                (true, DType::Q6_K) => return x86_512::row_q6k(row, act, toks, scratch, out),
-                (false, DType::Q6_K) => return x86::avx2::row_q6k(row, act, toks, scratch, out),
+                DType::Q4_K | DType::Q5_K => return x86::row_q4k_q5k(dtype == DType::Q5_K, row, act, toks, out),
+                DType::Q6_K => return x86::row_q6k(row, act, toks, out),
                 _ => {}
             }
         }
     }
-    let _ = (isa, vnni, scratch);
+    let _ = isa;
     for (o, t) in out.iter_mut().zip(toks) {
         *o = dot_ref::row_dot(dtype, row, act, t);
     }

@@ -1,24 +1,23 @@
-//! AVX2 and AVX-512 VNNI integer kernels for the quantized dot products.
+//! AVX2 row kernels: one weight row against a range of tokens, each block unpacked once for
+//! all of them. Decode (one token) runs here on every x86-64 CPU with AVX2; prefill runs here
+//! on CPUs without AVX-512 VNNI (see `x86_512` for the tiled kernel).
 //!
-//! Each function computes the exact integer sums (`BlockInts`) of one weight block against
-//! the activation blocks of up to four tokens, unpacking the weights once for all of them.
-//! The float side is `dot_ref::accumulate`, shared with the scalar reference, so every
-//! variant gives the reference's bits.
-//!
-//! The two instruction sets differ only in the u8×i8 → i32 step (`vpdpbusd` with VNNI,
-//! `vpmaddubsw` + `vpmaddwd` without), stamped out by the `kernels!` macro. `vpmaddubsw`
-//! saturates i16 pairs, so signed 8-bit weights (Q8_0) take the sign-transfer route there,
-//! and every other format keeps its weight codes below 64.
+//! Integer sums are exact; the float side is `dot_ref::accumulate`, block after block, so
+//! results equal the scalar reference to the bit. `vpmaddubsw` saturates i16 pairs, so signed
+//! 8-bit weights (Q8_0) take the sign-transfer route, and every other format keeps its codes
+//! below 64.
+
+// Index loops over lanes, rows and blocks read most plainly in kernel code.
+#![allow(clippy::needless_range_loop)]
 
 use super::act::QuantAct;
-use super::dot_ref::LANES32;
-use super::x86_512::KAcc;
+use super::dot_ref::{accumulate, BlockInts, BlockScales};
 use crate::DType;
 use std::arch::x86_64::*;
 
 /// 32 four-bit codes: low nibbles of `q` then high nibbles (the Q4_0/Q4_1/Q5 order).
 #[inline(always)]
-unsafe fn nibbles_split16(q: *const u8) -> __m256i {
+pub(crate) unsafe fn nibbles_split16(q: *const u8) -> __m256i {
     let v = _mm_loadu_si128(q as *const __m128i);
     let m = _mm_set1_epi8(0x0F);
     let lo = _mm_and_si128(v, m);
@@ -28,7 +27,7 @@ unsafe fn nibbles_split16(q: *const u8) -> __m256i {
 
 /// The fifth bit of 32 codes from a little-endian u32 (bit j → byte j), as 0 or 16.
 #[inline(always)]
-unsafe fn fifth_bits(qh: u32) -> __m256i {
+pub(crate) unsafe fn fifth_bits(qh: u32) -> __m256i {
     // Spread the 32 bits over 32 bytes: byte j takes byte j/8 of qh, then tests bit j%8.
     let v = _mm256_set1_epi32(qh as i32);
     let idx = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
@@ -50,6 +49,14 @@ unsafe fn reduce8x8(a: &[__m256i; 8]) -> __m256i {
     _mm256_add_epi32(_mm256_permute2x128_si256(g1, g2, 0x20), _mm256_permute2x128_si256(g1, g2, 0x31))
 }
 
+#[inline(always)]
+unsafe fn hsum8(v: __m256i) -> i32 {
+    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    _mm_cvtsi128_si32(s)
+}
+
 /// Asks for the cache lines of `len` bytes at `p + PREFETCH_AHEAD`: a single decode stream
 /// does not keep enough loads in flight for the hardware prefetcher to reach full bandwidth.
 #[inline(always)]
@@ -63,24 +70,29 @@ pub(crate) unsafe fn prefetch_ahead(p: *const u8, len: usize) {
 
 const PREFETCH_AHEAD: usize = 1024;
 
-/// Sums 8 float lanes in `dot_ref::reduce8`'s order (4, 2, 1).
+/// Asks for the cache lines of `len` bytes at `p`.
 #[inline(always)]
-pub(crate) unsafe fn hsum_ps8(v: __m256) -> f32 {
-    let s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    let s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
-    _mm_cvtss_f32(s1)
+pub(crate) unsafe fn prefetch_rows(p: *const u8, len: usize) {
+    let mut o = 0;
+    while o < len {
+        _mm_prefetch(p.wrapping_add(o) as *const i8, _MM_HINT_T0);
+        o += 64;
+    }
 }
 
 #[inline(always)]
-fn f16_bits(w: &[u8], o: usize) -> u16 {
+pub(crate) fn f16_bits(w: &[u8], o: usize) -> u16 {
     u16::from_le_bytes([w[o], w[o + 1]])
 }
 
-/// Offset of the first f16 scale in a 32-block and of the codes.
 #[inline(always)]
-fn layout32(dtype: DType) -> (Option<usize>, usize, i32) {
-    // (qh offset, qs offset, code offset subtracted from every weight code)
+pub(crate) unsafe fn f16_to_f32(bits: u16) -> f32 {
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+}
+
+/// (qh offset, qs offset, code offset) of a 32-block format.
+#[inline(always)]
+pub(crate) fn layout32(dtype: DType) -> (Option<usize>, usize, i32) {
     match dtype {
         DType::Q4_0 => (None, 2, 8),
         DType::Q4_1 => (None, 4, 0),
@@ -90,282 +102,13 @@ fn layout32(dtype: DType) -> (Option<usize>, usize, i32) {
     }
 }
 
-/// AVX2 (no VNNI): u8×i8 products through `vpmaddubsw` + `vpmaddwd`.
-pub mod avx2 {
-    use super::*;
-
-    /// Σ u8·i8 over 32 bytes into 8 lanes.
-    #[inline(always)]
-    unsafe fn dp(acc: __m256i, u: __m256i, x: __m256i) -> __m256i {
-        _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)))
-    }
-
-    /// Σ (u8·i8 pairs as i16) · scale16 into 8 lanes.
-    #[inline(always)]
-    unsafe fn dp_scaled(acc: __m256i, u: __m256i, x: __m256i, scale16: __m256i) -> __m256i {
-        _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), scale16))
-    }
-
-    /// The 32 codes of a block: unsigned, except Q8_0's, which stay signed (the sign
-    /// moves to the activations at use).
-    #[inline(always)]
-    unsafe fn codes32(dtype: DType, w: *const u8) -> __m256i {
-        let (qh, qs, _) = layout32(dtype);
-        if dtype == DType::Q8_0 {
-            return _mm256_loadu_si256(w.add(2) as *const __m256i);
-        }
-        let mut u = nibbles_split16(w.add(qs));
-        if let Some(o) = qh {
-            let h = u32::from_le_bytes([*w.add(o), *w.add(o + 1), *w.add(o + 2), *w.add(o + 3)]);
-            u = _mm256_or_si256(u, fifth_bits(h));
-        }
-        u
-    }
-
-    /// What Σ code·x overshoots by, per unit of Σx.
-    #[inline(always)]
-    fn bias32(dtype: DType) -> i32 {
-        match dtype {
-            DType::Q8_0 => 0,
-            d => layout32(d).2,
-        }
-    }
-
-    #[inline(always)]
-    unsafe fn dp32(dtype: DType, u: __m256i, x: __m256i) -> __m256i {
-        if dtype == DType::Q8_0 {
-            // |q| · (x with q's sign): exact, and |q| ≤ 127 keeps pairs inside i16.
-            dp(_mm256_setzero_si256(), _mm256_sign_epi8(u, u), _mm256_sign_epi8(x, u))
-        } else {
-            dp(_mm256_setzero_si256(), u, x)
-        }
-    }
-
-    /// One row of a 32-block format against every token of `act`; `lanes` is scratch of
-    /// `act.rows` lane sets. Blocks go eight at a time (a final partial group is padded
-    /// with blocks that add exactly nothing), each unpacked once for all tokens.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn row32(
-        dtype: DType,
-        row: &[u8],
-        act: &QuantAct,
-        toks: std::ops::Range<usize>,
-        lanes: &mut [[f32; LANES32]],
-        out: &mut [f32],
-    ) {
-        let (t0, n) = (toks.start, toks.len());
-        let bb = dtype.block_bytes();
-        let nb = act.blocks_per_row();
-        let bias = bias32(dtype);
-        let has_m = matches!(dtype, DType::Q4_1 | DType::Q5_1);
-        let lanes = &mut lanes[..n];
-        for l in lanes.iter_mut() {
-            *l = [0.0; LANES32];
-        }
-        let biasv = _mm256_set1_epi32(bias);
-        let mut b0 = 0;
-        while b0 < nb {
-            let m = (nb - b0).min(LANES32);
-            let base = row.as_ptr().add(b0 * bb);
-            if act.rows == 1 {
-                prefetch_ahead(base, 8 * bb);
-            }
-            let mut u = [_mm256_setzero_si256(); 8];
-            let mut dbits = [0u16; 8];
-            let mut mbits = [0u16; 8];
-            for j in 0..m {
-                let w = base.add(j * bb);
-                u[j] = codes32(dtype, w);
-                dbits[j] = u16::from_le_bytes([*w, *w.add(1)]);
-                if has_m {
-                    mbits[j] = u16::from_le_bytes([*w.add(2), *w.add(3)]);
-                }
-            }
-            // Padding blocks have zero codes and scales: they add (±)0 to their lanes.
-            let dw = _mm256_cvtph_ps(_mm_loadu_si128(dbits.as_ptr() as *const __m128i));
-            let mw = _mm256_cvtph_ps(_mm_loadu_si128(mbits.as_ptr() as *const __m128i));
-            for t in 0..n {
-                // Activation rows are padded to whole groups of eight zero blocks.
-                let i0 = act.idx(t0 + t, b0);
-                let xq = act.qs.as_ptr().add(i0 * 32);
-                let mut a = [_mm256_setzero_si256(); 8];
-                for j in 0..8 {
-                    a[j] = dp32(dtype, u[j], _mm256_loadu_si256(xq.add(32 * j) as *const __m256i));
-                }
-                let mut isum = reduce8x8(&a);
-                let xs = _mm256_loadu_si256(act.sum.as_ptr().add(i0) as *const __m256i);
-                let dx = _mm256_loadu_ps(act.d.as_ptr().add(i0));
-                let sx = if has_m { _mm256_loadu_ps(act.s.as_ptr().add(i0)) } else { _mm256_setzero_ps() };
-                if bias != 0 {
-                    isum = _mm256_sub_epi32(isum, _mm256_mullo_epi32(xs, biasv));
-                }
-                let lp = lanes.as_mut_ptr().add(t) as *mut f32;
-                let mut l =
-                    _mm256_add_ps(_mm256_loadu_ps(lp), _mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(isum)));
-                if has_m {
-                    l = _mm256_add_ps(l, _mm256_mul_ps(mw, sx));
-                }
-                _mm256_storeu_ps(lp, l);
-            }
-            b0 += m;
-        }
-        for t in 0..n {
-            out[t] = hsum_ps8(_mm256_loadu_ps(lanes.as_ptr().add(t) as *const f32));
-        }
-    }
-
-    /// One Q4_K or Q5_K row against tokens `toks`, in `dot_ref::kquant_lanes`' lanes
-    /// (16 main lanes as two 8-lane halves: even and odd sub-blocks).
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn row_q4k_q5k(q5: bool, row: &[u8], act: &QuantAct, toks: std::ops::Range<usize>, acc: &mut [KAcc], out: &mut [f32]) {
-        let (t0, n) = (toks.start, toks.len());
-        let dtype = if q5 { DType::Q5_K } else { DType::Q4_K };
-        let bb = dtype.block_bytes();
-        let mask = _mm256_set1_epi8(0x0F);
-        let one = _mm256_set1_epi8(1);
-        let acc = &mut acc[..n];
-        for a in acc.iter_mut() {
-            *a = [0.0; 24];
-        }
-        for b in 0..act.blocks_per_row() {
-            let w = &row[b * bb..(b + 1) * bb];
-            if act.rows == 1 {
-                prefetch_ahead(w.as_ptr(), bb);
-            }
-            let sc = &w[4..16];
-            let mut s = [0i16; 8];
-            let mut m2 = [0i16; 16];
-            for j in 0..8 {
-                let (a, c) = crate::quant::blocks::scale_min_k4(j, sc);
-                s[j] = a as i16;
-                m2[2 * j] = c as i16;
-                m2[2 * j + 1] = c as i16;
-            }
-            let mins16 = _mm256_loadu_si256(m2.as_ptr() as *const __m256i);
-            let dm = _mm_cvtph_ps(_mm_cvtsi32_si128(u32::from_le_bytes([w[0], w[1], w[2], w[3]]) as i32));
-            let (d, dmin) = (_mm_cvtss_f32(dm), _mm_cvtss_f32(_mm_movehdup_ps(dm)));
-            let (qh, qs) = if q5 { (w.as_ptr().add(16), w.as_ptr().add(48)) } else { (w.as_ptr(), w.as_ptr().add(16)) };
-            let hbits = if q5 { _mm256_loadu_si256(qh as *const __m256i) } else { _mm256_setzero_si256() };
-            let mut u = [_mm256_setzero_si256(); 8];
-            let mut sv = [_mm256_setzero_si256(); 8];
-            for c in 0..4 {
-                let q = _mm256_loadu_si256(qs.add(32 * c) as *const __m256i);
-                let mut lo = _mm256_and_si256(q, mask);
-                let mut hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
-                if q5 {
-                    let b0 = _mm256_and_si256(_mm256_srl_epi16(hbits, _mm_cvtsi32_si128(2 * c as i32)), one);
-                    let b1 = _mm256_and_si256(_mm256_srl_epi16(hbits, _mm_cvtsi32_si128(2 * c as i32 + 1)), one);
-                    lo = _mm256_or_si256(lo, _mm256_slli_epi16(b0, 4));
-                    hi = _mm256_or_si256(hi, _mm256_slli_epi16(b1, 4));
-                }
-                u[2 * c] = lo;
-                u[2 * c + 1] = hi;
-                sv[2 * c] = _mm256_set1_epi16(s[2 * c]);
-                sv[2 * c + 1] = _mm256_set1_epi16(s[2 * c + 1]);
-            }
-            for t in 0..n {
-                let xi = act.idx(t0 + t, b);
-                let xq = act.qs.as_ptr().add(xi * 256);
-                let (mut lo, mut hi) = (_mm256_setzero_si256(), _mm256_setzero_si256());
-                for c in 0..4 {
-                    lo = dp_scaled(lo, u[2 * c], _mm256_loadu_si256(xq.add(64 * c) as *const __m256i), sv[2 * c]);
-                    hi = dp_scaled(hi, u[2 * c + 1], _mm256_loadu_si256(xq.add(64 * c + 32) as *const __m256i), sv[2 * c + 1]);
-                }
-                let side = _mm256_madd_epi16(mins16, _mm256_loadu_si256(act.bsums.as_ptr().add(xi * 16) as *const __m256i));
-                let dx = *act.d.get_unchecked(xi);
-                kacc_add(acc.as_mut_ptr().add(t) as *mut f32, d * dx, lo, hi, dmin * dx, side);
-            }
-        }
-        finish_kacc(acc, out);
-    }
-
-    /// One Q6_K row against tokens `toks`, in `dot_ref::kquant_lanes`' lanes.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn row_q6k(row: &[u8], act: &QuantAct, toks: std::ops::Range<usize>, acc: &mut [KAcc], out: &mut [f32]) {
-        let (t0, n) = (toks.start, toks.len());
-        let bb = DType::Q6_K.block_bytes();
-        let mask = _mm256_set1_epi8(0x0F);
-        let three = _mm256_set1_epi8(3);
-        let acc = &mut acc[..n];
-        for a in acc.iter_mut() {
-            *a = [0.0; 24];
-        }
-        for b in 0..act.blocks_per_row() {
-            let w = &row[b * bb..(b + 1) * bb];
-            if act.rows == 1 {
-                prefetch_ahead(w.as_ptr(), bb);
-            }
-            let (ql, qh, sc) = (w.as_ptr(), w.as_ptr().add(128), &w[192..208]);
-            let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(f16_bits(w, 208) as i32)));
-            // u[j]: elements 32j..32j+32, natural order.
-            let mut u = [_mm256_setzero_si256(); 8];
-            let mut sv = [_mm256_setzero_si256(); 8];
-            for nn in 0..2 {
-                let a = _mm256_loadu_si256(ql.add(64 * nn) as *const __m256i);
-                let bq = _mm256_loadu_si256(ql.add(64 * nn + 32) as *const __m256i);
-                let h = _mm256_loadu_si256(qh.add(32 * nn) as *const __m256i);
-                u[4 * nn] = _mm256_or_si256(_mm256_and_si256(a, mask), _mm256_slli_epi16(_mm256_and_si256(h, three), 4));
-                u[4 * nn + 1] = _mm256_or_si256(
-                    _mm256_and_si256(bq, mask),
-                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), three), 4),
-                );
-                u[4 * nn + 2] = _mm256_or_si256(
-                    _mm256_and_si256(_mm256_srli_epi16(a, 4), mask),
-                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), three), 4),
-                );
-                u[4 * nn + 3] = _mm256_or_si256(
-                    _mm256_and_si256(_mm256_srli_epi16(bq, 4), mask),
-                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), three), 4),
-                );
-                for k in 0..4 {
-                    let g = 8 * nn + 2 * k;
-                    sv[4 * nn + k] = _mm256_set_m128i(_mm_set1_epi16(sc[g + 1] as i8 as i16), _mm_set1_epi16(sc[g] as i8 as i16));
-                }
-            }
-            let sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(sc.as_ptr() as *const __m128i));
-            for t in 0..n {
-                let xi = act.idx(t0 + t, b);
-                let xq = act.qs.as_ptr().add(xi * 256);
-                let (mut lo, mut hi) = (_mm256_setzero_si256(), _mm256_setzero_si256());
-                for j in 0..4 {
-                    lo = dp_scaled(lo, u[2 * j], _mm256_loadu_si256(xq.add(64 * j) as *const __m256i), sv[2 * j]);
-                    hi = dp_scaled(hi, u[2 * j + 1], _mm256_loadu_si256(xq.add(64 * j + 32) as *const __m256i), sv[2 * j + 1]);
-                }
-                let corr = _mm256_madd_epi16(sc16, _mm256_loadu_si256(act.bsums.as_ptr().add(xi * 16) as *const __m256i));
-                let ddx = d * *act.d.get_unchecked(xi);
-                kacc_add(acc.as_mut_ptr().add(t) as *mut f32, ddx, lo, hi, ddx, _mm256_slli_epi32(corr, 5));
-            }
-        }
-        finish_kacc(acc, out);
-    }
-
-    /// main[0..8] += s·lo, main[8..16] += s·hi, side += m·side (fused).
-    #[inline(always)]
-    unsafe fn kacc_add(p: *mut f32, s: f32, lo: __m256i, hi: __m256i, m: f32, side: __m256i) {
-        let sv = _mm256_set1_ps(s);
-        _mm256_storeu_ps(p, _mm256_fmadd_ps(sv, _mm256_cvtepi32_ps(lo), _mm256_loadu_ps(p)));
-        _mm256_storeu_ps(p.add(8), _mm256_fmadd_ps(sv, _mm256_cvtepi32_ps(hi), _mm256_loadu_ps(p.add(8))));
-        _mm256_storeu_ps(p.add(16), _mm256_fmadd_ps(_mm256_set1_ps(m), _mm256_cvtepi32_ps(side), _mm256_loadu_ps(p.add(16))));
-    }
-
-    /// `reduce16(main) − reduce8(side)` for each token.
-    #[inline(always)]
-    unsafe fn finish_kacc(acc: &[KAcc], out: &mut [f32]) {
-        for (a, o) in acc.iter().zip(out.iter_mut()) {
-            let p = a.as_ptr();
-            let main = _mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)));
-            *o = hsum_ps8(main) - hsum_ps8(_mm256_loadu_ps(p.add(16)));
-        }
-    }
-}
-
-/// The unsigned codes of a 32-block as the VNNI kernels use them (Q8_0 offset by 128).
+/// The 32 codes of a block in element order: unsigned (0..32), except Q8_0's, which stay
+/// signed here.
 #[inline(always)]
-pub(crate) unsafe fn codes32_vnni(dtype: DType, w: *const u8) -> __m256i {
+pub(crate) unsafe fn codes32(dtype: DType, w: *const u8) -> __m256i {
     let (qh, qs, _) = layout32(dtype);
     if dtype == DType::Q8_0 {
-        let q = _mm256_loadu_si256(w.add(2) as *const __m256i);
-        return _mm256_xor_si256(q, _mm256_set1_epi8(-128));
+        return _mm256_loadu_si256(w.add(2) as *const __m256i);
     }
     let mut u = nibbles_split16(w.add(qs));
     if let Some(o) = qh {
@@ -374,3 +117,315 @@ pub(crate) unsafe fn codes32_vnni(dtype: DType, w: *const u8) -> __m256i {
     }
     u
 }
+
+/// Codes of Q4_K/Q5_K superblock chunk `c` (elements 64c..64c+32 and 64c+32..64c+64).
+#[inline(always)]
+pub(crate) unsafe fn codes_q4k(q5: bool, w: &[u8], c: usize) -> (__m256i, __m256i) {
+    let mask = _mm256_set1_epi8(0x0F);
+    let qs = if q5 { w.as_ptr().add(48) } else { w.as_ptr().add(16) };
+    let q = _mm256_loadu_si256(qs.add(32 * c) as *const __m256i);
+    let mut lo = _mm256_and_si256(q, mask);
+    let mut hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
+    if q5 {
+        let one = _mm256_set1_epi8(1);
+        let hbits = _mm256_loadu_si256(w.as_ptr().add(16) as *const __m256i);
+        let b0 = _mm256_and_si256(_mm256_srl_epi16(hbits, _mm_cvtsi32_si128(2 * c as i32)), one);
+        let b1 = _mm256_and_si256(_mm256_srl_epi16(hbits, _mm_cvtsi32_si128(2 * c as i32 + 1)), one);
+        lo = _mm256_or_si256(lo, _mm256_slli_epi16(b0, 4));
+        hi = _mm256_or_si256(hi, _mm256_slli_epi16(b1, 4));
+    }
+    (lo, hi)
+}
+
+/// Codes (0..63) of a Q6_K superblock, elements 32j..32j+32 in `out[j]`.
+#[inline(always)]
+pub(crate) unsafe fn codes_q6k(w: &[u8]) -> [__m256i; 8] {
+    let (ql, qh) = (w.as_ptr(), w.as_ptr().add(128));
+    let mask = _mm256_set1_epi8(0x0F);
+    let three = _mm256_set1_epi8(3);
+    let mut u = [_mm256_setzero_si256(); 8];
+    for nn in 0..2 {
+        let a = _mm256_loadu_si256(ql.add(64 * nn) as *const __m256i);
+        let b = _mm256_loadu_si256(ql.add(64 * nn + 32) as *const __m256i);
+        let h = _mm256_loadu_si256(qh.add(32 * nn) as *const __m256i);
+        let hb = |v: __m256i| _mm256_slli_epi16(_mm256_and_si256(v, three), 4);
+        u[4 * nn] = _mm256_or_si256(_mm256_and_si256(a, mask), hb(h));
+        u[4 * nn + 1] = _mm256_or_si256(_mm256_and_si256(b, mask), hb(_mm256_srli_epi16(h, 2)));
+        u[4 * nn + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), mask), hb(_mm256_srli_epi16(h, 4)));
+        u[4 * nn + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), mask), hb(_mm256_srli_epi16(h, 6)));
+    }
+    u
+}
+
+/// Σ u8·i8 over 32 bytes into 8 lanes.
+#[inline(always)]
+unsafe fn dp(u: __m256i, x: __m256i) -> __m256i {
+    _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1))
+}
+
+/// Σ (u8·i8 pairs as i16) · scale16 into 8 lanes.
+#[inline(always)]
+unsafe fn dp_scaled(acc: __m256i, u: __m256i, x: __m256i, scale16: __m256i) -> __m256i {
+    _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), scale16))
+}
+
+/// Σ code·x of a 32-block (Q8_0: sign moved to the activations; |q| ≤ 127 fits i16 pairs).
+#[inline(always)]
+unsafe fn dp32(dtype: DType, u: __m256i, x: __m256i) -> __m256i {
+    if dtype == DType::Q8_0 {
+        dp(_mm256_sign_epi8(u, u), _mm256_sign_epi8(x, u))
+    } else {
+        dp(u, x)
+    }
+}
+
+/// One row of a 32-block format against tokens `toks`: eight blocks at a time, their sums
+/// reduced together, then added block after block.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn row32(dtype: DType, row: &[u8], act: &QuantAct, toks: std::ops::Range<usize>, out: &mut [f32]) {
+    let (t0, n) = (toks.start, toks.len());
+    let bb = dtype.block_bytes();
+    let nb = act.blocks_per_row();
+    let off = layout32(dtype).2;
+    let has_m = matches!(dtype, DType::Q4_1 | DType::Q5_1);
+    out[..n].fill(0.0);
+    let mut b0 = 0;
+    while b0 < nb {
+        let m = (nb - b0).min(8);
+        let base = row.as_ptr().add(b0 * bb);
+        if act.rows == 1 {
+            prefetch_ahead(base, 8 * bb);
+        }
+        let mut u = [_mm256_setzero_si256(); 8];
+        let mut sc = [BlockScales::default(); 8];
+        for j in 0..m {
+            let w = std::slice::from_raw_parts(base.add(j * bb), bb);
+            u[j] = codes32(dtype, w.as_ptr());
+            sc[j] =
+                BlockScales { d: f16_to_f32(f16_bits(w, 0)), m: if has_m { f16_to_f32(f16_bits(w, 2)) } else { 0.0 } };
+        }
+        for t in 0..n {
+            // Activation rows are padded with zero blocks to whole groups of eight.
+            let i0 = act.idx(t0 + t, b0);
+            let xq = act.qs.as_ptr().add(i0 * 32);
+            let mut a = [_mm256_setzero_si256(); 8];
+            for j in 0..8 {
+                a[j] = dp32(dtype, u[j], _mm256_loadu_si256(xq.add(32 * j) as *const __m256i));
+            }
+            let mut isum = [0i32; 8];
+            _mm256_storeu_si256(isum.as_mut_ptr() as *mut __m256i, reduce8x8(&a));
+            let mut acc = out[t];
+            for j in 0..m {
+                let i = i0 + j;
+                let ints = BlockInts { isum: isum[j] - off * act.sum[i], mins: 0 };
+                let sx = if has_m { act.s[i] } else { 0.0 };
+                acc = accumulate(dtype, acc, sc[j], ints, act.d[i], sx);
+            }
+            out[t] = acc;
+        }
+        b0 += m;
+    }
+}
+
+/// One Q4_K or Q5_K row against tokens `toks`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn row_q4k_q5k(q5: bool, row: &[u8], act: &QuantAct, toks: std::ops::Range<usize>, out: &mut [f32]) {
+    let (t0, n) = (toks.start, toks.len());
+    let dtype = if q5 { DType::Q5_K } else { DType::Q4_K };
+    let bb = dtype.block_bytes();
+    out[..n].fill(0.0);
+    for b in 0..act.blocks_per_row() {
+        let w = &row[b * bb..(b + 1) * bb];
+        if act.rows == 1 {
+            prefetch_ahead(w.as_ptr(), bb);
+        }
+        let mut s = [0i16; 8];
+        // Each min twice: it multiplies the two 16-value sums of its 32-value sub-block.
+        let mut m2 = [0i16; 16];
+        for j in 0..8 {
+            let (a, c) = crate::quant::blocks::scale_min_k4(j, &w[4..16]);
+            s[j] = a as i16;
+            m2[2 * j] = c as i16;
+            m2[2 * j + 1] = c as i16;
+        }
+        let mins16 = _mm256_loadu_si256(m2.as_ptr() as *const __m256i);
+        let scales = BlockScales { d: f16_to_f32(f16_bits(w, 0)), m: f16_to_f32(f16_bits(w, 2)) };
+        let mut u = [_mm256_setzero_si256(); 8];
+        let mut sv = [_mm256_setzero_si256(); 8];
+        for c in 0..4 {
+            (u[2 * c], u[2 * c + 1]) = codes_q4k(q5, w, c);
+            sv[2 * c] = _mm256_set1_epi16(s[2 * c]);
+            sv[2 * c + 1] = _mm256_set1_epi16(s[2 * c + 1]);
+        }
+        for t in 0..n {
+            let xi = act.idx(t0 + t, b);
+            let xq = act.qs.as_ptr().add(xi * 256);
+            let mut acc = _mm256_setzero_si256();
+            for k in 0..8 {
+                acc = dp_scaled(acc, u[k], _mm256_loadu_si256(xq.add(32 * k) as *const __m256i), sv[k]);
+            }
+            let bs = _mm256_loadu_si256(act.bsums.as_ptr().add(xi * 16) as *const __m256i);
+            let ints = BlockInts { isum: hsum8(acc), mins: hsum8(_mm256_madd_epi16(mins16, bs)) };
+            out[t] = accumulate(dtype, out[t], scales, ints, *act.d.get_unchecked(xi), 0.0);
+        }
+    }
+}
+
+/// One Q6_K row against tokens `toks`: codes 0..63, the −32 taken off through the 16-value sums.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn row_q6k(row: &[u8], act: &QuantAct, toks: std::ops::Range<usize>, out: &mut [f32]) {
+    let (t0, n) = (toks.start, toks.len());
+    let bb = DType::Q6_K.block_bytes();
+    out[..n].fill(0.0);
+    for b in 0..act.blocks_per_row() {
+        let w = &row[b * bb..(b + 1) * bb];
+        if act.rows == 1 {
+            prefetch_ahead(w.as_ptr(), bb);
+        }
+        let sc = &w[192..208];
+        let scales = BlockScales { d: f16_to_f32(f16_bits(w, 208)), m: 0.0 };
+        let u = codes_q6k(w);
+        let mut sv = [_mm256_setzero_si256(); 8];
+        for (j, v) in sv.iter_mut().enumerate() {
+            *v = _mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 1] as i8 as i16), _mm_set1_epi16(sc[2 * j] as i8 as i16));
+        }
+        let sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(sc.as_ptr() as *const __m128i));
+        for t in 0..n {
+            let xi = act.idx(t0 + t, b);
+            let xq = act.qs.as_ptr().add(xi * 256);
+            let mut acc = _mm256_setzero_si256();
+            for j in 0..8 {
+                acc = dp_scaled(acc, u[j], _mm256_loadu_si256(xq.add(32 * j) as *const __m256i), sv[j]);
+            }
+            let bs = _mm256_loadu_si256(act.bsums.as_ptr().add(xi * 16) as *const __m256i);
+            let corr = hsum8(_mm256_madd_epi16(sc16, bs));
+            let ints = BlockInts { isum: hsum8(acc) - 32 * corr, mins: 0 };
+            out[t] = accumulate(DType::Q6_K, out[t], scales, ints, *act.d.get_unchecked(xi), 0.0);
+        }
+    }
+}
+
+/// The format with GGML id `id`, at compile time (32-block formats only).
+pub const fn dtype_const(id: u32) -> DType {
+    match id {
+        2 => DType::Q4_0,
+        3 => DType::Q4_1,
+        6 => DType::Q5_0,
+        7 => DType::Q5_1,
+        8 => DType::Q8_0,
+        _ => panic!("not a 32-block format"),
+    }
+}
+
+/// The codes of a 32-block, with AVX-512BW/VL's byte masks for the fifth bits when `VL`.
+#[inline(always)]
+unsafe fn codes32x<const VL: bool>(dtype: DType, w: *const u8) -> __m256i {
+    if !VL {
+        return codes32(dtype, w);
+    }
+    let (qh, qs, _) = layout32(dtype);
+    if dtype == DType::Q8_0 {
+        return _mm256_loadu_si256(w.add(2) as *const __m256i);
+    }
+    let u = nibbles_split16(w.add(qs));
+    match qh {
+        Some(o) => {
+            let h = (w.add(o) as *const u32).read_unaligned();
+            _mm256_or_si256(u, fifth_bits_vl(h))
+        }
+        None => u,
+    }
+}
+
+#[target_feature(enable = "avx512bw,avx512vl")]
+#[inline]
+unsafe fn fifth_bits_vl(h: u32) -> __m256i {
+    _mm256_maskz_mov_epi8(h, _mm256_set1_epi8(16))
+}
+
+macro_rules! rows32_decode_fn {
+    ($name:ident, $feat:literal, $vl:expr) => {
+        /// Decode (one token) over R rows of a 32-block format at once: the per-block float
+        /// additions form one dependency chain per row, and R rows keep R chains in flight.
+        #[target_feature(enable = $feat)]
+        pub unsafe fn $name<const R: usize, const DT: u32>(
+            w: &[u8],
+            row_bytes: usize,
+            act: &QuantAct,
+            out: &mut [f32; 4],
+        ) {
+            // The format is a constant here, so every test of it below folds away.
+            let dtype = const { dtype_const(DT) };
+            let bb = dtype.block_bytes();
+            let nb = act.blocks_per_row();
+            let off = _mm256_set1_epi32(layout32(dtype).2);
+            let has_m = matches!(dtype, DType::Q4_1 | DType::Q5_1);
+            let mut acc = [0f32; R];
+            let mut b0 = 0;
+            while b0 < nb {
+                let m = (nb - b0).min(8);
+                let i0 = act.idx(0, b0);
+                let xq = act.qs.as_ptr().add(i0 * 32);
+                // Activation rows are padded with zero blocks to whole groups of eight.
+                let dx = _mm256_loadu_ps(act.d.as_ptr().add(i0));
+                let xs = _mm256_mullo_epi32(_mm256_loadu_si256(act.sum.as_ptr().add(i0) as *const __m256i), off);
+                let mut ddx = [[0f32; 8]; R];
+                let mut isf = [[0f32; 8]; R];
+                let mut mw = [[0f32; 8]; R];
+                for r in 0..R {
+                    let base = w.as_ptr().add(r * row_bytes + b0 * bb);
+                    // The same blocks of the row R rows further down: the next pass reads them.
+                    prefetch_rows(base.wrapping_add(R * row_bytes), m * bb);
+                    let mut a = [_mm256_setzero_si256(); 8];
+                    let mut dbits = [0u16; 8];
+                    let mut mbits = [0u16; 8];
+                    let mut one = |j: usize| {
+                        let blk = base.add(j * bb);
+                        a[j] = dp32(
+                            dtype,
+                            codes32x::<$vl>(dtype, blk),
+                            _mm256_loadu_si256(xq.add(32 * j) as *const __m256i),
+                        );
+                        dbits[j] = (blk as *const u16).read_unaligned();
+                        if has_m {
+                            mbits[j] = (blk.add(2) as *const u16).read_unaligned();
+                        }
+                    };
+                    if m == 8 {
+                        for j in 0..8 {
+                            one(j);
+                        }
+                    } else {
+                        for j in 0..m {
+                            one(j);
+                        }
+                    }
+                    let isum = _mm256_sub_epi32(reduce8x8(&a), xs);
+                    let dw = _mm256_cvtph_ps(_mm_loadu_si128(dbits.as_ptr() as *const __m128i));
+                    _mm256_storeu_ps(ddx[r].as_mut_ptr(), _mm256_mul_ps(dw, dx));
+                    _mm256_storeu_ps(isf[r].as_mut_ptr(), _mm256_cvtepi32_ps(isum));
+                    if has_m {
+                        _mm256_storeu_ps(
+                            mw[r].as_mut_ptr(),
+                            _mm256_cvtph_ps(_mm_loadu_si128(mbits.as_ptr() as *const __m128i)),
+                        );
+                    }
+                }
+                for j in 0..m {
+                    for r in 0..R {
+                        // accumulate(): fma(d·dx, isum, acc), then fma(m, sx, acc).
+                        acc[r] = ddx[r][j].mul_add(isf[r][j], acc[r]);
+                        if has_m {
+                            acc[r] = mw[r][j].mul_add(*act.s.get_unchecked(i0 + j), acc[r]);
+                        }
+                    }
+                }
+                b0 += m;
+            }
+            out[..R].copy_from_slice(&acc);
+        }
+    };
+}
+
+rows32_decode_fn!(rows32_decode, "avx2,fma,f16c", false);
+rows32_decode_fn!(rows32_decode_vl, "avx2,fma,f16c,avx512f,avx512bw,avx512vl", true);
