@@ -40,7 +40,7 @@ pub fn main(a: Args) -> Result<()> {
                 "decode_tok_s": r.decode_mean(), "decode_tok_s_stdev": r.decode_stdev(),
                 "prefill_runs": r.prefill_tok_s, "decode_runs": r.decode_tok_s,
                 "dense_bytes": engine.model.dense_bytes(),
-                "expert_bytes": engine.model.experts.resident_bytes(),
+                "experts": crate::common::expert_stats_json(&engine, o.reps * (a.prompt + a.gen)),
             })
         );
     } else {
@@ -50,6 +50,9 @@ pub fn main(a: Args) -> Result<()> {
         }
         if a.gen > 0 {
             println!("  tg{:<5} {:8.2} ± {:.2} tok/s", a.gen, r.decode_mean(), r.decode_stdev());
+        }
+        if engine.model.cfg.is_moe() {
+            println!("  {}", crate::common::expert_stats_line(&engine, o.reps * (a.prompt + a.gen)));
         }
     }
     Ok(())

@@ -1,4 +1,4 @@
-use crate::common::{parse_tokens, ModelArgs};
+use crate::common::{expert_stats_json, expert_stats_line, parse_tokens, ModelArgs, TraceObserver};
 use anyhow::{bail, Result};
 use sluice_formats::TextStream;
 use sluice_runtime::{generate, GenerateOptions, SamplerConfig};
@@ -33,6 +33,12 @@ pub struct Args {
     /// Print one JSON object at the end instead of streaming text.
     #[arg(long)]
     json: bool,
+    /// Print expert-cache statistics at the end (hit rate, bytes read, IO stall, prefetch).
+    #[arg(long)]
+    stats: bool,
+    /// Record every routing decision to this file (see `sluice trace simulate`).
+    #[arg(long)]
+    trace: Option<std::path::PathBuf>,
 }
 
 pub fn main(a: Args) -> Result<()> {
@@ -63,7 +69,20 @@ pub fn main(a: Args) -> Result<()> {
         }
         true
     };
-    let g = generate(&engine, &mut kv, &prompt, &opts, &mut on_token)?;
+    let mut tracer = match &a.trace {
+        Some(p) => Some(TraceObserver::create(p, &engine)?),
+        None => None,
+    };
+    let obs = tracer.as_mut().map(|t| t as &mut dyn sluice_model::trace::Observer);
+    let g = generate(&engine, &mut kv, &prompt, &opts, &mut on_token, obs)?;
+    if let Some(t) = tracer {
+        if let Some(e) = t.error {
+            anyhow::bail!("writing the trace: {e}");
+        }
+        let n = t.writer.map(|w| w.finish()).transpose()?.unwrap_or(0);
+        eprintln!("sluice: wrote {n} routing records to {}", a.trace.as_ref().expect("set").display());
+    }
+    let n_tok = g.prompt_tokens + g.tokens.len();
     let text = tok.map(|t| t.decode(&g.tokens, true));
     if a.json {
         let v = serde_json::json!({
@@ -77,6 +96,7 @@ pub fn main(a: Args) -> Result<()> {
                 "prefill_tok_s": g.prefill_tok_s(),
                 "decode_tok_s": g.decode_tok_s(),
             },
+            "experts": if a.stats || engine.model.cfg.is_moe() { expert_stats_json(&engine, n_tok) } else { serde_json::Value::Null },
         });
         println!("{v}");
     } else {
@@ -92,6 +112,9 @@ pub fn main(a: Args) -> Result<()> {
             g.decode_tok_s(),
             g.stop.as_str()
         );
+        if a.stats && engine.model.cfg.is_moe() {
+            eprintln!("[{}]", expert_stats_line(&engine, n_tok));
+        }
     }
     Ok(())
 }

@@ -154,3 +154,92 @@ mod tests {
         assert!(parse_tokens(" , ").is_err());
     }
 }
+
+/// The expert source's counters as JSON, per token where that makes sense.
+pub fn expert_stats_json(e: &Engine, tokens: usize) -> serde_json::Value {
+    let s = e.model.experts.stats();
+    let acc = s.hits + s.misses;
+    let per = |v: u64| if tokens == 0 { 0.0 } else { v as f64 / tokens as f64 };
+    serde_json::json!({
+        "placement": e.placement,
+        "hits": s.hits,
+        "misses": s.misses,
+        "hit_rate": if acc == 0 { serde_json::Value::Null } else { (s.hits as f64 / acc as f64).into() },
+        "evictions": s.evictions,
+        "bytes_read": s.bytes_read,
+        "bytes_read_per_token": per(s.bytes_read),
+        "io_stall_s": s.stall_ns as f64 / 1e9,
+        "io_stall_ms_per_token": per(s.stall_ns) / 1e6,
+        "prefetch_issued": s.prefetch_issued,
+        "prefetch_hits": s.prefetch_hits,
+        "prefetch_wasted": s.prefetch_wasted,
+        "prefetch_precision": if s.prefetch_issued == 0 { serde_json::Value::Null } else { (s.prefetch_hits as f64 / s.prefetch_issued as f64).into() },
+        "quota_bytes": s.quota_bytes,
+        "resident_bytes": s.resident_bytes,
+        "quota_changes": s.quota_changes.iter().map(|(t, a, b, why)| serde_json::json!({"t_s": t, "from": a, "to": b, "reason": why})).collect::<Vec<_>>(),
+    })
+}
+
+/// One line of expert-cache stats for humans.
+pub fn expert_stats_line(e: &Engine, tokens: usize) -> String {
+    let s = e.model.experts.stats();
+    let acc = (s.hits + s.misses).max(1);
+    let t = tokens.max(1) as f64;
+    let pf = if s.prefetch_issued > 0 {
+        format!(", prefetch precision {:.0}%", 100.0 * s.prefetch_hits as f64 / s.prefetch_issued as f64)
+    } else {
+        String::new()
+    };
+    format!(
+        "experts: hit rate {:.1}% ({} hits, {} misses), {:.1} MB read/token, IO stall {:.1} ms/token{pf}, cache {:.2} GiB{}",
+        100.0 * s.hits as f64 / acc as f64,
+        s.hits,
+        s.misses,
+        s.bytes_read as f64 / t / 1e6,
+        s.stall_ns as f64 / t / 1e6,
+        s.quota_bytes as f64 / (1u64 << 30) as f64,
+        if s.quota_changes.is_empty() { String::new() } else { format!(", {} quota changes", s.quota_changes.len()) }
+    )
+}
+
+/// Records routing decisions to a trace file.
+pub struct TraceObserver {
+    pub writer: Option<sluice_experts::trace::TraceWriter>,
+    pub error: Option<std::io::Error>,
+}
+
+impl TraceObserver {
+    pub fn create(path: &std::path::Path, e: &Engine) -> Result<TraceObserver> {
+        let cfg = &e.model.cfg;
+        let moe =
+            cfg.moe.as_ref().with_context(|| format!("{}: not an MoE model; nothing to trace", e.path.display()))?;
+        let expert_bytes = e.model.experts.expert_bytes() as u64;
+        let slot_bytes = match &e.streaming {
+            Some(s) => s.slot_bytes() as u64,
+            // The slot a streaming cache would use: three ranges widened to 4 KiB pages.
+            None => (expert_bytes + 6 * 4096).div_ceil(4096) * 4096,
+        };
+        let h = sluice_experts::trace::TraceHeader {
+            model: e.path.display().to_string(),
+            n_layer: cfg.n_layer,
+            n_expert: moe.n_expert,
+            n_expert_used: moe.n_expert_used,
+            slot_bytes,
+            expert_bytes,
+        };
+        let w = sluice_experts::trace::TraceWriter::create(path, &h)
+            .with_context(|| format!("creating {}", path.display()))?;
+        Ok(TraceObserver { writer: Some(w), error: None })
+    }
+}
+
+impl sluice_model::trace::Observer for TraceObserver {
+    fn routing(&mut self, layer: usize, pos: usize, experts: &[u32], _w: &[f32]) {
+        if let Some(w) = &mut self.writer {
+            if let Err(e) = w.push(layer, pos, experts) {
+                self.error = Some(e);
+                self.writer = None;
+            }
+        }
+    }
+}

@@ -1,12 +1,15 @@
 //! `sluice`: run Mixture-of-Experts models larger than memory.
 
 mod cmd_bench;
+mod cmd_demo;
 mod cmd_inspect;
 mod cmd_logits;
+mod cmd_pack;
 mod cmd_perplexity;
 mod cmd_run;
 mod cmd_synth;
 mod cmd_tokenize;
+mod cmd_trace;
 mod common;
 
 use clap::{Parser, Subcommand};
@@ -20,6 +23,9 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// The main job: stream a synthetic MoE model several times larger than the expert cache,
+    /// with live statistics, and verify the output against a fully resident run.
+    Demo(cmd_demo::Args),
     /// Generate text from a prompt, streaming it as it comes.
     Run(cmd_run::Args),
     /// Print float32 logits for every position of a token sequence.
@@ -34,11 +40,17 @@ enum Cmd {
     Bench(cmd_bench::Args),
     /// Write a synthetic MoE model of a real shape as GGUF (for benchmarks and demos).
     Synth(cmd_synth::Args),
+    /// Write an offload-ready pack of a model's experts (one aligned record per expert).
+    Pack(cmd_pack::Args),
+    /// Routing traces: replay one through the cache policies and Belady's optimum.
+    #[command(subcommand)]
+    Trace(cmd_trace::TraceCmd),
 }
 
 fn main() {
     let cli = Cli::parse();
     let r = match cli.cmd {
+        Cmd::Demo(a) => cmd_demo::main(a),
         Cmd::Run(a) => cmd_run::main(a),
         Cmd::Logits(a) => cmd_logits::main(a),
         Cmd::Inspect(a) => cmd_inspect::main(a),
@@ -46,6 +58,8 @@ fn main() {
         Cmd::Perplexity(a) => cmd_perplexity::main(a),
         Cmd::Bench(a) => cmd_bench::main(a),
         Cmd::Synth(a) => cmd_synth::main(a),
+        Cmd::Pack(a) => cmd_pack::main(a),
+        Cmd::Trace(c) => cmd_trace::main(c),
     };
     if let Err(e) = r {
         eprintln!("error: {e:#}");

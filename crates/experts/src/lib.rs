@@ -10,6 +10,7 @@ pub mod pack;
 pub mod pressure;
 pub mod source;
 pub mod store;
+pub mod trace;
 
 pub use cache::Policy;
 pub use source::{IoKind, StreamOptions, StreamingExperts};

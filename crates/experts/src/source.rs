@@ -513,6 +513,10 @@ impl ExpertSource for StreamingExperts {
         self.lock().cache.resident_bytes()
     }
 
+    fn expert_bytes(&self) -> usize {
+        self.layout.experts.iter().flatten().map(|p| p.payload_bytes() as usize).max().unwrap_or(0)
+    }
+
     fn describe(&self) -> String {
         let st = self.lock();
         format!(

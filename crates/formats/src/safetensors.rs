@@ -64,6 +64,12 @@ impl SafetensorsFile {
     }
 }
 
+/// Parses and validates a safetensors file held in memory: its header against its length.
+/// Errors name `<memory>` as the file (the fuzz harness and tests use it).
+pub fn parse_header_bytes(bytes: &[u8]) -> Result<BTreeMap<String, TensorInfo>> {
+    parse_header(Path::new("<memory>"), bytes)
+}
+
 /// Parses and validates a safetensors header against the file's length.
 fn parse_header(path: &Path, bytes: &[u8]) -> Result<BTreeMap<String, TensorInfo>> {
     let bad = |msg: String| FormatError::invalid(path, msg);

@@ -65,6 +65,9 @@ pub trait ExpertSource: Send + Sync {
     /// Bytes of expert weights held in memory now.
     fn resident_bytes(&self) -> usize;
 
+    /// Bytes of one expert's three matrices (the largest, if they differ by layer).
+    fn expert_bytes(&self) -> usize;
+
     /// A line about what this source is (for `--stats` and logs).
     fn describe(&self) -> String;
 
@@ -79,6 +82,12 @@ pub struct ResidentExperts {
     /// `[layer][expert]`; empty for dense layers.
     experts: Vec<Vec<[Weight; 3]>>,
     bytes: usize,
+}
+
+impl ResidentExperts {
+    fn largest_expert(&self) -> usize {
+        self.experts.iter().flatten().map(|w| w.iter().map(|m| m.bytes()).sum::<usize>()).max().unwrap_or(0)
+    }
 }
 
 impl ResidentExperts {
@@ -163,6 +172,10 @@ impl ExpertSource for ResidentExperts {
 
     fn resident_bytes(&self) -> usize {
         self.bytes
+    }
+
+    fn expert_bytes(&self) -> usize {
+        self.largest_expert()
     }
 
     fn describe(&self) -> String {

@@ -55,6 +55,8 @@ pub enum Logits {
     All,
     Last,
     None,
+    /// Rows `from..n` of this call's tokens.
+    From(usize),
 }
 
 impl Model {
@@ -215,6 +217,7 @@ impl Model {
             Logits::None => return Ok(Vec::new()),
             Logits::All => 0..n,
             Logits::Last => n - 1..n,
+            Logits::From(f) => f.min(n)..n,
         };
         let m = rows.len();
         let mut hn = vec![0f32; m * hd];

@@ -123,11 +123,26 @@ impl SynthSpec {
                 context: 4096,
                 ..base
             },
+            // The README demo: about 0.6 GB of experts, quick to write, clearly larger than
+            // the cache it runs with.
+            "demo-moe" => SynthSpec {
+                n_layer: 12,
+                hidden: 512,
+                n_head: 8,
+                n_head_kv: 2,
+                head_dim: 64,
+                n_expert: 64,
+                n_expert_used: 4,
+                expert_ff: 768,
+                vocab: 4096,
+                context: 4096,
+                ..base
+            },
             _ => return None,
         })
     }
 
-    pub const NAMES: [&'static str; 3] = ["qwen3-30b-a3b", "olmoe-1b-7b", "tiny-moe"];
+    pub const NAMES: [&'static str; 4] = ["qwen3-30b-a3b", "olmoe-1b-7b", "tiny-moe", "demo-moe"];
 
     pub fn validate(&self) -> Result<(), String> {
         let pos = [self.n_layer, self.hidden, self.n_head, self.n_head_kv, self.head_dim, self.n_expert, self.vocab];

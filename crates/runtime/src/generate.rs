@@ -4,6 +4,7 @@
 use crate::engine::Engine;
 use crate::error::{Result, RuntimeError};
 use crate::sampler::{Sampler, SamplerConfig};
+use sluice_model::trace::Observer;
 use sluice_model::{KvCache, Logits};
 use std::time::Instant;
 
@@ -67,8 +68,22 @@ impl Generation {
     }
 }
 
+/// A shorter-lived handle on an optional observer.
+fn reborrow<'a>(o: &'a mut Option<&mut dyn Observer>) -> Option<&'a mut dyn Observer> {
+    match o {
+        Some(x) => Some(&mut **x),
+        None => None,
+    }
+}
+
 /// Runs `prompt` through the model at the start of `kv` and returns the last position's logits.
-pub fn prefill(engine: &Engine, kv: &mut KvCache, prompt: &[u32], chunk: usize) -> Result<Vec<f32>> {
+pub fn prefill(
+    engine: &Engine,
+    kv: &mut KvCache,
+    prompt: &[u32],
+    chunk: usize,
+    mut obs: Option<&mut dyn Observer>,
+) -> Result<Vec<f32>> {
     if prompt.is_empty() {
         return Err(RuntimeError::Input("the prompt is empty".into()));
     }
@@ -76,24 +91,25 @@ pub fn prefill(engine: &Engine, kv: &mut KvCache, prompt: &[u32], chunk: usize) 
     let mut logits = Vec::new();
     for (i, c) in prompt.chunks(chunk).enumerate() {
         let last = (i + 1) * chunk >= prompt.len();
-        logits = engine.model.forward(kv, c, if last { Logits::Last } else { Logits::None }, None)?;
+        logits = engine.model.forward(kv, c, if last { Logits::Last } else { Logits::None }, reborrow(&mut obs))?;
     }
     Ok(logits)
 }
 
 /// Generates after `prompt` (the cache is reset first). `on_token` sees each new token and
-/// returns false to stop.
+/// returns false to stop; `obs`, if given, sees every intermediate and routing decision.
 pub fn generate(
     engine: &Engine,
     kv: &mut KvCache,
     prompt: &[u32],
     opts: &GenerateOptions,
     on_token: &mut dyn FnMut(u32) -> bool,
+    mut obs: Option<&mut dyn Observer>,
 ) -> Result<Generation> {
     opts.sampler.validate().map_err(RuntimeError::Input)?;
     kv.truncate(0);
     let t0 = Instant::now();
-    let mut logits = prefill(engine, kv, prompt, opts.prefill_chunk)?;
+    let mut logits = prefill(engine, kv, prompt, opts.prefill_chunk, reborrow(&mut obs))?;
     let prefill_secs = t0.elapsed().as_secs_f64();
     let mut sampler = Sampler::new(opts.sampler.clone());
     let mut tokens = Vec::new();
@@ -116,7 +132,7 @@ pub fn generate(
         if kv.len() >= kv.max_len() {
             break;
         }
-        logits = engine.model.forward(kv, &[tok], Logits::Last, None)?;
+        logits = engine.model.forward(kv, &[tok], Logits::Last, reborrow(&mut obs))?;
     }
     Ok(Generation { tokens, stop, prompt_tokens: prompt.len(), prefill_secs, decode_secs: t1.elapsed().as_secs_f64() })
 }

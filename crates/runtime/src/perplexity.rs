@@ -58,12 +58,17 @@ pub fn perplexity(
             chunk[0] = b;
         }
         kv.truncate(0);
-        let mut logits = Vec::with_capacity(ctx * vocab);
-        for part in chunk.chunks(batch.max(1)) {
-            logits.extend(engine.model.forward(&mut kv, part, Logits::All, None)?);
+        // Only the scored half needs logits.
+        let mut logits = Vec::with_capacity((ctx - first) * vocab);
+        let batch = batch.max(1);
+        for (i, part) in chunk.chunks(batch).enumerate() {
+            let start = i * batch;
+            let from = first.saturating_sub(start);
+            logits.extend(engine.model.forward(&mut kv, part, Logits::From(from), None)?);
         }
         for j in first..ctx - 1 {
-            let lp = log_prob(&logits[j * vocab..(j + 1) * vocab], tokens[c * ctx + j + 1]);
+            let row = j - first;
+            let lp = log_prob(&logits[row * vocab..(row + 1) * vocab], tokens[c * ctx + j + 1]);
             nll -= lp;
             nll2 += lp * lp;
             count += 1;

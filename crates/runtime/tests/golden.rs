@@ -82,7 +82,7 @@ fn greedy_continuations_match_transformers() {
         let e = load(fam, 2);
         let mut kv = e.new_cache();
         let opts = GenerateOptions { max_new_tokens: g.greedy.len(), ignore_eos: true, ..Default::default() };
-        let out = generate(&e, &mut kv, &g.prompt, &opts, &mut |_| true).unwrap();
+        let out = generate(&e, &mut kv, &g.prompt, &opts, &mut |_| true, None).unwrap();
         assert_eq!(out.tokens, g.greedy, "{fam}: greedy continuation differs");
     }
 }
