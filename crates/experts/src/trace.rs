@@ -208,8 +208,7 @@ pub fn simulate_belady(reqs: &[(u16, Vec<u16>)], slots: usize) -> SimResult {
         } else if resident.len() >= slots {
             // Pop the furthest-next-use expert that is current and not part of this request.
             let mut held = Vec::new();
-            loop {
-                let Some((nu, k)) = heap.pop() else { break };
+            while let Some((nu, k)) = heap.pop() {
                 if resident.get(&k) != Some(&nu) {
                     continue; // stale entry
                 }
