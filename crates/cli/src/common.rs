@@ -132,29 +132,6 @@ pub fn parse_tokens(s: &str) -> Result<Vec<u32>> {
     Ok(ids)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn sizes_parse_with_units() {
-        assert_eq!(parse_size("6GiB").unwrap(), 6 << 30);
-        assert_eq!(parse_size("512MiB").unwrap(), 512 << 20);
-        assert_eq!(parse_size("1.5G").unwrap(), 3 << 29);
-        assert_eq!(parse_size("300MB").unwrap(), 300_000_000);
-        assert_eq!(parse_size("4096").unwrap(), 4096);
-        assert!(parse_size("6 parsecs").unwrap_err().to_string().contains("unit"));
-        assert!(parse_size("lots").is_err());
-    }
-
-    #[test]
-    fn token_lists_parse_or_say_why_not() {
-        assert_eq!(parse_tokens("1, 2,3").unwrap(), vec![1, 2, 3]);
-        assert!(parse_tokens("1,x").unwrap_err().to_string().contains("`x`"));
-        assert!(parse_tokens(" , ").is_err());
-    }
-}
-
 /// The expert source's counters as JSON, per token where that makes sense.
 pub fn expert_stats_json(e: &Engine, tokens: usize) -> serde_json::Value {
     let s = e.model.experts.stats();
@@ -241,5 +218,28 @@ impl sluice_model::trace::Observer for TraceObserver {
                 self.writer = None;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_with_units() {
+        assert_eq!(parse_size("6GiB").unwrap(), 6 << 30);
+        assert_eq!(parse_size("512MiB").unwrap(), 512 << 20);
+        assert_eq!(parse_size("1.5G").unwrap(), 3 << 29);
+        assert_eq!(parse_size("300MB").unwrap(), 300_000_000);
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        assert!(parse_size("6 parsecs").unwrap_err().to_string().contains("unit"));
+        assert!(parse_size("lots").is_err());
+    }
+
+    #[test]
+    fn token_lists_parse_or_say_why_not() {
+        assert_eq!(parse_tokens("1, 2,3").unwrap(), vec![1, 2, 3]);
+        assert!(parse_tokens("1,x").unwrap_err().to_string().contains("`x`"));
+        assert!(parse_tokens(" , ").is_err());
     }
 }
