@@ -1,6 +1,7 @@
 //! `sluice`: run Mixture-of-Experts models larger than memory.
 
 mod cmd_bench;
+mod cmd_bench_io;
 mod cmd_demo;
 mod cmd_inspect;
 mod cmd_logits;
@@ -42,6 +43,8 @@ enum Cmd {
     Synth(cmd_synth::Args),
     /// Write an offload-ready pack of a model's experts (one aligned record per expert).
     Pack(cmd_pack::Args),
+    /// Random-read bandwidth of a file with expert-sized direct reads (the streaming bound).
+    BenchIo(cmd_bench_io::Args),
     /// Routing traces: replay one through the cache policies and Belady's optimum.
     #[command(subcommand)]
     Trace(cmd_trace::TraceCmd),
@@ -59,6 +62,7 @@ fn main() {
         Cmd::Bench(a) => cmd_bench::main(a),
         Cmd::Synth(a) => cmd_synth::main(a),
         Cmd::Pack(a) => cmd_pack::main(a),
+        Cmd::BenchIo(a) => cmd_bench_io::main(a),
         Cmd::Trace(c) => cmd_trace::main(c),
     };
     if let Err(e) = r {

@@ -9,7 +9,7 @@
 //! errors, short reads and corruption for tests.
 
 use crate::arena::Arena;
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::fs::File;
 use std::io;
 use std::os::fd::AsRawFd;
@@ -62,7 +62,7 @@ pub struct UringIo {
     depth: usize,
     in_flight: usize,
     registered: bool,
-    direct: bool,
+    pub direct: bool,
 }
 
 impl UringIo {
@@ -159,7 +159,7 @@ pub struct PreadIo {
     workers: Vec<std::thread::JoinHandle<()>>,
     depth: usize,
     in_flight: usize,
-    direct: bool,
+    pub direct: bool,
 }
 
 impl PreadIo {
@@ -335,4 +335,59 @@ impl IoEngine for FaultyIo {
     fn in_flight(&self) -> usize {
         self.inner.in_flight()
     }
+}
+
+/// Measures random-read bandwidth of `path` with reads of `block` bytes (rounded to 4 KiB),
+/// `depth` in flight, for about `seconds`, through the same engine the cache uses. This is the
+/// disk bound a streaming benchmark reports its speed against.
+pub fn read_bandwidth(path: &Path, block: usize, depth: usize, seconds: f64, uring: bool) -> io::Result<(f64, bool)> {
+    let block = block.div_ceil(4096).max(1) * 4096;
+    let len = std::fs::metadata(path)?.len();
+    if len < block as u64 {
+        return Err(io::Error::other(format!("{} is smaller than one {block}-byte read", path.display())));
+    }
+    let depth = depth.max(1);
+    let arena = Arc::new(Arena::new(depth, block)?);
+    let paths = [path.to_path_buf()];
+    let (mut eng, direct): (Box<dyn IoEngine>, bool) = if uring {
+        let u = UringIo::new(&paths, arena.clone(), depth, true)?;
+        let d = u.direct;
+        (Box::new(u), d)
+    } else {
+        let p = PreadIo::new(&paths, arena.clone(), depth)?;
+        let d = p.direct;
+        (Box::new(p), d)
+    };
+    let slots_in_file = (len - block as u64) / 4096;
+    let mut seed = 0x9E37_79B9_7F4A_7C15u64;
+    let mut next_off = || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        (seed % slots_in_file.max(1)) * 4096
+    };
+    let t0 = std::time::Instant::now();
+    let mut free: Vec<usize> = (0..depth).collect();
+    let mut slot_of: HashMap<u64, usize> = HashMap::new();
+    let (mut bytes, mut tag) = (0u64, 0u64);
+    let mut done = Vec::new();
+    loop {
+        let elapsed = t0.elapsed().as_secs_f64();
+        while elapsed < seconds && eng.room() > 0 {
+            let Some(slot) = free.pop() else { break };
+            tag += 1;
+            slot_of.insert(tag, slot);
+            eng.start(IoRequest { tag, file: 0, offset: next_off(), len: block, slot, slot_offset: 0 })?;
+        }
+        if eng.in_flight() == 0 {
+            break;
+        }
+        done.clear();
+        eng.reap(1, &mut done)?;
+        for c in &done {
+            bytes += c.result.as_ref().map_err(|e| io::Error::new(e.kind(), e.to_string()))?.to_owned() as u64;
+            free.push(slot_of.remove(&c.tag).expect("tag started"));
+        }
+    }
+    Ok((bytes as f64 / t0.elapsed().as_secs_f64(), direct))
 }
