@@ -1,4 +1,4 @@
-use crate::common::ModelArgs;
+use crate::common::{stats_json, stats_line, ModelArgs};
 use anyhow::Result;
 use sluice_runtime::bench::{bench, BenchOptions};
 
@@ -40,7 +40,11 @@ pub fn main(a: Args) -> Result<()> {
                 "decode_tok_s": r.decode_mean(), "decode_tok_s_stdev": r.decode_stdev(),
                 "prefill_runs": r.prefill_tok_s, "decode_runs": r.decode_tok_s,
                 "dense_bytes": engine.model.dense_bytes(),
-                "experts": crate::common::expert_stats_json(&engine, o.reps * (a.prompt + a.gen)),
+                "experts": {
+                    "placement": engine.placement,
+                    "prefill": stats_json(&r.prefill_experts, &engine.placement, o.reps * a.prompt),
+                    "decode": stats_json(&r.decode_experts, &engine.placement, o.reps * a.gen),
+                },
             })
         );
     } else {
@@ -52,7 +56,12 @@ pub fn main(a: Args) -> Result<()> {
             println!("  tg{:<5} {:8.2} ± {:.2} tok/s", a.gen, r.decode_mean(), r.decode_stdev());
         }
         if engine.model.cfg.is_moe() {
-            println!("  {}", crate::common::expert_stats_line(&engine, o.reps * (a.prompt + a.gen)));
+            if a.prompt > 0 {
+                println!("  pp {}", stats_line(&r.prefill_experts, o.reps * a.prompt));
+            }
+            if a.gen > 0 {
+                println!("  tg {}", stats_line(&r.decode_experts, o.reps * a.gen));
+            }
         }
     }
     Ok(())

@@ -3,6 +3,7 @@
 use anyhow::{bail, Context, Result};
 use clap::Args as ClapArgs;
 use sluice_experts::{IoKind, Policy};
+use sluice_model::expert::ExpertStats;
 use sluice_runtime::placement::{ExpertMode, ExpertOptions};
 use sluice_runtime::{Engine, EngineOptions};
 use std::path::PathBuf;
@@ -134,17 +135,23 @@ pub fn parse_tokens(s: &str) -> Result<Vec<u32>> {
 
 /// The expert source's counters as JSON, per token where that makes sense.
 pub fn expert_stats_json(e: &Engine, tokens: usize) -> serde_json::Value {
-    let s = e.model.experts.stats();
+    stats_json(&e.model.experts.stats(), &e.placement, tokens)
+}
+
+/// Expert-cache counters over `tokens` tokens as JSON.
+pub fn stats_json(s: &ExpertStats, placement: &str, tokens: usize) -> serde_json::Value {
     let acc = s.hits + s.misses;
     let per = |v: u64| if tokens == 0 { 0.0 } else { v as f64 / tokens as f64 };
     serde_json::json!({
-        "placement": e.placement,
+        "placement": placement,
         "hits": s.hits,
         "misses": s.misses,
         "hit_rate": if acc == 0 { serde_json::Value::Null } else { (s.hits as f64 / acc as f64).into() },
         "evictions": s.evictions,
         "bytes_read": s.bytes_read,
         "bytes_read_per_token": per(s.bytes_read),
+        "loaded_bytes": s.loaded_bytes,
+        "read_amplification": if s.loaded_bytes == 0 { serde_json::Value::Null } else { (s.bytes_read as f64 / s.loaded_bytes as f64).into() },
         "io_stall_s": s.stall_ns as f64 / 1e9,
         "io_stall_ms_per_token": per(s.stall_ns) / 1e6,
         "prefetch_issued": s.prefetch_issued,
@@ -159,7 +166,11 @@ pub fn expert_stats_json(e: &Engine, tokens: usize) -> serde_json::Value {
 
 /// One line of expert-cache stats for humans.
 pub fn expert_stats_line(e: &Engine, tokens: usize) -> String {
-    let s = e.model.experts.stats();
+    stats_line(&e.model.experts.stats(), tokens)
+}
+
+/// One line of expert-cache counters over `tokens` tokens.
+pub fn stats_line(s: &ExpertStats, tokens: usize) -> String {
     let acc = (s.hits + s.misses).max(1);
     let t = tokens.max(1) as f64;
     let pf = if s.prefetch_issued > 0 {

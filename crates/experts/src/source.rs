@@ -76,6 +76,8 @@ struct State {
     tags: HashMap<u64, (usize, Read)>,
     next_tag: u64,
     bytes_read: u64,
+    /// Payload bytes of the experts made resident (demand misses and prefetches).
+    loaded_bytes: u64,
     stall_ns: u64,
     quota_changes: Vec<(f64, u64, u64, String)>,
 }
@@ -138,6 +140,7 @@ impl StreamingExperts {
                 tags: HashMap::new(),
                 next_tag: 1,
                 bytes_read: 0,
+                loaded_bytes: 0,
                 stall_ns: 0,
                 quota_changes: Vec::new(),
             }),
@@ -270,7 +273,10 @@ impl StreamingExperts {
                 err = self.verify(key, slot);
             }
             match err {
-                None => st.cache.loaded(slot),
+                None => {
+                    st.loaded_bytes += self.layout.plan(key.0 as usize, key.1 as usize).map_or(0, |p| p.payload_bytes());
+                    st.cache.loaded(slot)
+                }
                 Some(msg) => {
                     st.failed.insert(key, format!("layer {} expert {}: {msg}", key.0, key.1));
                     st.cache.failed(slot);
@@ -538,6 +544,7 @@ impl ExpertSource for StreamingExperts {
             misses: c.misses,
             evictions: c.evictions,
             bytes_read: st.bytes_read,
+            loaded_bytes: st.loaded_bytes,
             stall_ns: st.stall_ns,
             prefetch_issued: c.prefetch_issued,
             prefetch_hits: c.prefetch_hits,

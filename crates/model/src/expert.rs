@@ -37,6 +37,9 @@ pub struct ExpertStats {
     pub misses: u64,
     pub evictions: u64,
     pub bytes_read: u64,
+    /// Payload bytes of the experts made resident by reads (misses and prefetches); `bytes_read`
+    /// over this is the read amplification (alignment, bounce ranges).
+    pub loaded_bytes: u64,
     /// Time the forward pass waited for expert reads.
     pub stall_ns: u64,
     pub prefetch_issued: u64,
@@ -48,6 +51,43 @@ pub struct ExpertStats {
     pub resident_bytes: u64,
     /// (seconds since start, old quota, new quota, reason)
     pub quota_changes: Vec<(f64, u64, u64, String)>,
+}
+
+impl ExpertStats {
+    /// What happened after `earlier` (a snapshot of the same source): counters as differences;
+    /// quota and resident bytes as they are now; the quota changes made since.
+    pub fn since(&self, earlier: &ExpertStats) -> ExpertStats {
+        ExpertStats {
+            hits: self.hits - earlier.hits,
+            misses: self.misses - earlier.misses,
+            evictions: self.evictions - earlier.evictions,
+            bytes_read: self.bytes_read - earlier.bytes_read,
+            loaded_bytes: self.loaded_bytes - earlier.loaded_bytes,
+            stall_ns: self.stall_ns - earlier.stall_ns,
+            prefetch_issued: self.prefetch_issued - earlier.prefetch_issued,
+            prefetch_hits: self.prefetch_hits - earlier.prefetch_hits,
+            prefetch_wasted: self.prefetch_wasted - earlier.prefetch_wasted,
+            quota_bytes: self.quota_bytes,
+            resident_bytes: self.resident_bytes,
+            quota_changes: self.quota_changes[earlier.quota_changes.len().min(self.quota_changes.len())..].to_vec(),
+        }
+    }
+
+    /// Adds the counters of `other` (a later interval) to these.
+    pub fn add(&mut self, other: &ExpertStats) {
+        self.hits += other.hits;
+        self.misses += other.misses;
+        self.evictions += other.evictions;
+        self.bytes_read += other.bytes_read;
+        self.loaded_bytes += other.loaded_bytes;
+        self.stall_ns += other.stall_ns;
+        self.prefetch_issued += other.prefetch_issued;
+        self.prefetch_hits += other.prefetch_hits;
+        self.prefetch_wasted += other.prefetch_wasted;
+        self.quota_bytes = other.quota_bytes;
+        self.resident_bytes = other.resident_bytes;
+        self.quota_changes.extend(other.quota_changes.iter().cloned());
+    }
 }
 
 pub trait ExpertSource: Send + Sync {

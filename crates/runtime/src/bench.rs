@@ -3,10 +3,14 @@
 //! * prefill (`pp`): `p` random tokens run as one batch (in ubatches) from an empty context;
 //! * decode (`tg`): `n` steps of one random token each, from an empty context;
 //! * each test is repeated `reps` times after one warm-up run; the mean rate is reported.
+//!
+//! Expert-cache counters are kept per test, over the timed repetitions only (the warm-up's
+//! reads are not charged to either).
 
 use crate::engine::Engine;
 use crate::error::Result;
 use crate::sampler::Rng;
+use sluice_model::expert::ExpertStats;
 use sluice_model::Logits;
 use std::time::Instant;
 
@@ -29,6 +33,10 @@ impl Default for BenchOptions {
 pub struct BenchResult {
     pub prefill_tok_s: Vec<f64>,
     pub decode_tok_s: Vec<f64>,
+    /// Expert-cache counters of the timed prefill runs, summed.
+    pub prefill_experts: ExpertStats,
+    /// Expert-cache counters of the timed decode runs, summed.
+    pub decode_experts: ExpertStats,
 }
 
 fn mean(v: &[f64]) -> f64 {
@@ -74,20 +82,24 @@ pub fn bench(engine: &Engine, o: &BenchOptions) -> Result<BenchResult> {
         if o.prompt > 0 {
             kv.truncate(0);
             let toks = random(o.prompt);
+            let before = engine.model.experts.stats();
             let t0 = Instant::now();
             for part in toks.chunks(o.ubatch.max(1)) {
                 engine.model.forward(&mut kv, part, Logits::Last, None)?;
             }
             r.prefill_tok_s.push(o.prompt as f64 / t0.elapsed().as_secs_f64());
+            r.prefill_experts.add(&engine.model.experts.stats().since(&before));
         }
         if o.gen > 0 {
             kv.truncate(0);
             let toks = random(o.gen);
+            let before = engine.model.experts.stats();
             let t0 = Instant::now();
             for t in &toks {
                 engine.model.forward(&mut kv, &[*t], Logits::Last, None)?;
             }
             r.decode_tok_s.push(o.gen as f64 / t0.elapsed().as_secs_f64());
+            r.decode_experts.add(&engine.model.experts.stats().since(&before));
         }
     }
     Ok(r)
