@@ -50,13 +50,6 @@ impl Arena {
             libc::madvise(self.slot_ptr(s) as *mut libc::c_void, self.slot_bytes, libc::MADV_DONTNEED);
         }
     }
-
-    /// One buffer per slot, for io_uring's registered buffers.
-    pub fn iovecs(&self) -> Vec<libc::iovec> {
-        (0..self.n_slots)
-            .map(|s| libc::iovec { iov_base: self.slot_ptr(s) as *mut libc::c_void, iov_len: self.slot_bytes })
-            .collect()
-    }
 }
 
 impl Drop for Arena {

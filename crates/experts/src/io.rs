@@ -1,7 +1,10 @@
 //! The IO engine: aligned reads of expert bytes straight into cache slots.
 //!
 //! * `UringIo`: io_uring, O_DIRECT files, the arena's slots as registered buffers when the
-//!   system allows (else plain reads); up to `depth` reads in flight.
+//!   system allows (else plain reads); up to `depth` reads in flight. The buffer table is
+//!   sparse: a slot is registered (its pages pinned) before its first read and unregistered
+//!   when the cache gives it back (`release_slot`), so a released slot's memory really returns
+//!   to the system and a regrown slot's reads land in the pages the process maps.
 //! * `PreadIo`: a pool of threads calling `pread`, for systems without io_uring.
 //!
 //! Both take requests only while they have room (`room()`), so the caller decides priority:
@@ -44,6 +47,11 @@ pub trait IoEngine: Send {
     /// Collects finished reads into `out`; waits until at least `min` have finished.
     fn reap(&mut self, min: usize, out: &mut Vec<IoCompletion>) -> io::Result<()>;
     fn in_flight(&self) -> usize;
+    /// Slot `s` is about to be handed back to the system (no read into it is in flight): drop
+    /// whatever the engine holds on its memory.
+    fn release_slot(&mut self, _s: usize) -> io::Result<()> {
+        Ok(())
+    }
 }
 
 /// Opens `path` for direct IO if the file system allows it, else for buffered reads.
@@ -61,7 +69,10 @@ pub struct UringIo {
     arena: Arc<Arena>,
     depth: usize,
     in_flight: usize,
+    /// Whether the ring has a (sparse) registered-buffer table with an entry per slot.
     registered: bool,
+    /// Slots whose entry currently holds the slot's buffer.
+    slot_registered: Vec<bool>,
     pub direct: bool,
 }
 
@@ -76,14 +87,23 @@ impl UringIo {
             direct &= d;
             files.push(f);
         }
-        let mut registered = false;
-        if register && arena.n_slots <= 16384 {
-            let iov = arena.iovecs();
-            // SAFETY: the iovecs point into the arena, which outlives the ring (both are owned
-            // here, and the ring is dropped first: fields drop in declaration order).
-            registered = unsafe { ring.submitter().register_buffers(&iov) }.is_ok();
+        // A sparse table (Linux 5.19+); without one, plain reads. A table registered whole
+        // would pin every slot for the ring's life, defeating the release of slots.
+        let registered = register && arena.n_slots <= 16384 && ring.submitter().register_buffers_sparse(arena.n_slots as u32).is_ok();
+        let slot_registered = vec![false; if registered { arena.n_slots } else { 0 }];
+        Ok(UringIo { ring, files, arena, depth, in_flight: 0, registered, slot_registered, direct })
+    }
+
+    /// Puts slot `s`'s buffer in its table entry (pinning its pages); false if the kernel refused.
+    fn register_slot(&mut self, s: usize) -> bool {
+        if self.slot_registered[s] {
+            return true;
         }
-        Ok(UringIo { ring, files, arena, depth, in_flight: 0, registered, direct })
+        let iov = [libc::iovec { iov_base: self.arena.slot_ptr(s) as *mut libc::c_void, iov_len: self.arena.slot_bytes }];
+        // SAFETY: the iovec covers slot `s` of the arena, which outlives the ring (the ring is
+        // declared first, so it is dropped first).
+        self.slot_registered[s] = unsafe { self.ring.submitter().register_buffers_update(s as u32, &iov, None) }.is_ok();
+        self.slot_registered[s]
     }
 }
 
@@ -106,7 +126,7 @@ impl IoEngine for UringIo {
         let fd = types::Fd(self.files[r.file].as_raw_fd());
         // SAFETY: slot_offset + len lies inside the slot (layout guarantees it).
         let dst = unsafe { self.arena.slot_ptr(r.slot).add(r.slot_offset) };
-        let e = if self.registered {
+        let e = if self.registered && self.register_slot(r.slot) {
             opcode::ReadFixed::new(fd, dst, r.len as u32, r.slot as u16).offset(r.offset).build()
         } else {
             opcode::Read::new(fd, dst, r.len as u32).offset(r.offset).build()
@@ -149,6 +169,17 @@ impl IoEngine for UringIo {
 
     fn in_flight(&self) -> usize {
         self.in_flight
+    }
+
+    fn release_slot(&mut self, s: usize) -> io::Result<()> {
+        if self.registered && self.slot_registered[s] {
+            // An empty entry: the kernel drops its pin once no request uses the buffer.
+            let empty = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }];
+            // SAFETY: an empty iovec registers nothing.
+            unsafe { self.ring.submitter().register_buffers_update(s as u32, &empty, None) }?;
+            self.slot_registered[s] = false;
+        }
+        Ok(())
     }
 }
 
@@ -295,6 +326,9 @@ impl IoEngine for FaultyIo {
     }
     fn room(&self) -> usize {
         self.inner.room()
+    }
+    fn release_slot(&mut self, s: usize) -> io::Result<()> {
+        self.inner.release_slot(s)
     }
     fn start(&mut self, r: IoRequest) -> io::Result<()> {
         let mut p = self.plan.lock().unwrap_or_else(|e| e.into_inner());

@@ -180,7 +180,10 @@ impl StreamingExperts {
             return old; // shrink between reads only
         }
         for s in st.cache.set_quota(q) {
-            self.arena.release(s);
+            // A slot the engine could not let go of keeps its pages (and stays consistent).
+            if st.io.release_slot(s).is_ok() {
+                self.arena.release(s);
+            }
         }
         let new = st.cache.quota();
         if new != old {

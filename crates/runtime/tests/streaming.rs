@@ -158,3 +158,24 @@ fn a_pack_of_another_model_is_refused() {
             .to_string();
     assert!(err.contains("made from a different model"), "{err}");
 }
+
+#[test]
+fn shrinking_and_regrowing_the_quota_keeps_the_bits() {
+    // What memory-pressure feedback does: give slots back to the system, later take them
+    // again. With io_uring's registered buffers a released slot must be unregistered before
+    // its pages go, or reads would land in pages the process no longer maps.
+    let m = synthetic_model("regrow", QuantMix::Q4KM);
+    let slot = slot_bytes(&m);
+    let reference = run(&load(&m, &Place::resident(), slot));
+    for io in [IoKind::Uring, IoKind::Pread] {
+        let e = load(&m, &Place { io, ..Place::stream(24) }, slot);
+        let s = e.streaming.as_ref().unwrap();
+        assert!(same_bits(&reference, &run(&e)), "{io:?}: first run");
+        let full = s.quota();
+        assert_eq!(s.set_quota(slot, "test"), slot);
+        assert!(same_bits(&reference, &run(&e)), "{io:?}: one slot");
+        assert_eq!(s.set_quota(full, "test"), full);
+        assert!(same_bits(&reference, &run(&e)), "{io:?}: regrown");
+        assert_eq!(e.model.experts.stats().quota_changes.len(), 2);
+    }
+}
