@@ -165,12 +165,6 @@ pub fn moe_ffn(
         }
     }
 
-    // Ask for the next sparse layer's likely experts now, so their reads overlap this layer's
-    // compute: its router applied to this layer's input predicts them.
-    if m.experts.wants_prefetch() {
-        prefetch_next(m, l, x, n);
-    }
-
     // Which (token, rank) slots each expert serves; experts in ascending id order.
     let mut users: Vec<Vec<usize>> = vec![Vec::new(); ne];
     for (slot, e) in chosen.iter().enumerate() {
@@ -180,6 +174,12 @@ pub fn moe_ffn(
 
     let mut y = vec![0f32; n * k * hd]; // (n·k, hidden) one output row per (token, rank)
     let mut fetch = m.experts.fetch(l, &wanted)?;
+    // This layer's misses are on their way; now ask for the next sparse layer's likely
+    // experts, so their reads queue behind them and overlap this layer's compute: the next
+    // router applied to this layer's input predicts them.
+    if m.experts.wants_prefetch() {
+        prefetch_next(m, l, x, n);
+    }
     let mut xe = Vec::new();
     let mut ye = Vec::new();
     while let Some(r) = fetch.next() {
