@@ -115,11 +115,14 @@ fn parse_header(path: &Path, bytes: &[u8]) -> Result<BTreeMap<String, TensorInfo
             )));
         }
         let esz = elem_size(&dtype).ok_or_else(|| bad(format!("tensor `{name}` has unknown dtype {dtype}")))?;
-        let numel: usize = shape.iter().product();
-        if numel * esz != e - s {
+        // Checked: a shape whose size overflows would otherwise wrap (or panic) and could pass
+        // for a tensor of the right size.
+        let need = shape.iter().try_fold(esz, |a, d| a.checked_mul(*d)).ok_or_else(|| {
+            bad(format!("tensor `{name}` of shape {shape:?} and dtype {dtype} is larger than memory can address"))
+        })?;
+        if need != e - s {
             return Err(bad(format!(
-                "tensor `{name}` of shape {shape:?} and dtype {dtype} needs {} bytes but spans {}",
-                numel * esz,
+                "tensor `{name}` of shape {shape:?} and dtype {dtype} needs {need} bytes but spans {}",
                 e - s
             )));
         }
@@ -321,6 +324,25 @@ mod tests {
         write(&d.join("model.safetensors"), &[("a", "F32", &[4], &a)]).unwrap();
         let e = SafetensorsModel::open(&d).err().unwrap().to_string();
         assert!(e.contains("needs 16 bytes but spans 12"), "{e}");
+    }
+
+    #[test]
+    fn shape_whose_size_overflows_is_refused() {
+        // Found while writing the fuzz harness (fuzz/fuzz_targets/safetensors.rs): the element
+        // count, or the count times the element size, overflowed: a panic with overflow checks,
+        // and without them a wrapped size of 0 that matched an empty byte range.
+        for shape in ["[4294967296,4294967296]", "[4611686018427387904]", "[4294967296,4294967296,0]"] {
+            let h = format!(r#"{{"a":{{"dtype":"F32","shape":{shape},"data_offsets":[0,0]}}}}"#);
+            let mut b = (h.len() as u64).to_le_bytes().to_vec();
+            b.extend_from_slice(h.as_bytes());
+            let e = parse_header_bytes(&b).unwrap_err().to_string();
+            assert!(e.contains("tensor `a`") && e.contains("larger than memory can address"), "{e}");
+        }
+        // A zero dimension first is fine: an empty tensor.
+        let h = r#"{"a":{"dtype":"F32","shape":[0,4294967296,4294967296],"data_offsets":[0,0]}}"#;
+        let mut b = (h.len() as u64).to_le_bytes().to_vec();
+        b.extend_from_slice(h.as_bytes());
+        assert_eq!(parse_header_bytes(&b).unwrap()["a"].numel(), 0);
     }
 
     #[test]
