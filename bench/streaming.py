@@ -62,26 +62,28 @@ def cold_run(cmd, model, env=None, timeout=900):
     return r
 
 
-def peer_decode(peer, model, a, repack):
-    cmd = [os.path.join(peer, "llama-bench"), "-m", model, "-t", str(a.threads), "-p", "0", "-n", str(a.peer_gen), "-r", "1", "-o", "json"]
+def peer_decode(peer, model, a, repack, gen, reps):
+    cmd = [os.path.join(peer, "llama-bench"), "-m", model, "-t", str(a.threads), "-p", "0", "-n", str(gen), "-r", str(reps), "-o", "json"]
     if repack is not None:
         cmd += ["--repack", str(repack)]
-    r = cold_run(cmd, model, env=lib.peer_env(peer))
+    r = cold_run(cmd, model, env=lib.peer_env(peer), timeout=a.peer_timeout)
     res = {"command": " ".join(cmd), "returncode": r["rc"], "seconds": r["seconds"], "peak_rss": r["peak_rss"]}
     if r["rc"] != 0:
         res["outcome"] = "killed by signal %d" % -r["rc"] if r["rc"] < 0 else "exit %d" % r["rc"]
         res["stderr_tail"] = r["err"][-600:]
         return res
-    rows = json.loads(r["out"])
-    res["decode_tok_s"] = rows[-1]["avg_ts"]
-    # One warm-up token precedes the timed ones; loading reads the file's head.
-    res["disk_bytes_per_token"] = r["disk_bytes"] / (a.peer_gen + 1) if r["disk_bytes"] is not None else None
+    samples = json.loads(r["out"])[-1]["samples_ts"]
+    # The first repetition starts from an empty page cache; the last is the steady state.
+    res["decode_tok_s"] = samples[-1]
+    res["decode_tok_s_first_run"] = samples[0]
+    # Over the whole run: one warm-up token, every timed token, and loading.
+    res["disk_bytes_per_token"] = r["disk_bytes"] / (gen * reps + 1) if r["disk_bytes"] is not None else None
     res["outcome"] = "ran"
     return res
 
 
 def sluice_decode(exe, model, a, extra):
-    cmd = [exe, "bench", "-m", model, "-t", str(a.threads), "-p", "0", "-n", str(a.gen), "-r", "1", "--json"] + extra
+    cmd = [exe, "bench", "-m", model, "-t", str(a.threads), "-p", "0", "-n", str(a.gen), "-r", "2", "--json"] + extra
     r = cold_run(cmd, model)
     res = {"command": " ".join(cmd), "returncode": r["rc"], "seconds": r["seconds"], "peak_rss": r["peak_rss"]}
     if r["rc"] != 0:
@@ -89,21 +91,25 @@ def sluice_decode(exe, model, a, extra):
         res["stderr_tail"] = r["err"][-600:]
         return res
     j = lib.last_json(r["out"])
-    d = j["experts"]["decode"]
+    # The first repetition fills an empty cache; the second is the steady state.
+    d = j["experts"]["decode_runs"][-1]
     res.update(
         outcome="ran",
-        decode_tok_s=j["decode_tok_s"],
+        decode_tok_s=j["decode_runs"][-1],
+        decode_tok_s_first_run=j["decode_runs"][0],
         placement=j["experts"]["placement"],
         quota_bytes=d["quota_bytes"],
         hit_rate=d["hit_rate"],
         bytes_read_per_token=d["bytes_read_per_token"],
         loaded_bytes_per_token=d["loaded_bytes"] / a.gen,
         read_amplification=d["read_amplification"],
+        misses=d["misses"],
         prefetch_issued=d["prefetch_issued"],
+        prefetch_hits=d["prefetch_hits"],
         prefetch_wasted=d["prefetch_wasted"],
         io_stall_ms_per_token=d["io_stall_ms_per_token"],
         prefetch_precision=d["prefetch_precision"],
-        quota_changes=d["quota_changes"],
+        quota_changes=j["experts"]["decode"]["quota_changes"],
         disk_bytes_total=r["disk_bytes"],
     )
     return res
@@ -123,8 +129,9 @@ def main():
     ap.add_argument("--leave", default="8GiB", help="memory left available by the balloon")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("-n", "--gen", type=int, default=32, help="timed decode steps for sluice")
-    ap.add_argument("--peer-gen", type=int, default=8, help="timed decode steps for llama.cpp (slow when thrashing)")
+    ap.add_argument("-n", "--gen", type=int, default=32, help="decode steps per repetition for sluice (two repetitions)")
+    ap.add_argument("--peer-gen", type=int, default=8, help="decode steps per repetition for llama.cpp (two repetitions; slow when thrashing)")
+    ap.add_argument("--peer-timeout", type=int, default=900, help="seconds before a llama.cpp run is stopped")
     ap.add_argument("--io-depth", type=int, default=32)
     ap.add_argument("--trace-tokens", type=int, default=64)
     a = ap.parse_args()
@@ -154,6 +161,7 @@ def main():
             "rounds": a.rounds,
             "sluice_gen_tokens": a.gen,
             "peer_gen_tokens": a.peer_gen,
+            "repetitions": "two per run from a dropped page cache: the first fills the cache (reported as *_first_run), the second is the steady state (the rate quoted)",
             "io_depth": a.io_depth,
             "page_cache": "dropped before every run",
             "order": "each round: llama.cpp --repack 0, sluice (GGUF store), sluice (pack), bench-io",
@@ -162,11 +170,11 @@ def main():
     rounds = []
     with lib.Balloon(leave) as balloon:
         result["protocol"]["balloon_bytes"] = balloon.size
-        result["peer_default"] = peer_decode(peer, a.model, a, None)
+        result["peer_default"] = peer_decode(peer, a.model, a, None, 4, 1)
         lib.log(f"llama.cpp default: {result['peer_default']['outcome']}")
         for i in range(a.rounds):
             lib.log(f"round {i + 1}/{a.rounds}")
-            rd = {"peer_repack0": peer_decode(peer, a.model, a, 0)}
+            rd = {"peer_repack0": peer_decode(peer, a.model, a, 0, a.peer_gen, 2)}
             rd["sluice"] = sluice_decode(exe, a.model, a, ["--io-depth", str(a.io_depth)])
             if a.pack:
                 rd["sluice_pack"] = sluice_decode(exe, a.model, a, ["--io-depth", str(a.io_depth), "--pack", a.pack])
@@ -195,6 +203,7 @@ def main():
         "command": rounds[0]["sluice"]["command"],
         "metrics": {
             "decode_tok_s": med("sluice", "decode_tok_s"),
+            "decode_tok_s_first_run": med("sluice", "decode_tok_s_first_run"),
             "hit_rate": med("sluice", "hit_rate"),
             "bytes_read_per_token": med("sluice", "bytes_read_per_token"),
             "loaded_bytes_per_token": med("sluice", "loaded_bytes_per_token"),
@@ -222,6 +231,7 @@ def main():
         "command": rounds[0]["peer_repack0"]["command"],
         "metrics": {
             "decode_tok_s": med("peer_repack0", "decode_tok_s"),
+            "decode_tok_s_first_run": med("peer_repack0", "decode_tok_s_first_run"),
             "disk_bytes_per_token": med("peer_repack0", "disk_bytes_per_token"),
             "peak_rss": med("peer_repack0", "peak_rss"),
         },

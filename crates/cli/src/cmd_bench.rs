@@ -42,8 +42,10 @@ pub fn main(a: Args) -> Result<()> {
                 "dense_bytes": engine.model.dense_bytes(),
                 "experts": {
                     "placement": engine.placement,
-                    "prefill": stats_json(&r.prefill_experts, &engine.placement, o.reps * a.prompt),
-                    "decode": stats_json(&r.decode_experts, &engine.placement, o.reps * a.gen),
+                    "prefill": stats_json(&r.prefill_experts_total(), &engine.placement, o.reps * a.prompt),
+                    "decode": stats_json(&r.decode_experts_total(), &engine.placement, o.reps * a.gen),
+                    "prefill_runs": r.prefill_experts.iter().map(|s| stats_json(s, &engine.placement, a.prompt)).collect::<Vec<_>>(),
+                    "decode_runs": r.decode_experts.iter().map(|s| stats_json(s, &engine.placement, a.gen)).collect::<Vec<_>>(),
                 },
             })
         );
@@ -57,10 +59,10 @@ pub fn main(a: Args) -> Result<()> {
         }
         if engine.model.cfg.is_moe() {
             if a.prompt > 0 {
-                println!("  pp {}", stats_line(&r.prefill_experts, o.reps * a.prompt));
+                println!("  pp {}", stats_line(&r.prefill_experts_total(), o.reps * a.prompt));
             }
             if a.gen > 0 {
-                println!("  tg {}", stats_line(&r.decode_experts, o.reps * a.gen));
+                println!("  tg {}", stats_line(&r.decode_experts_total(), o.reps * a.gen));
             }
         }
     }

@@ -33,10 +33,10 @@ impl Default for BenchOptions {
 pub struct BenchResult {
     pub prefill_tok_s: Vec<f64>,
     pub decode_tok_s: Vec<f64>,
-    /// Expert-cache counters of the timed prefill runs, summed.
-    pub prefill_experts: ExpertStats,
-    /// Expert-cache counters of the timed decode runs, summed.
-    pub decode_experts: ExpertStats,
+    /// Expert-cache counters of each timed prefill run.
+    pub prefill_experts: Vec<ExpertStats>,
+    /// Expert-cache counters of each timed decode run.
+    pub decode_experts: Vec<ExpertStats>,
 }
 
 fn mean(v: &[f64]) -> f64 {
@@ -55,6 +55,14 @@ fn stdev(v: &[f64]) -> f64 {
     (v.iter().map(|x| (x - m) * (x - m)).sum::<f64>() / (v.len() - 1) as f64).sqrt()
 }
 
+fn total(v: &[ExpertStats]) -> ExpertStats {
+    let mut t = ExpertStats::default();
+    for s in v {
+        t.add(s);
+    }
+    t
+}
+
 impl BenchResult {
     pub fn prefill_mean(&self) -> f64 {
         mean(&self.prefill_tok_s)
@@ -67,6 +75,14 @@ impl BenchResult {
     }
     pub fn decode_stdev(&self) -> f64 {
         stdev(&self.decode_tok_s)
+    }
+    /// Expert-cache counters of all timed prefill runs together.
+    pub fn prefill_experts_total(&self) -> ExpertStats {
+        total(&self.prefill_experts)
+    }
+    /// Expert-cache counters of all timed decode runs together.
+    pub fn decode_experts_total(&self) -> ExpertStats {
+        total(&self.decode_experts)
     }
 }
 
@@ -88,7 +104,7 @@ pub fn bench(engine: &Engine, o: &BenchOptions) -> Result<BenchResult> {
                 engine.model.forward(&mut kv, part, Logits::Last, None)?;
             }
             r.prefill_tok_s.push(o.prompt as f64 / t0.elapsed().as_secs_f64());
-            r.prefill_experts.add(&engine.model.experts.stats().since(&before));
+            r.prefill_experts.push(engine.model.experts.stats().since(&before));
         }
         if o.gen > 0 {
             kv.truncate(0);
@@ -99,7 +115,7 @@ pub fn bench(engine: &Engine, o: &BenchOptions) -> Result<BenchResult> {
                 engine.model.forward(&mut kv, &[*t], Logits::Last, None)?;
             }
             r.decode_tok_s.push(o.gen as f64 / t0.elapsed().as_secs_f64());
-            r.decode_experts.add(&engine.model.experts.stats().since(&before));
+            r.decode_experts.push(engine.model.experts.stats().since(&before));
         }
     }
     Ok(r)
