@@ -84,6 +84,10 @@ pub(crate) fn matmul_quant_isa(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, x: &[
     if n == 1 && isa >= Isa::Avx2 && is_block32(w.dtype) {
         return decode32(pool, w, &act, o);
     }
+    #[cfg(target_arch = "x86_64")]
+    if n == 1 && isa >= Isa::Avx2 && matches!(w.dtype, DType::Q4_K | DType::Q5_K | DType::Q6_K) {
+        return decode_k(pool, w, &act, o);
+    }
     // Rows in blocks of ROWS, tokens in chunks of TOKENS: a block's weights and a chunk's
     // activations stay in L1 while every pair is computed.
     const ROWS: usize = 16;
@@ -152,6 +156,44 @@ fn decode32(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, o: SendPtr) {
                     by_type!(rows32_decode_vl)
                 } else {
                     by_type!(rows32_decode)
+                }
+            }
+            for (i, v) in vals.iter().enumerate().take(k) {
+                // SAFETY: this thread owns these rows of the single output row.
+                unsafe { *o.get().add(r + i) = *v };
+            }
+            r += k;
+        }
+    });
+}
+
+/// One token against a Q4_K, Q5_K or Q6_K matrix, four rows at a time.
+#[cfg(target_arch = "x86_64")]
+fn decode_k(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, o: SendPtr) {
+    let rb = w.row_bytes();
+    pool.for_ranges(w.rows, 4, &|rows| {
+        let mut vals = [0f32; 4];
+        let mut r = rows.start;
+        while r < rows.end {
+            let k = (rows.end - r).min(4);
+            let wr = &w.data[r * rb..(r + k) * rb];
+            macro_rules! go {
+                ($dt:expr) => {
+                    match k {
+                        4 => x86::rowsk_decode::<4, { $dt }>(wr, rb, act, &mut vals),
+                        3 => x86::rowsk_decode::<3, { $dt }>(wr, rb, act, &mut vals),
+                        2 => x86::rowsk_decode::<2, { $dt }>(wr, rb, act, &mut vals),
+                        _ => x86::rowsk_decode::<1, { $dt }>(wr, rb, act, &mut vals),
+                    }
+                };
+            }
+            // SAFETY: AVX2/FMA/F16C were detected; `wr` holds k whole rows; activation rows
+            // are padded to whole groups of eight blocks.
+            unsafe {
+                match w.dtype {
+                    DType::Q4_K => go!(12),
+                    DType::Q5_K => go!(13),
+                    _ => go!(14),
                 }
             }
             for (i, v) in vals.iter().enumerate().take(k) {
@@ -321,8 +363,9 @@ mod tests {
     #[test]
     fn every_isa_matches_the_reference_bit_for_bit() {
         let pool = ThreadPool::new(2);
-        for dtype in TYPES {
-            let (rows, cols, n) = (9, 512, 6);
+        // Batches (tiled and row kernels) and single tokens (the decode kernels, with rows
+        // left over after groups of four and blocks left over after groups of eight).
+        for (dtype, (rows, cols, n)) in TYPES.iter().flat_map(|d| [(9, 512, 6), (9, 512, 1), (7, 2560, 1)].map(|s| (*d, s))) {
             let w: Vec<u8> = (0..rows).flat_map(|r| random_row(dtype, cols, 100 + r as u64)).collect();
             let m = MatRef::new(dtype, rows, cols, &w).unwrap();
             let x = xs(n * cols, 9);

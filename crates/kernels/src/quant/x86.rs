@@ -305,6 +305,108 @@ pub unsafe fn row_q6k(row: &[u8], act: &QuantAct, toks: std::ops::Range<usize>, 
     }
 }
 
+/// Decode (one token) over R rows of a K-quant (Q4_K = 12, Q5_K = 13, Q6_K = 14 by GGML id)
+/// at once. Each block's integer sums stay in vector lanes until eight blocks are reduced
+/// together, the scale products are formed eight blocks at a time, and the per-block float
+/// additions of the R rows are R independent chains — the same operations as `accumulate`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn rowsk_decode<const R: usize, const K: u32>(w: &[u8], row_bytes: usize, act: &QuantAct, out: &mut [f32; 4]) {
+    let (dtype, q5, q6) = const {
+        match K {
+            12 => (DType::Q4_K, false, false),
+            13 => (DType::Q5_K, true, false),
+            14 => (DType::Q6_K, false, true),
+            _ => panic!("not a K-quant handled here"),
+        }
+    };
+    let bb = dtype.block_bytes();
+    let nb = act.blocks_per_row();
+    let mut acc = [0f32; R];
+    let mut b0 = 0;
+    while b0 < nb {
+        let m = (nb - b0).min(8);
+        let i0 = act.idx(0, b0);
+        // Activation rows are padded with zero blocks to whole groups of eight.
+        let dx = _mm256_loadu_ps(act.d.as_ptr().add(i0));
+        let mut ddx = [[0f32; 8]; R];
+        let mut isf = [[0f32; 8]; R];
+        let mut mdx = [[0f32; 8]; R];
+        let mut minf = [[0f32; 8]; R];
+        for r in 0..R {
+            let base = w.as_ptr().add(r * row_bytes + b0 * bb);
+            // The same blocks of the row R rows further down: the next pass reads them.
+            prefetch_rows(base.wrapping_add(R * row_bytes), m * bb);
+            let mut a = [_mm256_setzero_si256(); 8];
+            let mut mn = [_mm256_setzero_si256(); 8];
+            let mut dbits = [0u16; 8];
+            let mut mbits = [0u16; 8];
+            for j in 0..m {
+                let blk = std::slice::from_raw_parts(base.add(j * bb), bb);
+                let xi = i0 + j;
+                let xq = act.qs.as_ptr().add(xi * 256);
+                let bs = _mm256_loadu_si256(act.bsums.as_ptr().add(xi * 16) as *const __m256i);
+                let mut v = _mm256_setzero_si256();
+                if q6 {
+                    let u = codes_q6k(blk);
+                    let sc = &blk[192..208];
+                    for (k, uk) in u.iter().enumerate() {
+                        let sv = _mm256_set_m128i(
+                            _mm_set1_epi16(sc[2 * k + 1] as i8 as i16),
+                            _mm_set1_epi16(sc[2 * k] as i8 as i16),
+                        );
+                        v = dp_scaled(v, *uk, _mm256_loadu_si256(xq.add(32 * k) as *const __m256i), sv);
+                    }
+                    // Codes are stored +32: take 32·Σ scale·(16-value sum) off, lane by lane.
+                    let sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(sc.as_ptr() as *const __m128i));
+                    v = _mm256_sub_epi32(v, _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5));
+                    dbits[j] = f16_bits(blk, 208);
+                } else {
+                    let mut sc = [0i16; 8];
+                    // Each min twice: it multiplies the two 16-value sums of its 32-value sub-block.
+                    let mut m2 = [0i16; 16];
+                    for k in 0..8 {
+                        let (a, c) = crate::quant::blocks::scale_min_k4(k, &blk[4..16]);
+                        sc[k] = a as i16;
+                        m2[2 * k] = c as i16;
+                        m2[2 * k + 1] = c as i16;
+                    }
+                    for c in 0..4 {
+                        let (lo, hi) = codes_q4k(q5, blk, c);
+                        let x0 = _mm256_loadu_si256(xq.add(64 * c) as *const __m256i);
+                        let x1 = _mm256_loadu_si256(xq.add(64 * c + 32) as *const __m256i);
+                        v = dp_scaled(v, lo, x0, _mm256_set1_epi16(sc[2 * c]));
+                        v = dp_scaled(v, hi, x1, _mm256_set1_epi16(sc[2 * c + 1]));
+                    }
+                    mn[j] = _mm256_madd_epi16(_mm256_loadu_si256(m2.as_ptr() as *const __m256i), bs);
+                    dbits[j] = f16_bits(blk, 0);
+                    mbits[j] = f16_bits(blk, 2);
+                }
+                a[j] = v;
+            }
+            let dw = _mm256_cvtph_ps(_mm_loadu_si128(dbits.as_ptr() as *const __m128i));
+            _mm256_storeu_ps(ddx[r].as_mut_ptr(), _mm256_mul_ps(dw, dx));
+            _mm256_storeu_ps(isf[r].as_mut_ptr(), _mm256_cvtepi32_ps(reduce8x8(&a)));
+            if !q6 {
+                let mw = _mm256_cvtph_ps(_mm_loadu_si128(mbits.as_ptr() as *const __m128i));
+                let neg = _mm256_xor_ps(_mm256_mul_ps(mw, dx), _mm256_set1_ps(-0.0));
+                _mm256_storeu_ps(mdx[r].as_mut_ptr(), neg);
+                _mm256_storeu_ps(minf[r].as_mut_ptr(), _mm256_cvtepi32_ps(reduce8x8(&mn)));
+            }
+        }
+        for j in 0..m {
+            for r in 0..R {
+                // accumulate(): fma(d·dx, isum, acc), then fma(−(dmin·dx), mins, acc).
+                acc[r] = ddx[r][j].mul_add(isf[r][j], acc[r]);
+                if !q6 {
+                    acc[r] = mdx[r][j].mul_add(minf[r][j], acc[r]);
+                }
+            }
+        }
+        b0 += m;
+    }
+    out[..R].copy_from_slice(&acc);
+}
+
 /// The format with GGML id `id`, at compile time (32-block formats only).
 pub const fn dtype_const(id: u32) -> DType {
     match id {
