@@ -57,7 +57,7 @@ pub fn main(a: Args) -> Result<()> {
         if a.gen > 0 {
             println!("  tg{:<5} {:8.2} ± {:.2} tok/s", a.gen, r.decode_mean(), r.decode_stdev());
         }
-        if engine.model.cfg.is_moe() {
+        if engine.streaming.is_some() {
             if a.prompt > 0 {
                 println!("  pp {}", stats_line(&r.prefill_experts_total(), o.reps * a.prompt));
             }

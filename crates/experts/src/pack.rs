@@ -147,6 +147,10 @@ pub fn open_pack(path: &Path, fingerprint: &str) -> Result<Layout> {
         )));
     }
     let header = align_up(24 + jlen);
+    // Every number below comes from the file: bound it before allocating or adding.
+    if index.layers > MAX_LAYERS {
+        return Err(bad(format!("index claims {} layers (at most {MAX_LAYERS} are plausible)", index.layers)));
+    }
     let mut experts: Vec<Vec<ExpertPlan>> = vec![Vec::new(); index.layers];
     for r in index.records {
         if r.parts.len() != 3 || r.layer >= index.layers {
@@ -155,16 +159,23 @@ pub fn open_pack(path: &Path, fingerprint: &str) -> Result<Layout> {
         let mut parts = Vec::with_capacity(3);
         for (dt, rows, cols, bytes) in &r.parts {
             let dtype = DType::from_name(dt).ok_or_else(|| bad(format!("unknown dtype {dt}")))?;
+            let need = dtype.row_bytes(*cols).and_then(|b| b.checked_mul(*rows)).map(|b| b as u64);
+            if need != Some(*bytes) {
+                return Err(bad(format!(
+                    "record for layer {} expert {}: a {rows}x{cols} {dt} matrix cannot take {bytes} bytes",
+                    r.layer, r.expert
+                )));
+            }
             parts.push(PartLoc { file: 0, offset: 0, len: *bytes, dtype, rows: *rows, cols: *cols });
         }
-        let offset = header + r.offset;
-        let total: u64 = parts.iter().map(|p| p.len).sum();
-        if !offset.is_multiple_of(ALIGN) || offset + total > len {
+        let total = parts.iter().try_fold(0u64, |a, p| a.checked_add(p.len));
+        let end = header.checked_add(r.offset).and_then(|o| Some((o, o.checked_add(total?)?)));
+        let Some((offset, _)) = end.filter(|(o, e)| o.is_multiple_of(ALIGN) && *e <= len) else {
             return Err(bad(format!(
                 "record for layer {} expert {} runs past the end of the file (truncated?)",
                 r.layer, r.expert
             )));
-        }
+        };
         let sum = u64::from_str_radix(&r.checksum, 16).map_err(|_| bad("bad checksum field".into()))?;
         let layer = &mut experts[r.layer];
         if layer.len() != r.expert {
@@ -174,4 +185,38 @@ pub fn open_pack(path: &Path, fingerprint: &str) -> Result<Layout> {
         layer.push(ExpertPlan::from_record(0, offset, parts, sum));
     }
     Ok(Layout { files: vec![PathBuf::from(path)], experts })
+}
+
+/// No model has more layers than this; a pack index that says so is damaged.
+const MAX_LAYERS: usize = 1 << 12;
+
+/// Checks that a pack's layout describes the same experts as the model's own: the same layers,
+/// experts, and for each part the same format and shape. The fingerprint ties a pack to its
+/// model; this keeps a damaged index from steering the kernels outside a slot.
+pub fn check_matches(pack: &Layout, model: &Layout, path: &Path) -> Result<()> {
+    let bad = |m: String| ExpertError::Pack { path: path.to_path_buf(), msg: m };
+    if pack.experts.len() != model.experts.len() {
+        return Err(bad(format!("has {} layers, the model {}", pack.experts.len(), model.experts.len())));
+    }
+    for (l, (a, b)) in pack.experts.iter().zip(&model.experts).enumerate() {
+        if a.len() != b.len() {
+            return Err(bad(format!("layer {l} has {} experts, the model {}", a.len(), b.len())));
+        }
+        for (e, (x, y)) in a.iter().zip(b).enumerate() {
+            for (p, q) in x.parts.iter().zip(&y.parts) {
+                if (p.dtype, p.rows, p.cols, p.len) != (q.dtype, q.rows, q.cols, q.len) {
+                    return Err(bad(format!(
+                        "layer {l} expert {e}: {}x{} {} in the pack, {}x{} {} in the model",
+                        p.rows,
+                        p.cols,
+                        p.dtype.name(),
+                        q.rows,
+                        q.cols,
+                        q.dtype.name()
+                    )));
+                }
+            }
+        }
+    }
+    Ok(())
 }

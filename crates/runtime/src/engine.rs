@@ -82,12 +82,17 @@ impl Checkpoint {
     }
 
     fn layout(&self, pack: Option<&Path>) -> sluice_experts::Result<sluice_experts::layout::Layout> {
+        let own = match self {
+            Checkpoint::Hf(c) => sluice_experts::store::layout_from_hf(c)?,
+            Checkpoint::Gguf(c) => sluice_experts::store::layout_from_gguf(c)?,
+        };
         match pack {
-            Some(p) => sluice_experts::pack::open_pack(p, &self.fingerprint()?),
-            None => match self {
-                Checkpoint::Hf(c) => sluice_experts::store::layout_from_hf(c),
-                Checkpoint::Gguf(c) => sluice_experts::store::layout_from_gguf(c),
-            },
+            Some(p) => {
+                let packed = sluice_experts::pack::open_pack(p, &self.fingerprint()?)?;
+                sluice_experts::pack::check_matches(&packed, &own, p)?;
+                Ok(packed)
+            }
+            None => Ok(own),
         }
     }
 }

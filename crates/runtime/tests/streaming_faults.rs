@@ -77,3 +77,58 @@ fn corrupt_pack_record_is_caught_by_its_checksum() {
     sluice_experts::pack::write_pack(&layout, &fp, "test", &pack, |_| {}).unwrap();
     check_fault(&m, Some(pack), Fault::Corrupt, "checksum mismatch");
 }
+
+/// Rewrites a pack's JSON index in place: the records start at the next 4 KiB boundary after
+/// the index, so an edited index may use the padding up to it.
+fn edit_index(pack: &Path, edit: impl Fn(&mut serde_json::Value)) {
+    let mut bytes = std::fs::read(pack).unwrap();
+    let jlen = u64::from_le_bytes(bytes[16..24].try_into().unwrap()) as usize;
+    let mut index: serde_json::Value = serde_json::from_slice(&bytes[24..24 + jlen]).unwrap();
+    edit(&mut index);
+    let text = serde_json::to_vec(&index).unwrap();
+    let room = (24 + jlen).div_ceil(4096) * 4096 - 24;
+    assert!(text.len() <= room, "edited index of {} bytes does not fit in {room}", text.len());
+    bytes[16..24].copy_from_slice(&(text.len() as u64).to_le_bytes());
+    bytes[24..24 + room].fill(0);
+    bytes[24..24 + text.len()].copy_from_slice(&text);
+    std::fs::write(pack, bytes).unwrap();
+}
+
+#[test]
+fn a_damaged_pack_index_is_refused_by_name() {
+    let m = synthetic_model("damaged-index", QuantMix::Q4KM);
+    let c = GgufCheckpoint::open(&m).unwrap();
+    let layout = sluice_experts::store::layout_from_gguf(&c).unwrap();
+    let fp = sluice_experts::store::gguf_fingerprint(&c).unwrap();
+    let dir = scratch("damaged-index");
+    let cases: Vec<(&str, Box<dyn Fn(&mut serde_json::Value)>, &str)> = vec![
+        ("layers", Box::new(|i| i["layers"] = 1_000_000_000_000u64.into()), "plausible"),
+        ("bytes", Box::new(|i| i["records"][0]["parts"][0][3] = 5.into()), "cannot take 5 bytes"),
+        ("offset", Box::new(|i| i["records"][3]["offset"] = (u64::MAX - 100).into()), "runs past the end"),
+        (
+            "shape",
+            // Half the rows and half the bytes: a consistent record, but not the model's matrix.
+            Box::new(|i| {
+                let p = &mut i["records"][1]["parts"][2];
+                let (rows, bytes) = (p[1].as_u64().unwrap(), p[3].as_u64().unwrap());
+                p[1] = (rows / 2).into();
+                p[3] = (bytes / 2).into();
+            }),
+            "in the pack",
+        ),
+    ];
+    for (name, edit, expect) in cases {
+        let pack = dir.join(format!("{name}.pack"));
+        sluice_experts::pack::write_pack(&layout, &fp, "test", &pack, |_| {}).unwrap();
+        edit_index(&pack, edit);
+        let experts = ExpertOptions {
+            mode: ExpertMode::Stream,
+            cache_bytes: Some(1 << 28),
+            pack: Some(pack.clone()),
+            pressure: false,
+            ..Default::default()
+        };
+        let err = Engine::load(&m, EngineOptions { threads: 1, max_context: 64, experts }).err().unwrap().to_string();
+        assert!(err.contains(expect) && err.contains(&pack.display().to_string()), "{name}: {err}");
+    }
+}
