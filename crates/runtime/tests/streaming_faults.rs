@@ -101,7 +101,8 @@ fn a_damaged_pack_index_is_refused_by_name() {
     let layout = sluice_experts::store::layout_from_gguf(&c).unwrap();
     let fp = sluice_experts::store::gguf_fingerprint(&c).unwrap();
     let dir = scratch("damaged-index");
-    let cases: Vec<(&str, Box<dyn Fn(&mut serde_json::Value)>, &str)> = vec![
+    type Edit = Box<dyn Fn(&mut serde_json::Value)>;
+    let cases: Vec<(&str, Edit, &str)> = vec![
         ("layers", Box::new(|i| i["layers"] = 1_000_000_000_000u64.into()), "plausible"),
         ("bytes", Box::new(|i| i["records"][0]["parts"][0][3] = 5.into()), "cannot take 5 bytes"),
         ("offset", Box::new(|i| i["records"][3]["offset"] = (u64::MAX - 100).into()), "runs past the end"),
