@@ -106,11 +106,21 @@ def peer_env(d):
     return env
 
 
+def _first_to_kill():
+    """In the child before exec: the measured process, not a balloon, is the OOM killer's
+    first choice (raising one's own score needs no privilege)."""
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000\n")
+    except OSError:
+        pass
+
+
 def run(cmd, env=None, timeout=None, check=True):
     """Runs a command; returns a dict: rc, out, err, seconds, peak_rss (bytes, from wait4)."""
     log("$ " + " ".join(shlex.quote(c) for c in cmd))
     t0 = time.monotonic()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=_first_to_kill)
     chunks = {"out": [], "err": []}
 
     def drain(stream, key):
@@ -211,7 +221,8 @@ class Balloon:
 
     It holds its pages with a private anonymous mapping written once per page; without swap the
     kernel cannot reclaim them, so what the benchmarked process can use is what is left. The
-    balloon is exempt from the OOM killer; `alive()` at the end confirms it held throughout.
+    measured processes are the OOM killer's first choice; `alive()` at the end confirms the
+    balloon held throughout.
     """
 
     def __init__(self, leave):
@@ -220,27 +231,43 @@ class Balloon:
         self.size = 0
 
     def __enter__(self):
-        drop_caches()
-        self.size = max(0, available_bytes() - self.leave)
+        # Reads sizes on stdin and grows by each: the kernel frees caches as the balloon fills,
+        # so it tops up until what is available is within 64 MiB of `leave`.
         code = (
             "import mmap, sys, time\n"
-            "n = int(sys.argv[1]); m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)\n"
-            "for i in range(0, n, 4096): m[i] = 1\n"
-            "print('ready', flush=True)\n"
+            "held = []\n"
+            "for line in sys.stdin:\n"
+            "    n = int(line)\n"
+            "    if n <= 0: break\n"
+            "    m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)\n"
+            "    for i in range(0, n, 4096): m[i] = 1\n"
+            "    held.append(m)\n"
+            "    print('ready', flush=True)\n"
             "while True: time.sleep(60)\n"
         )
-        self.proc = subprocess.Popen([sys.executable, "-c", code, str(self.size)], stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         # The benchmarked process, not the balloon, must be the one the OOM killer picks:
-        # otherwise memory comes back in the middle of a run and the setting is lost.
+        # otherwise memory comes back in the middle of a run and the setting is lost. Lowering
+        # the balloon's score needs CAP_SYS_RESOURCE; `run` raises the measured process's.
         try:
             with open(f"/proc/{self.proc.pid}/oom_score_adj", "w") as f:
                 f.write("-1000\n")
-        except OSError as e:
-            log(f"cannot protect the balloon from the OOM killer ({e}); check balloon_alive_at_end")
-        line = self.proc.stdout.readline()
-        if line.strip() != "ready":
-            raise RuntimeError("the balloon did not start")
-        log(f"balloon holds {self.size / 2**30:.1f} GiB; {available_bytes() / 2**30:.1f} GiB available")
+        except OSError:
+            pass
+        for _ in range(8):
+            drop_caches()
+            grow = (available_bytes() - self.leave) // 4096 * 4096
+            if grow < 64 << 20:
+                break
+            self.proc.stdin.write(f"{grow}\n")
+            self.proc.stdin.flush()
+            if self.proc.stdout.readline().strip() != "ready":
+                raise RuntimeError("the balloon did not start")
+            self.size += grow
+        self.proc.stdin.write("0\n")
+        self.proc.stdin.flush()
+        self.available = available_bytes()
+        log(f"balloon holds {self.size / 2**30:.1f} GiB; {self.available / 2**30:.1f} GiB available")
         return self
 
     def alive(self):

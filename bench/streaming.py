@@ -170,6 +170,7 @@ def main():
     rounds = []
     with lib.Balloon(leave) as balloon:
         result["protocol"]["balloon_bytes"] = balloon.size
+        result["protocol"]["available_after_balloon"] = balloon.available
         result["peer_default"] = peer_decode(peer, a.model, a, None, 4, 1)
         lib.log(f"llama.cpp default: {result['peer_default']['outcome']}")
         for i in range(a.rounds):

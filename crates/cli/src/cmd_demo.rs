@@ -109,17 +109,17 @@ pub fn main(a: Args) -> Result<()> {
             t_decode = Instant::now();
             return;
         }
-        let s = streamed.model.experts.stats();
-        let (hits, misses) = (s.hits - base.hits, s.misses - base.misses);
+        let s = streamed.model.experts.stats().since(&base);
+        let (hits, misses) = (s.hits, s.misses);
         let line = format!(
             "[{:>3}/{}] {:5.1} tok/s | cache hits {:4.1}% | read {:5.1} MB/token | IO wait {:4.1} ms/token | prefetch precision {:3.0}%",
             i + 1,
             a.n,
             i as f64 / t_decode.elapsed().as_secs_f64(),
             100.0 * hits as f64 / (hits + misses).max(1) as f64,
-            (s.bytes_read - base.bytes_read) as f64 / i as f64 / 1e6,
-            (s.stall_ns - base.stall_ns) as f64 / i as f64 / 1e6,
-            100.0 * (s.prefetch_hits - base.prefetch_hits) as f64 / (s.prefetch_issued - base.prefetch_issued).max(1) as f64,
+            s.bytes_read as f64 / i as f64 / 1e6,
+            s.stall_ns as f64 / i as f64 / 1e6,
+            100.0 * s.prefetch_precision().unwrap_or(0.0),
         );
         if tty {
             eprint!("\r\x1b[2K{line}");

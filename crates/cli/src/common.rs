@@ -157,7 +157,7 @@ pub fn stats_json(s: &ExpertStats, placement: &str, tokens: usize) -> serde_json
         "prefetch_issued": s.prefetch_issued,
         "prefetch_hits": s.prefetch_hits,
         "prefetch_wasted": s.prefetch_wasted,
-        "prefetch_precision": if s.prefetch_issued == 0 { serde_json::Value::Null } else { (s.prefetch_hits as f64 / s.prefetch_issued as f64).into() },
+        "prefetch_precision": s.prefetch_precision(),
         "quota_bytes": s.quota_bytes,
         "resident_bytes": s.resident_bytes,
         "quota_changes": s.quota_changes.iter().map(|(t, a, b, why)| serde_json::json!({"t_s": t, "from": a, "to": b, "reason": why})).collect::<Vec<_>>(),
@@ -173,11 +173,7 @@ pub fn expert_stats_line(e: &Engine, tokens: usize) -> String {
 pub fn stats_line(s: &ExpertStats, tokens: usize) -> String {
     let acc = (s.hits + s.misses).max(1);
     let t = tokens.max(1) as f64;
-    let pf = if s.prefetch_issued > 0 {
-        format!(", prefetch precision {:.0}%", 100.0 * s.prefetch_hits as f64 / s.prefetch_issued as f64)
-    } else {
-        String::new()
-    };
+    let pf = s.prefetch_precision().map_or(String::new(), |p| format!(", prefetch precision {:.0}%", 100.0 * p));
     format!(
         "experts: hit rate {:.1}% ({} hits, {} misses), {:.1} MB read/token, IO stall {:.1} ms/token{pf}, cache {:.2} GiB{}",
         100.0 * s.hits as f64 / acc as f64,

@@ -73,6 +73,14 @@ impl ExpertStats {
         }
     }
 
+    /// Share of prefetched experts that were used, among those whose fate is known (used, or
+    /// evicted unused); `None` before any. Well defined over any interval, unlike hits over
+    /// issued (a prefetch issued in one interval may be used in the next).
+    pub fn prefetch_precision(&self) -> Option<f64> {
+        let done = self.prefetch_hits + self.prefetch_wasted;
+        (done > 0).then(|| self.prefetch_hits as f64 / done as f64)
+    }
+
     /// Adds the counters of `other` (a later interval) to these.
     pub fn add(&mut self, other: &ExpertStats) {
         self.hits += other.hits;

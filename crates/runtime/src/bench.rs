@@ -2,7 +2,8 @@
 //!
 //! * prefill (`pp`): `p` random tokens run as one batch (in ubatches) from an empty context;
 //! * decode (`tg`): `n` steps of one random token each, from an empty context;
-//! * each test is repeated `reps` times after one warm-up run; the mean rate is reported.
+//! * each test is repeated `reps` times after a warm-up (one prefill batch, one decode step);
+//!   the mean rate is reported.
 //!
 //! Expert-cache counters are kept per test, over the timed repetitions only (the warm-up's
 //! reads are not charged to either).
@@ -91,8 +92,15 @@ pub fn bench(engine: &Engine, o: &BenchOptions) -> Result<BenchResult> {
     let mut rng = Rng::new(o.seed);
     let mut random = |n: usize| -> Vec<u32> { (0..n).map(|_| (rng.next_u64() % vocab) as u32).collect() };
     let mut kv = engine.model.new_cache(o.prompt.max(o.gen).max(16) + 1);
-    // Warm-up: touch every weight once.
-    engine.model.forward(&mut kv, &random(o.prompt.clamp(1, 16)), Logits::Last, None)?;
+    // Warm-up, as llama-bench does it: one full prefill batch (when there is a prefill test),
+    // then one decode step.
+    if o.prompt > 0 {
+        for part in random(o.prompt).chunks(o.ubatch.max(1)) {
+            engine.model.forward(&mut kv, part, Logits::Last, None)?;
+        }
+        kv.truncate(0);
+    }
+    engine.model.forward(&mut kv, &random(1), Logits::Last, None)?;
     let mut r = BenchResult::default();
     for _ in 0..o.reps {
         if o.prompt > 0 {
