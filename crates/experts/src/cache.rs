@@ -92,6 +92,8 @@ pub struct Cache {
     quota: usize,
     pub slots: Vec<Slot>,
     map: HashMap<Key, usize>,
+    /// Keys in `map` per layer (index: layer).
+    per_layer: Vec<usize>,
     policy: Policy,
     /// Unpinned ready slots, lowest priority first.
     evictable: BTreeSet<((u64, u64), usize)>,
@@ -116,6 +118,7 @@ impl Cache {
                 .map(|_| Slot { key: None, state: SlotState::Free, pins: 0, prefetched_unused: false, prio: None })
                 .collect(),
             map: HashMap::new(),
+            per_layer: Vec::new(),
             policy,
             evictable: BTreeSet::new(),
             free: (0..n).rev().collect(),
@@ -145,6 +148,26 @@ impl Cache {
 
     pub fn resident_bytes(&self) -> usize {
         self.used_slots() * self.slot_bytes
+    }
+
+    /// Experts of `layer` resident or loading.
+    pub fn held_in_layer(&self, layer: u32) -> usize {
+        self.per_layer.get(layer as usize).copied().unwrap_or(0)
+    }
+
+    fn map_insert(&mut self, key: Key, s: usize) {
+        let l = key.0 as usize;
+        if self.per_layer.len() <= l {
+            self.per_layer.resize(l + 1, 0);
+        }
+        self.per_layer[l] += 1;
+        self.map.insert(key, s);
+    }
+
+    fn map_remove(&mut self, key: Key) {
+        if self.map.remove(&key).is_some() {
+            self.per_layer[key.0 as usize] -= 1;
+        }
     }
 
     pub fn slot_of(&self, key: Key) -> Option<usize> {
@@ -233,7 +256,7 @@ impl Cache {
         slot.state = SlotState::Loading { prefetch };
         slot.pins = u32::from(!prefetch);
         slot.prefetched_unused = prefetch;
-        self.map.insert(key, s);
+        self.map_insert(key, s);
         Lookup::Reserved(s)
     }
 
@@ -244,11 +267,12 @@ impl Cache {
         if slot.prefetched_unused {
             self.counters.prefetch_wasted += 1;
         }
-        if let Some(k) = slot.key.take() {
-            self.map.remove(&k);
-        }
+        let key = slot.key.take();
         slot.state = SlotState::Free;
         slot.prefetched_unused = false;
+        if let Some(k) = key {
+            self.map_remove(k);
+        }
         self.counters.evictions += 1;
         self.free.push(s);
     }
@@ -267,12 +291,13 @@ impl Cache {
     pub fn failed(&mut self, s: usize) {
         self.not_evictable(s);
         let slot = &mut self.slots[s];
-        if let Some(k) = slot.key.take() {
-            self.map.remove(&k);
-        }
+        let key = slot.key.take();
         slot.state = SlotState::Free;
         slot.pins = 0;
         slot.prefetched_unused = false;
+        if let Some(k) = key {
+            self.map_remove(k);
+        }
         self.free.push(s);
     }
 
@@ -341,6 +366,9 @@ impl Cache {
             assert_eq!(in_set, s.state == SlotState::Ready && s.pins == 0, "slot {i} evictable flag");
         }
         assert_eq!(keyed, self.map.len());
+        for (l, n) in self.per_layer.iter().enumerate() {
+            assert_eq!(*n, self.map.keys().filter(|k| k.0 as usize == l).count(), "layer {l} count");
+        }
     }
 }
 
@@ -375,6 +403,26 @@ mod tests {
         assert_eq!(c.lookup_or_reserve((0, 7), false), Lookup::Full);
         c.check();
         assert_eq!(c.counters.evictions, 1);
+    }
+
+    #[test]
+    fn experts_held_per_layer_follow_reservations_evictions_and_failures() {
+        let mut c = Cache::new(3 * 10, 10, Policy::Lru).unwrap();
+        let Lookup::Reserved(a) = c.lookup_or_reserve((2, 0), false) else { panic!() };
+        let Lookup::Reserved(b) = c.lookup_or_reserve((2, 1), true) else { panic!() };
+        let Lookup::Reserved(d) = c.lookup_or_reserve((5, 0), false) else { panic!() };
+        assert_eq!((c.held_in_layer(2), c.held_in_layer(5), c.held_in_layer(9)), (2, 1, 0));
+        c.failed(b);
+        assert_eq!(c.held_in_layer(2), 1);
+        for s in [a, d] {
+            c.loaded(s);
+            c.unpin(s);
+        }
+        // A new layer-7 expert evicts the least recent one, layer 2's.
+        let Lookup::Reserved(_) = c.lookup_or_reserve((7, 3), false) else { panic!() };
+        let Lookup::Reserved(_) = c.lookup_or_reserve((7, 4), false) else { panic!() };
+        assert_eq!((c.held_in_layer(2), c.held_in_layer(5), c.held_in_layer(7)), (0, 1, 2));
+        c.check();
     }
 
     #[test]

@@ -89,7 +89,9 @@ impl UringIo {
         }
         // A sparse table (Linux 5.19+); without one, plain reads. A table registered whole
         // would pin every slot for the ring's life, defeating the release of slots.
-        let registered = register && arena.n_slots <= 16384 && ring.submitter().register_buffers_sparse(arena.n_slots as u32).is_ok();
+        let registered = register
+            && arena.n_slots <= 16384
+            && ring.submitter().register_buffers_sparse(arena.n_slots as u32).is_ok();
         let slot_registered = vec![false; if registered { arena.n_slots } else { 0 }];
         Ok(UringIo { ring, files, arena, depth, in_flight: 0, registered, slot_registered, direct })
     }
@@ -99,10 +101,12 @@ impl UringIo {
         if self.slot_registered[s] {
             return true;
         }
-        let iov = [libc::iovec { iov_base: self.arena.slot_ptr(s) as *mut libc::c_void, iov_len: self.arena.slot_bytes }];
+        let iov =
+            [libc::iovec { iov_base: self.arena.slot_ptr(s) as *mut libc::c_void, iov_len: self.arena.slot_bytes }];
         // SAFETY: the iovec covers slot `s` of the arena, which outlives the ring (the ring is
         // declared first, so it is dropped first).
-        self.slot_registered[s] = unsafe { self.ring.submitter().register_buffers_update(s as u32, &iov, None) }.is_ok();
+        self.slot_registered[s] =
+            unsafe { self.ring.submitter().register_buffers_update(s as u32, &iov, None) }.is_ok();
         self.slot_registered[s]
     }
 }

@@ -277,7 +277,8 @@ impl StreamingExperts {
             }
             match err {
                 None => {
-                    st.loaded_bytes += self.layout.plan(key.0 as usize, key.1 as usize).map_or(0, |p| p.payload_bytes());
+                    st.loaded_bytes +=
+                        self.layout.plan(key.0 as usize, key.1 as usize).map_or(0, |p| p.payload_bytes());
                     st.cache.loaded(slot)
                 }
                 Some(msg) => {
@@ -494,8 +495,9 @@ impl ExpertSource for StreamingExperts {
         Ok(Box::new(StreamFetch { src: self, layer: layer as u32, experts: experts.to_vec(), items }))
     }
 
-    fn wants_prefetch(&self) -> bool {
+    fn wants_prefetch(&self, layer: usize) -> bool {
         self.prefetch
+            && self.layout.experts.get(layer).is_some_and(|l| self.lock().cache.held_in_layer(layer as u32) < l.len())
     }
 
     fn prefetch(&self, layer: usize, experts: &[u32]) {

@@ -102,8 +102,10 @@ pub trait ExpertSource: Send + Sync {
     /// Starts making `experts` of `layer` resident.
     fn fetch<'s>(&'s self, layer: usize, experts: &[u32]) -> Result<Box<dyn ExpertFetch<'s> + 's>>;
 
-    /// Whether `prefetch` does anything (the model skips predicting otherwise).
-    fn wants_prefetch(&self) -> bool {
+    /// Whether a `prefetch` hint for `layer` could do anything (the model skips predicting
+    /// otherwise): false when prefetch is off, or when every expert of `layer` is already
+    /// resident or on its way.
+    fn wants_prefetch(&self, _layer: usize) -> bool {
         false
     }
 

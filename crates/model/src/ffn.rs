@@ -177,9 +177,7 @@ pub fn moe_ffn(
     // This layer's misses are on their way; now ask for the next sparse layer's likely
     // experts, so their reads queue behind them and overlap this layer's compute: the next
     // router applied to this layer's input predicts them.
-    if m.experts.wants_prefetch() {
-        prefetch_next(m, l, x, n);
-    }
+    prefetch_next(m, l, x, n);
     let mut xe = Vec::new();
     let mut ye = Vec::new();
     while let Some(r) = fetch.next() {
@@ -223,6 +221,9 @@ pub fn moe_ffn(
 /// FFN input) and hands them to the expert source as a prefetch hint.
 fn prefetch_next(m: &Model, l: usize, x: &[f32], n: usize) {
     let Some(next) = (l + 1..m.cfg.n_layer).find(|&j| m.cfg.sparse_layer[j]) else { return };
+    if !m.experts.wants_prefetch(next) {
+        return;
+    }
     let FfnWeights::Moe(w) = &m.layers[next].ffn else { return };
     let moe = m.cfg.moe.as_ref().expect("sparse layer of an MoE model");
     let ne = moe.n_expert;

@@ -84,7 +84,8 @@ fn small_caches_miss_and_read_only_what_they_miss() {
     assert!(s.resident_bytes as usize <= 3 * slot);
     let per_expert = plan.payload_bytes() as f64;
     // Without prefetch only misses are loaded; every read byte belongs to a loaded record.
-    let sizes: Vec<u64> = e.streaming.as_ref().unwrap().layout().experts.iter().flatten().map(|p| p.payload_bytes()).collect();
+    let sizes: Vec<u64> =
+        e.streaming.as_ref().unwrap().layout().experts.iter().flatten().map(|p| p.payload_bytes()).collect();
     let (lo, hi) = (*sizes.iter().min().unwrap(), *sizes.iter().max().unwrap());
     assert!((s.misses * lo..=s.misses * hi).contains(&s.loaded_bytes), "{s:?}");
     let amp = s.bytes_read as f64 / s.loaded_bytes as f64;

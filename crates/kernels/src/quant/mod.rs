@@ -365,7 +365,9 @@ mod tests {
         let pool = ThreadPool::new(2);
         // Batches (tiled and row kernels) and single tokens (the decode kernels, with rows
         // left over after groups of four and blocks left over after groups of eight).
-        for (dtype, (rows, cols, n)) in TYPES.iter().flat_map(|d| [(9, 512, 6), (9, 512, 1), (7, 2560, 1)].map(|s| (*d, s))) {
+        for (dtype, (rows, cols, n)) in
+            TYPES.iter().flat_map(|d| [(9, 512, 6), (9, 512, 1), (7, 2560, 1)].map(|s| (*d, s)))
+        {
             let w: Vec<u8> = (0..rows).flat_map(|r| random_row(dtype, cols, 100 + r as u64)).collect();
             let m = MatRef::new(dtype, rows, cols, &w).unwrap();
             let x = xs(n * cols, 9);

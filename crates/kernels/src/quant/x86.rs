@@ -310,7 +310,12 @@ pub unsafe fn row_q6k(row: &[u8], act: &QuantAct, toks: std::ops::Range<usize>, 
 /// together, the scale products are formed eight blocks at a time, and the per-block float
 /// additions of the R rows are R independent chains — the same operations as `accumulate`.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn rowsk_decode<const R: usize, const K: u32>(w: &[u8], row_bytes: usize, act: &QuantAct, out: &mut [f32; 4]) {
+pub unsafe fn rowsk_decode<const R: usize, const K: u32>(
+    w: &[u8],
+    row_bytes: usize,
+    act: &QuantAct,
+    out: &mut [f32; 4],
+) {
     let (dtype, q5, q6) = const {
         match K {
             12 => (DType::Q4_K, false, false),
