@@ -14,72 +14,50 @@ use std::path::{Path, PathBuf};
 /// The experts of a GGUF model as ranges of the file itself.
 pub fn layout_from_gguf(ck: &GgufCheckpoint) -> Result<Layout> {
     let cfg = &ck.config;
-    let moe = cfg.moe.as_ref().ok_or_else(|| ExpertError::NotMoe(ck.file.path.display().to_string()))?;
-    let mut experts = Vec::with_capacity(cfg.n_layer);
-    for l in 0..cfg.n_layer {
-        if !cfg.sparse_layer[l] {
-            experts.push(Vec::new());
-            continue;
-        }
-        let mut layer = Vec::with_capacity(moe.n_expert);
-        for e in 0..moe.n_expert {
-            let part = |p: ExpertPart| -> Result<PartLoc> {
-                let (r, dtype, [rows, cols]) = ck.expert_range(p, l, e)?;
-                check_shape(cfg, p, rows, cols, &ck.file.path)?;
-                Ok(PartLoc { file: 0, offset: r.offset, len: r.len, dtype, rows, cols })
-            };
-            layer.push(ExpertPlan::from_parts([
-                part(ExpertPart::Gate)?,
-                part(ExpertPart::Up)?,
-                part(ExpertPart::Down)?,
-            ]));
-        }
-        experts.push(layer);
+    if cfg.moe.is_none() {
+        return Err(ExpertError::NotMoe(ck.file.path.display().to_string()));
     }
+    let experts = cfg.map_experts(|l, e| -> Result<ExpertPlan> {
+        let part = |p: ExpertPart| -> Result<PartLoc> {
+            let (r, dtype, [rows, cols]) = ck.expert_range(p, l, e)?;
+            check_shape(cfg, p, rows, cols, &ck.file.path)?;
+            Ok(PartLoc { file: 0, offset: r.offset, len: r.len, dtype, rows, cols })
+        };
+        Ok(ExpertPlan::from_parts([part(ExpertPart::Gate)?, part(ExpertPart::Up)?, part(ExpertPart::Down)?]))
+    })?;
     Ok(Layout { files: vec![ck.file.path.clone()], experts })
 }
 
 /// The experts of a Hugging Face checkpoint as ranges of its safetensors shards.
 pub fn layout_from_hf(ck: &HfCheckpoint) -> Result<Layout> {
     let cfg = &ck.config;
-    let moe = cfg.moe.as_ref().ok_or_else(|| ExpertError::NotMoe(ck.dir.display().to_string()))?;
-    let files: Vec<PathBuf> = ck.st.files.iter().map(|f| f.path.clone()).collect();
-    let mut experts = Vec::with_capacity(cfg.n_layer);
-    for l in 0..cfg.n_layer {
-        if !cfg.sparse_layer[l] {
-            experts.push(Vec::new());
-            continue;
-        }
-        let mut layer = Vec::with_capacity(moe.n_expert);
-        for e in 0..moe.n_expert {
-            let part = |p: ExpertPart| -> Result<PartLoc> {
-                let name = sluice_model::families::hf_expert_name(cfg.arch, p, l, e);
-                let t = ck.st.tensor(&name).map_err(|err| ExpertError::Model(err.to_string()))?;
-                let info = ck.st.info(&name).expect("tensor() found it");
-                let path = ck.st.file_of(&name).expect("tensor() found it");
-                let file = files.iter().position(|f| f == path).expect("shard listed");
-                let [rows, cols] = match t.shape.as_slice() {
-                    [r, c] => [*r, *c],
-                    s => return Err(ExpertError::Model(format!("{}: `{name}` has shape {s:?}", path.display()))),
-                };
-                check_shape(cfg, p, rows, cols, path)?;
-                Ok(PartLoc {
-                    file,
-                    offset: info.start as u64,
-                    len: (info.end - info.start) as u64,
-                    dtype: t.dtype,
-                    rows,
-                    cols,
-                })
-            };
-            layer.push(ExpertPlan::from_parts([
-                part(ExpertPart::Gate)?,
-                part(ExpertPart::Up)?,
-                part(ExpertPart::Down)?,
-            ]));
-        }
-        experts.push(layer);
+    if cfg.moe.is_none() {
+        return Err(ExpertError::NotMoe(ck.dir.display().to_string()));
     }
+    let files: Vec<PathBuf> = ck.st.files.iter().map(|f| f.path.clone()).collect();
+    let experts = cfg.map_experts(|l, e| -> Result<ExpertPlan> {
+        let part = |p: ExpertPart| -> Result<PartLoc> {
+            let name = sluice_model::families::hf_expert_name(cfg.arch, p, l, e);
+            let t = ck.st.tensor(&name).map_err(|err| ExpertError::Model(err.to_string()))?;
+            let info = ck.st.info(&name).expect("tensor() found it");
+            let path = ck.st.file_of(&name).expect("tensor() found it");
+            let file = files.iter().position(|f| f == path).expect("shard listed");
+            let [rows, cols] = match t.shape.as_slice() {
+                [r, c] => [*r, *c],
+                s => return Err(ExpertError::Model(format!("{}: `{name}` has shape {s:?}", path.display()))),
+            };
+            check_shape(cfg, p, rows, cols, path)?;
+            Ok(PartLoc {
+                file,
+                offset: info.start as u64,
+                len: (info.end - info.start) as u64,
+                dtype: t.dtype,
+                rows,
+                cols,
+            })
+        };
+        Ok(ExpertPlan::from_parts([part(ExpertPart::Gate)?, part(ExpertPart::Up)?, part(ExpertPart::Down)?]))
+    })?;
     Ok(Layout { files, experts })
 }
 

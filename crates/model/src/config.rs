@@ -104,6 +104,15 @@ pub struct ModelConfig {
 }
 
 impl ModelConfig {
+    /// `f(layer, expert)` for every routed expert, by layer; dense layers (and every layer of
+    /// a dense model) get an empty list.
+    pub fn map_experts<T, E>(&self, mut f: impl FnMut(usize, usize) -> Result<T, E>) -> Result<Vec<Vec<T>>, E> {
+        let n_expert = self.moe.as_ref().map_or(0, |m| m.n_expert);
+        (0..self.n_layer)
+            .map(|l| if self.sparse_layer[l] { (0..n_expert).map(|e| f(l, e)).collect() } else { Ok(Vec::new()) })
+            .collect()
+    }
+
     pub fn q_dim(&self) -> usize {
         self.n_head * self.head_dim
     }

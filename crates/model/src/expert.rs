@@ -145,29 +145,17 @@ impl ResidentExperts {
     /// bytes are read into memory of their own; otherwise they stay where the source keeps
     /// them (a memory-mapped file, paged in by the system).
     pub fn load(src: &dyn TensorSource, cfg: &crate::config::ModelConfig, copy: bool) -> Result<ResidentExperts> {
-        let Some(moe) = &cfg.moe else {
-            return Ok(ResidentExperts { experts: vec![Vec::new(); cfg.n_layer], bytes: 0 });
-        };
-        let mut experts = Vec::with_capacity(cfg.n_layer);
         let mut bytes = 0;
-        for l in 0..cfg.n_layer {
-            if !cfg.sparse_layer[l] {
-                experts.push(Vec::new());
-                continue;
-            }
-            let mut layer = Vec::with_capacity(moe.n_expert);
-            for e in 0..moe.n_expert {
-                let mut w = load_expert(src, cfg, l, e)?;
-                if copy {
-                    for m in &mut w {
-                        m.data = m.data.to_owned_releasing();
-                    }
+        let experts = cfg.map_experts(|l, e| -> Result<[Weight; 3]> {
+            let mut w = load_expert(src, cfg, l, e)?;
+            if copy {
+                for m in &mut w {
+                    m.data = m.data.to_owned_releasing();
                 }
-                bytes += w.iter().map(|w| w.bytes()).sum::<usize>();
-                layer.push(w);
             }
-            experts.push(layer);
-        }
+            bytes += w.iter().map(|w| w.bytes()).sum::<usize>();
+            Ok(w)
+        })?;
         Ok(ResidentExperts { experts, bytes })
     }
 }
