@@ -54,6 +54,18 @@ pub trait IoEngine: Send {
     }
 }
 
+/// Opens every file with `open_direct`; the flag says whether all of them got O_DIRECT.
+fn open_all(paths: &[PathBuf]) -> io::Result<(Vec<File>, bool)> {
+    let mut files = Vec::with_capacity(paths.len());
+    let mut direct = true;
+    for p in paths {
+        let (f, d) = open_direct(p)?;
+        direct &= d;
+        files.push(f);
+    }
+    Ok((files, direct))
+}
+
 /// Opens `path` for direct IO if the file system allows it, else for buffered reads.
 pub fn open_direct(path: &Path) -> io::Result<(File, bool)> {
     match std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path) {
@@ -80,13 +92,7 @@ impl UringIo {
     pub fn new(paths: &[PathBuf], arena: Arc<Arena>, depth: usize, register: bool) -> io::Result<UringIo> {
         let depth = depth.clamp(1, 4096);
         let ring = io_uring::IoUring::new(depth.next_power_of_two() as u32)?;
-        let mut files = Vec::new();
-        let mut direct = true;
-        for p in paths {
-            let (f, d) = open_direct(p)?;
-            direct &= d;
-            files.push(f);
-        }
+        let (files, direct) = open_all(paths)?;
         // A sparse table (Linux 5.19+); without one, plain reads. A table registered whole
         // would pin every slot for the ring's life, defeating the release of slots.
         let registered = register
@@ -200,13 +206,7 @@ pub struct PreadIo {
 impl PreadIo {
     pub fn new(paths: &[PathBuf], arena: Arc<Arena>, depth: usize) -> io::Result<PreadIo> {
         let depth = depth.clamp(1, 256);
-        let mut files = Vec::new();
-        let mut direct = true;
-        for p in paths {
-            let (f, d) = open_direct(p)?;
-            direct &= d;
-            files.push(f);
-        }
+        let (files, direct) = open_all(paths)?;
         let files = Arc::new(files);
         let (tx, jobs) = mpsc::channel::<IoRequest>();
         let jobs = Arc::new(Mutex::new(jobs));
