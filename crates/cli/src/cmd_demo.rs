@@ -112,11 +112,12 @@ pub fn main(a: Args) -> Result<()> {
         let s = streamed.model.experts.stats().since(&base);
         let (hits, misses) = (s.hits, s.misses);
         let line = format!(
-            "[{:>3}/{}] {:5.1} tok/s | cache hits {:4.1}% | read {:5.1} MB/token | IO wait {:4.1} ms/token | prefetch precision {:3.0}%",
+            "[{:>3}/{}] {:5.1} tok/s | cache hits {:4.1}% ({:4.1}% prefetched) | read {:5.1} MB/token | IO wait {:4.1} ms/token | prefetch precision {:3.0}%",
             i + 1,
             a.n,
             i as f64 / t_decode.elapsed().as_secs_f64(),
             100.0 * hits as f64 / (hits + misses).max(1) as f64,
+            100.0 * s.prefetch_hits as f64 / (hits + misses).max(1) as f64,
             s.bytes_read as f64 / i as f64 / 1e6,
             s.stall_ns as f64 / i as f64 / 1e6,
             100.0 * s.prefetch_precision().unwrap_or(0.0),

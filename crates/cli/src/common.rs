@@ -175,9 +175,10 @@ pub fn stats_line(s: &ExpertStats, tokens: usize) -> String {
     let t = tokens.max(1) as f64;
     let pf = s.prefetch_precision().map_or(String::new(), |p| format!(", prefetch precision {:.0}%", 100.0 * p));
     format!(
-        "experts: hit rate {:.1}% ({} hits, {} misses), {:.1} MB read/token, IO stall {:.1} ms/token{pf}, cache {:.2} GiB{}",
+        "experts: hit rate {:.1}% ({} hits, {} of them prefetched; {} misses), {:.1} MB read/token, IO stall {:.1} ms/token{pf}, cache {:.2} GiB{}",
         100.0 * s.hits as f64 / acc as f64,
         s.hits,
+        s.prefetch_hits,
         s.misses,
         s.bytes_read as f64 / t / 1e6,
         s.stall_ns as f64 / t / 1e6,
