@@ -1,5 +1,5 @@
 use crate::common::ModelArgs;
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use sluice_runtime::perplexity::perplexity;
 
 #[derive(clap::Args)]
@@ -9,9 +9,9 @@ pub struct Args {
     /// Text file to score.
     #[arg(long, short = 'f')]
     file: std::path::PathBuf,
-    /// Tokens per chunk (as llama-perplexity's -c).
-    #[arg(long = "ctx-size", short = 'c', default_value_t = 512)]
-    ctx_size: usize,
+    /// Tokens per chunk (as llama-perplexity's -c); without it, `--ctx` if given, else 512.
+    #[arg(long = "ctx-size", short = 'c')]
+    ctx_size: Option<usize>,
     /// Score at most this many chunks (0: all).
     #[arg(long, default_value_t = 0)]
     chunks: usize,
@@ -25,10 +25,17 @@ pub struct Args {
 pub fn main(a: Args) -> Result<()> {
     let text = std::fs::read_to_string(&a.file).with_context(|| format!("reading {}", a.file.display()))?;
     let mut model = a.model.clone();
-    model.ctx = model.ctx.max(a.ctx_size);
+    let chunk = a.ctx_size.unwrap_or(if model.ctx != 0 { model.ctx } else { 512 });
+    if chunk < 2 {
+        bail!("a perplexity chunk needs at least 2 tokens (got --ctx-size {chunk})");
+    }
+    if model.ctx != 0 && model.ctx < chunk {
+        bail!("--ctx {} is smaller than the chunk size --ctx-size {chunk}", model.ctx);
+    }
+    model.ctx = model.ctx.max(chunk);
     let engine = model.load()?;
     let tokens = engine.encode(&text)?;
-    let r = perplexity(&engine, &tokens, a.ctx_size, a.chunks, a.batch)?;
+    let r = perplexity(&engine, &tokens, chunk, a.chunks, a.batch)?;
     if a.json {
         println!(
             "{}",
