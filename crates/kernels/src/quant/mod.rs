@@ -118,46 +118,18 @@ fn is_block32(dtype: DType) -> bool {
     matches!(dtype, DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0)
 }
 
-/// One token against a 32-block matrix, four rows at a time.
+/// Walks `w`'s rows in groups of four (fewer at a range's end) across the pool; `f(rows, k,
+/// vals)` computes the k rows whose bytes are `rows` into `vals[..k]`, which land in output
+/// row 0 of `o`.
 #[cfg(target_arch = "x86_64")]
-fn decode32(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, o: SendPtr) {
+fn rows_by_four(pool: &ThreadPool, w: MatRef<'_>, o: SendPtr, f: impl Fn(&[u8], usize, &mut [f32; 4]) + Sync) {
     let rb = w.row_bytes();
-    let vl = crate::cpu::isa() == Isa::Avx512;
     pool.for_ranges(w.rows, 4, &|rows| {
         let mut vals = [0f32; 4];
         let mut r = rows.start;
         while r < rows.end {
             let k = (rows.end - r).min(4);
-            let wr = &w.data[r * rb..(r + k) * rb];
-            macro_rules! go {
-                ($f:ident, $dt:expr) => {
-                    match k {
-                        4 => x86::$f::<4, { $dt }>(wr, rb, act, &mut vals),
-                        3 => x86::$f::<3, { $dt }>(wr, rb, act, &mut vals),
-                        2 => x86::$f::<2, { $dt }>(wr, rb, act, &mut vals),
-                        _ => x86::$f::<1, { $dt }>(wr, rb, act, &mut vals),
-                    }
-                };
-            }
-            macro_rules! by_type {
-                ($f:ident) => {
-                    match w.dtype {
-                        DType::Q4_0 => go!($f, 2),
-                        DType::Q4_1 => go!($f, 3),
-                        DType::Q5_0 => go!($f, 6),
-                        DType::Q5_1 => go!($f, 7),
-                        _ => go!($f, 8),
-                    }
-                };
-            }
-            // SAFETY: AVX2/FMA/F16C (and AVX-512 for `_vl`) were detected; `wr` holds k whole rows.
-            unsafe {
-                if vl {
-                    by_type!(rows32_decode_vl)
-                } else {
-                    by_type!(rows32_decode)
-                }
-            }
+            f(&w.data[r * rb..(r + k) * rb], k, &mut vals);
             for (i, v) in vals.iter().enumerate().take(k) {
                 // SAFETY: this thread owns these rows of the single output row.
                 unsafe { *o.get().add(r + i) = *v };
@@ -167,40 +139,67 @@ fn decode32(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, o: SendPtr) {
     });
 }
 
+/// One token against a 32-block matrix, four rows at a time.
+#[cfg(target_arch = "x86_64")]
+fn decode32(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, o: SendPtr) {
+    let rb = w.row_bytes();
+    let vl = crate::cpu::isa() == Isa::Avx512;
+    rows_by_four(pool, w, o, |wr, k, vals| {
+        macro_rules! go {
+            ($f:ident, $dt:expr) => {
+                match k {
+                    4 => x86::$f::<4, { $dt }>(wr, rb, act, vals),
+                    3 => x86::$f::<3, { $dt }>(wr, rb, act, vals),
+                    2 => x86::$f::<2, { $dt }>(wr, rb, act, vals),
+                    _ => x86::$f::<1, { $dt }>(wr, rb, act, vals),
+                }
+            };
+        }
+        macro_rules! by_type {
+            ($f:ident) => {
+                match w.dtype {
+                    DType::Q4_0 => go!($f, 2),
+                    DType::Q4_1 => go!($f, 3),
+                    DType::Q5_0 => go!($f, 6),
+                    DType::Q5_1 => go!($f, 7),
+                    _ => go!($f, 8),
+                }
+            };
+        }
+        // SAFETY: AVX2/FMA/F16C (and AVX-512 for `_vl`) were detected; `wr` holds k whole rows.
+        unsafe {
+            if vl {
+                by_type!(rows32_decode_vl)
+            } else {
+                by_type!(rows32_decode)
+            }
+        }
+    });
+}
+
 /// One token against a Q4_K, Q5_K or Q6_K matrix, four rows at a time.
 #[cfg(target_arch = "x86_64")]
 fn decode_k(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, o: SendPtr) {
     let rb = w.row_bytes();
-    pool.for_ranges(w.rows, 4, &|rows| {
-        let mut vals = [0f32; 4];
-        let mut r = rows.start;
-        while r < rows.end {
-            let k = (rows.end - r).min(4);
-            let wr = &w.data[r * rb..(r + k) * rb];
-            macro_rules! go {
-                ($dt:expr) => {
-                    match k {
-                        4 => x86::rowsk_decode::<4, { $dt }>(wr, rb, act, &mut vals),
-                        3 => x86::rowsk_decode::<3, { $dt }>(wr, rb, act, &mut vals),
-                        2 => x86::rowsk_decode::<2, { $dt }>(wr, rb, act, &mut vals),
-                        _ => x86::rowsk_decode::<1, { $dt }>(wr, rb, act, &mut vals),
-                    }
-                };
-            }
-            // SAFETY: AVX2/FMA/F16C were detected; `wr` holds k whole rows; activation rows
-            // are padded to whole groups of eight blocks.
-            unsafe {
-                match w.dtype {
-                    DType::Q4_K => go!(12),
-                    DType::Q5_K => go!(13),
-                    _ => go!(14),
+    rows_by_four(pool, w, o, |wr, k, vals| {
+        macro_rules! go {
+            ($dt:expr) => {
+                match k {
+                    4 => x86::rowsk_decode::<4, { $dt }>(wr, rb, act, vals),
+                    3 => x86::rowsk_decode::<3, { $dt }>(wr, rb, act, vals),
+                    2 => x86::rowsk_decode::<2, { $dt }>(wr, rb, act, vals),
+                    _ => x86::rowsk_decode::<1, { $dt }>(wr, rb, act, vals),
                 }
+            };
+        }
+        // SAFETY: AVX2/FMA/F16C were detected; `wr` holds k whole rows; activation rows
+        // are padded to whole groups of eight blocks.
+        unsafe {
+            match w.dtype {
+                DType::Q4_K => go!(12),
+                DType::Q5_K => go!(13),
+                _ => go!(14),
             }
-            for (i, v) in vals.iter().enumerate().take(k) {
-                // SAFETY: this thread owns these rows of the single output row.
-                unsafe { *o.get().add(r + i) = *v };
-            }
-            r += k;
         }
     });
 }

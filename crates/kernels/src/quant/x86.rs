@@ -227,6 +227,21 @@ pub unsafe fn row32(dtype: DType, row: &[u8], act: &QuantAct, toks: std::ops::Ra
     }
 }
 
+/// A Q4_K/Q5_K block's eight sub-block scales, and its eight mins each twice (a min
+/// multiplies the two 16-value sums of its 32-value sub-block).
+#[inline(always)]
+fn k4_scales_mins(blk: &[u8]) -> ([i16; 8], [i16; 16]) {
+    let mut s = [0i16; 8];
+    let mut m2 = [0i16; 16];
+    for j in 0..8 {
+        let (a, c) = crate::quant::blocks::scale_min_k4(j, &blk[4..16]);
+        s[j] = a as i16;
+        m2[2 * j] = c as i16;
+        m2[2 * j + 1] = c as i16;
+    }
+    (s, m2)
+}
+
 /// One Q4_K or Q5_K row against tokens `toks`.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn row_q4k_q5k(q5: bool, row: &[u8], act: &QuantAct, toks: std::ops::Range<usize>, out: &mut [f32]) {
@@ -239,15 +254,7 @@ pub unsafe fn row_q4k_q5k(q5: bool, row: &[u8], act: &QuantAct, toks: std::ops::
         if act.rows == 1 {
             prefetch_ahead(w.as_ptr(), bb);
         }
-        let mut s = [0i16; 8];
-        // Each min twice: it multiplies the two 16-value sums of its 32-value sub-block.
-        let mut m2 = [0i16; 16];
-        for j in 0..8 {
-            let (a, c) = crate::quant::blocks::scale_min_k4(j, &w[4..16]);
-            s[j] = a as i16;
-            m2[2 * j] = c as i16;
-            m2[2 * j + 1] = c as i16;
-        }
+        let (s, m2) = k4_scales_mins(w);
         let mins16 = _mm256_loadu_si256(m2.as_ptr() as *const __m256i);
         let scales = BlockScales { d: f16_to_f32(f16_bits(w, 0)), m: f16_to_f32(f16_bits(w, 2)) };
         let mut u = [_mm256_setzero_si256(); 8];
@@ -366,15 +373,7 @@ pub unsafe fn rowsk_decode<const R: usize, const K: u32>(
                     v = _mm256_sub_epi32(v, _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5));
                     dbits[j] = f16_bits(blk, 208);
                 } else {
-                    let mut sc = [0i16; 8];
-                    // Each min twice: it multiplies the two 16-value sums of its 32-value sub-block.
-                    let mut m2 = [0i16; 16];
-                    for k in 0..8 {
-                        let (a, c) = crate::quant::blocks::scale_min_k4(k, &blk[4..16]);
-                        sc[k] = a as i16;
-                        m2[2 * k] = c as i16;
-                        m2[2 * k + 1] = c as i16;
-                    }
+                    let (sc, m2) = k4_scales_mins(blk);
                     for c in 0..4 {
                         let (lo, hi) = codes_q4k(q5, blk, c);
                         let x0 = _mm256_loadu_si256(xq.add(64 * c) as *const __m256i);
