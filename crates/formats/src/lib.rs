@@ -1,4 +1,4 @@
-//! Checkpoint formats: safetensors, GGUF, Hugging Face configs, tokenizers and chat templates.
+//! Checkpoint formats: safetensors, GGUF, Hugging Face configs and tokenizers.
 //! Everything here reads files and validates them; nothing computes.
 
 pub mod blob;

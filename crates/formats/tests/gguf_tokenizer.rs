@@ -3,8 +3,8 @@
 //! tests/tokenizer/<model>.json holds the ids llama-tokenize gives for tests/tokenizer/varied.txt
 //! (tools/golden/make_tokenizer_goldens.sh writes them). The models themselves are not in the
 //! repository: they are looked for under $SLUICE_MODELS (default ~/.cache/sluice/models, where
-//! tools/models/fetch.sh puts them). A missing model skips its test with a message, unless
-//! SLUICE_REQUIRE_MODELS=1, which makes it a failure.
+//! tools/models/fetch.sh puts them). A missing model fails its test, naming the step that
+//! fetches it; `tools/test.sh` (the README's test command) fetches them before `cargo test`.
 
 use sluice_formats::gguf::GgufFile;
 use sluice_formats::gguf_tokenizer::GgufTokenizer;
@@ -22,15 +22,15 @@ fn models_dir() -> PathBuf {
     }
 }
 
-/// The model's tokenizer, or `None` (after saying so) when the file is absent and not required.
+/// The model's tokenizer. A missing model is a failure, never a skip: the README's test
+/// command (`tools/test.sh`) fetches the models first.
 fn load(stem: &str) -> Option<GgufTokenizer> {
     let path = models_dir().join(format!("{stem}.gguf"));
     if !path.exists() {
-        if std::env::var("SLUICE_REQUIRE_MODELS").as_deref() == Ok("1") {
-            panic!("{} is missing and SLUICE_REQUIRE_MODELS=1 (run tools/models/fetch.sh)", path.display());
-        }
-        eprintln!("skipped: {} not found (run tools/models/fetch.sh, or set SLUICE_MODELS)", path.display());
-        return None;
+        panic!(
+            "{} is missing: run the tests with tools/test.sh, which fetches the real models (or run tools/models/fetch.sh, or set SLUICE_MODELS)",
+            path.display()
+        );
     }
     let f = GgufFile::open(&path).unwrap_or_else(|e| panic!("{e}"));
     Some(GgufTokenizer::from_gguf(&f).unwrap_or_else(|e| panic!("{e}")))

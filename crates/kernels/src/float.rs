@@ -393,7 +393,7 @@ mod tests {
         for (bv, xv) in b.iter_mut().zip(&x) {
             *bv = 0.3f32.mul_add(*xv, *bv);
         }
-        assert!(a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()));
+        assert!(crate::compare::same_bits(&a, &b));
         let keys = rand_vec(11 * 40, 3);
         let q = rand_vec(32, 4);
         let mut out = vec![0f32; 11];

@@ -1,6 +1,7 @@
 //! sluice's compute kernels: stored weight formats, a scalar reference for every op,
 //! runtime-dispatched SIMD variants that agree with the reference, and the decode thread pool.
 
+pub mod compare;
 pub mod cpu;
 pub mod dtype;
 pub mod float;

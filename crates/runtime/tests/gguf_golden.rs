@@ -1,6 +1,7 @@
 //! The GGUF path against the same oracles: golden checkpoints converted to GGUF by llama.cpp's
 //! own converter (`tools/golden/convert_gguf.py`; files in tests/golden/gguf).
 
+use sluice_kernels::compare::max_abs_diff;
 use sluice_model::Logits;
 use sluice_runtime::perplexity::perplexity;
 use sluice_runtime::{Engine, EngineOptions};
@@ -38,10 +39,11 @@ fn bf16_gguf_logits_match_transformers() {
         let mut kv = e.new_cache();
         let got = e.model.forward(&mut kv, &tokens, Logits::All, None).unwrap();
         let vocab = e.model.cfg.vocab_size;
+        assert_eq!(got.len(), want.len() * vocab, "{fam}: number of logits");
         let mut max_diff = 0f32;
         for (t, w) in want.iter().enumerate() {
             let g = &got[t * vocab..(t + 1) * vocab];
-            max_diff = g.iter().zip(w).fold(max_diff, |m, (a, b)| m.max((a - b).abs()));
+            max_diff = max_diff.max(max_abs_diff(g, w).unwrap_or_else(|e| panic!("{fam}: position {t}: {e}")));
         }
         assert!(max_diff <= 1e-3, "{fam}: max |logit difference| {max_diff}");
     }

@@ -2,6 +2,7 @@
 //! (`tests/golden/*`, made by `tools/golden/make_goldens.py`), and the invariants that make
 //! results reproducible: prefill = incremental decode, and any thread count, to the bit.
 
+use sluice_kernels::compare::{max_abs_diff, same_bits};
 use sluice_model::Logits;
 use sluice_runtime::{generate, Engine, EngineOptions, GenerateOptions};
 use std::path::PathBuf;
@@ -58,12 +59,12 @@ fn teacher_forced_logits_match_transformers() {
         let e = load(fam, 2);
         let ours = logits_in_chunks(&e, &g.tokens, g.tokens.len());
         let vocab = e.model.cfg.vocab_size;
+        assert_eq!(ours.len(), g.logits.len() * vocab, "{fam}: number of logits");
         let mut max_diff = 0f32;
         for (t, want) in g.logits.iter().enumerate() {
             let got = &ours[t * vocab..(t + 1) * vocab];
-            for (a, b) in got.iter().zip(want) {
-                max_diff = max_diff.max((a - b).abs());
-            }
+            let d = max_abs_diff(got, want).unwrap_or_else(|e| panic!("{fam}: position {t}: {e}"));
+            max_diff = max_diff.max(d);
             let mut sorted = want.clone();
             sorted.sort_by(|a, b| b.total_cmp(a));
             if sorted[0] - sorted[1] > 1e-3 {
@@ -95,10 +96,7 @@ fn prefill_equals_incremental_decode_bit_for_bit() {
         let whole = logits_in_chunks(&e, &g.tokens, g.tokens.len());
         for chunk in [1, 7] {
             let parts = logits_in_chunks(&e, &g.tokens, chunk);
-            assert!(
-                whole.iter().zip(&parts).all(|(a, b)| a.to_bits() == b.to_bits()),
-                "{fam}: chunk {chunk} differs from one prefill"
-            );
+            assert!(same_bits(&whole, &parts), "{fam}: chunk {chunk} differs from one prefill");
         }
     }
 }
@@ -110,7 +108,7 @@ fn thread_count_does_not_change_a_bit() {
         let one = logits_in_chunks(&load(fam, 1), &g.tokens, g.tokens.len());
         let two = logits_in_chunks(&load(fam, 2), &g.tokens, g.tokens.len());
         let three = logits_in_chunks(&load(fam, 3), &g.tokens, 5);
-        assert!(one.iter().zip(&two).all(|(a, b)| a.to_bits() == b.to_bits()), "{fam}: 1 vs 2 threads");
-        assert!(one.iter().zip(&three).all(|(a, b)| a.to_bits() == b.to_bits()), "{fam}: 1 vs 3 threads");
+        assert!(same_bits(&one, &two), "{fam}: 1 vs 2 threads");
+        assert!(same_bits(&one, &three), "{fam}: 1 vs 3 threads");
     }
 }

@@ -2,7 +2,7 @@
 //! llama.cpp does with them (tests/real, from tools/golden/make_real_goldens.py): the same
 //! prompt tokens, the same greedy continuation up to a near-tie, and perplexity within 0.5%.
 //!
-//! Without the models the tests say so and pass, unless SLUICE_REQUIRE_MODELS=1 (CI sets it).
+//! Without the models the tests fail, naming the step that fetches them: a skip is never a pass.
 
 use sluice_model::Logits;
 use sluice_runtime::perplexity::perplexity;
@@ -19,15 +19,15 @@ fn models_dir() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/sluice/models"))
 }
 
-/// The model and its llama.cpp record, or None (with a note) when the model is absent.
+/// The model and its llama.cpp record. A missing model is a failure: the README's test
+/// command (`tools/test.sh`) fetches the models first.
 fn case(stem: &str) -> Option<(Engine, serde_json::Value)> {
     let path = models_dir().join(format!("{stem}.gguf"));
     if !path.exists() {
-        if std::env::var("SLUICE_REQUIRE_MODELS").as_deref() == Ok("1") {
-            panic!("{} is missing (run tools/models/fetch.sh)", path.display());
-        }
-        eprintln!("skipped: {} not found (run tools/models/fetch.sh)", path.display());
-        return None;
+        panic!(
+            "{} is missing: run the tests with tools/test.sh, which fetches the real models (or run tools/models/fetch.sh, or set SLUICE_MODELS)",
+            path.display()
+        );
     }
     let rec: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(tests_dir().join(format!("real/{stem}.json"))).unwrap()).unwrap();

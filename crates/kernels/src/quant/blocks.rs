@@ -440,7 +440,7 @@ mod tests {
             quantize_block(dtype, &x, &mut b);
             let mut y = vec![0f32; n];
             dequantize_block(dtype, &b, &mut y);
-            let err = x.iter().zip(&y).fold(0f32, |a, (p, q)| a.max((p - q).abs()));
+            let err = crate::compare::max_abs_diff(&x, &y).unwrap();
             assert!(err < tol, "{dtype}: max error {err}");
         }
     }

@@ -393,7 +393,7 @@ mod tests {
             for t in 0..7 {
                 let mut one = vec![0f32; rows];
                 crate::matmul(&ThreadPool::new(1), m, &x[t * cols..(t + 1) * cols], 1, &mut one);
-                assert!(one.iter().zip(&all[t * rows..(t + 1) * rows]).all(|(a, b)| a.to_bits() == b.to_bits()));
+                assert!(crate::compare::same_bits(&one, &all[t * rows..(t + 1) * rows]));
             }
         }
     }

@@ -110,6 +110,5 @@ pub fn run(e: &Engine) -> Vec<f32> {
     out
 }
 
-pub fn same_bits(a: &[f32], b: &[f32]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
-}
+#[allow(unused_imports)]
+pub use sluice_kernels::compare::same_bits;
