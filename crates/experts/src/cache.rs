@@ -1,12 +1,16 @@
 //! The expert cache's bookkeeping: which expert sits in which slot, in what state, pinned by
-//! how many users, and which slot to give up next. Pure logic, no IO: `source` drives it.
+//! how many holders, and which slot to give up next. Pure logic, no IO: `source` drives it.
 //!
 //! Invariants (checked by `check` in tests):
 //! * `slots.len() × slot_bytes ≤ quota` at all times: the byte quota is hard, alignment and
 //!   slack included, because every slot has the same size;
 //! * a key maps to at most one slot, and a slot holds at most one key;
-//! * a pinned slot is never chosen for eviction, and a `Loading` slot is never handed to a
-//!   reader before its data has fully arrived;
+//! * every holder of a slot holds a `Pin` token of its own, and `pins` counts the tokens;
+//!   a pinned slot is never evicted or reused, so a token always refers to the slot it was
+//!   given for (no holder can release another holder's pin);
+//! * a `Loading` slot is never handed to a reader before its data has fully arrived; a read
+//!   that fails turns the slot `Failed`: its key is forgotten at once (the next request reads
+//!   again), and the slot stays out of use until its last holder has seen the failure;
 //! * counters only grow.
 
 use std::collections::{BTreeSet, HashMap};
@@ -50,6 +54,21 @@ pub enum SlotState {
         prefetch: bool,
     },
     Ready,
+    /// Its reads failed; kept (key forgotten) until every holder has released its pin.
+    Failed,
+}
+
+/// One holder's claim on a slot: while it lives the slot is neither evicted nor reused.
+/// Given back with `Cache::unpin`; neither `Clone` nor `Copy`, so each holder releases its
+/// own claim exactly once.
+#[derive(Debug, PartialEq, Eq)]
+#[must_use = "a pin must be given back with Cache::unpin"]
+pub struct Pin(usize);
+
+impl Pin {
+    pub fn slot(&self) -> usize {
+        self.0
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -74,16 +93,16 @@ pub struct Counters {
     pub prefetch_wasted: u64,
 }
 
-/// What `lookup_or_reserve` found.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// What `acquire` found.
+#[derive(Debug, PartialEq, Eq)]
 pub enum Lookup {
     /// Resident; pinned for the caller.
-    Ready(usize),
+    Ready(Pin),
     /// Already being read; pinned for the caller.
-    Loading(usize),
+    Loading(Pin),
     /// Not resident; a slot was reserved and pinned, the caller must read into it.
-    Reserved(usize),
-    /// Not resident and every slot is pinned: try again after some unpin.
+    Reserved(Pin),
+    /// Not resident and every slot is in use: try again after some unpin.
     Full,
 }
 
@@ -207,57 +226,61 @@ impl Cache {
         }
     }
 
-    /// Pins `key` if resident or loading; otherwise reserves a slot (evicting the policy's
-    /// victim if needed) and pins it. `prefetch` marks a reservation made ahead of demand.
-    pub fn lookup_or_reserve(&mut self, key: Key, prefetch: bool) -> Lookup {
+    /// Pins `key` for a demand if resident or loading; otherwise reserves a slot (evicting
+    /// the policy's victim if needed) and pins it: the caller must then read into it.
+    pub fn acquire(&mut self, key: Key) -> Lookup {
         if let Some(&s) = self.map.get(&key) {
-            if !prefetch {
-                self.touch(key);
-                if self.slots[s].prefetched_unused {
-                    self.slots[s].prefetched_unused = false;
-                    self.counters.prefetch_hits += 1;
-                }
-            }
-            let slot = &mut self.slots[s];
-            let was_ready = slot.state == SlotState::Ready;
-            // A prefetch of something already resident or loading changes nothing.
-            if prefetch {
-                return if was_ready { Lookup::Ready(s) } else { Lookup::Loading(s) };
-            }
-            slot.pins += 1;
-            self.not_evictable(s);
-            return if was_ready {
-                self.counters.hits += 1;
-                Lookup::Ready(s)
-            } else {
-                // In flight (usually a prefetch): the read is already paid for.
-                self.counters.hits += 1;
-                Lookup::Loading(s)
-            };
-        }
-        let s = match self.free.pop() {
-            Some(s) => s,
-            None => match self.evictable.iter().next().copied() {
-                Some((_, victim)) => {
-                    self.evict(victim);
-                    self.free.pop().expect("evict frees the slot")
-                }
-                None => return Lookup::Full,
-            },
-        };
-        if prefetch {
-            self.counters.prefetch_issued += 1;
-        } else {
-            self.counters.misses += 1;
             self.touch(key);
+            if self.slots[s].prefetched_unused {
+                self.slots[s].prefetched_unused = false;
+                self.counters.prefetch_hits += 1;
+            }
+            // Resident, or in flight (usually a prefetch): either way the read is paid for.
+            self.counters.hits += 1;
+            let slot = &mut self.slots[s];
+            slot.pins += 1;
+            let ready = slot.state == SlotState::Ready;
+            self.not_evictable(s);
+            return if ready { Lookup::Ready(Pin(s)) } else { Lookup::Loading(Pin(s)) };
         }
+        let Some(s) = self.take_slot() else { return Lookup::Full };
+        self.counters.misses += 1;
+        self.touch(key);
+        self.occupy(s, key, false);
+        self.slots[s].pins = 1;
+        Lookup::Reserved(Pin(s))
+    }
+
+    /// Reserves a slot for reading `key` ahead of demand, unpinned (a `Loading` slot is never
+    /// evicted, so none is needed). `None` if `key` is resident or on its way already, or no
+    /// slot is free or evictable.
+    pub fn reserve_prefetch(&mut self, key: Key) -> Option<usize> {
+        if self.map.contains_key(&key) {
+            return None;
+        }
+        let s = self.take_slot()?;
+        self.counters.prefetch_issued += 1;
+        self.occupy(s, key, true);
+        Some(s)
+    }
+
+    /// A free slot, evicting the policy's victim if there is none.
+    fn take_slot(&mut self) -> Option<usize> {
+        if let Some(s) = self.free.pop() {
+            return Some(s);
+        }
+        let (_, victim) = self.evictable.iter().next().copied()?;
+        self.evict(victim);
+        self.free.pop()
+    }
+
+    fn occupy(&mut self, s: usize, key: Key, prefetch: bool) {
         let slot = &mut self.slots[s];
         slot.key = Some(key);
         slot.state = SlotState::Loading { prefetch };
-        slot.pins = u32::from(!prefetch);
+        slot.pins = 0;
         slot.prefetched_unused = prefetch;
         self.map_insert(key, s);
-        Lookup::Reserved(s)
     }
 
     fn evict(&mut self, s: usize) {
@@ -287,30 +310,50 @@ impl Cache {
         }
     }
 
-    /// The reads of slot `s` failed: forget its key and free it (its users get the error).
+    /// The reads of slot `s` failed: forget its key (the next request reads again). Its
+    /// holders learn of the failure from the slot's state and release their pins; the slot
+    /// is free once the last one has.
     pub fn failed(&mut self, s: usize) {
         self.not_evictable(s);
-        let slot = &mut self.slots[s];
-        let key = slot.key.take();
-        slot.state = SlotState::Free;
-        slot.pins = 0;
-        slot.prefetched_unused = false;
-        if let Some(k) = key {
-            self.map_remove(k);
+        if let Some(k) = self.slots[s].key {
+            if self.map.get(&k) == Some(&s) {
+                self.map_remove(k);
+            }
         }
+        let slot = &mut self.slots[s];
+        slot.state = SlotState::Failed;
+        slot.prefetched_unused = false;
+        if slot.pins == 0 {
+            self.free_slot(s);
+        }
+    }
+
+    fn free_slot(&mut self, s: usize) {
+        let slot = &mut self.slots[s];
+        slot.key = None;
+        slot.state = SlotState::Free;
+        slot.prefetched_unused = false;
         self.free.push(s);
     }
 
-    /// Releases one pin of slot `s`.
-    pub fn unpin(&mut self, s: usize) {
+    /// Gives back one holder's pin.
+    pub fn unpin(&mut self, pin: Pin) {
+        let s = pin.0;
         let slot = &mut self.slots[s];
-        if slot.pins == 0 {
-            return; // the slot failed and was freed while a user held it
-        }
+        assert!(slot.pins > 0, "slot {s}: a pin was given back twice");
         slot.pins -= 1;
-        if slot.pins == 0 && slot.state == SlotState::Ready {
-            self.make_evictable(s);
+        if slot.pins == 0 {
+            match slot.state {
+                SlotState::Ready => self.make_evictable(s),
+                SlotState::Failed => self.free_slot(s),
+                _ => {}
+            }
         }
+    }
+
+    /// The state of slot `s` (for holders waiting on it).
+    pub fn state(&self, s: usize) -> SlotState {
+        self.slots[s].state
     }
 
     /// Bytes of slots filled by prefetch and not used yet.
@@ -325,7 +368,7 @@ impl Cache {
         let mut removed = Vec::new();
         while self.slots.len() > target {
             let s = self.slots.len() - 1;
-            if self.slots[s].pins > 0 || matches!(self.slots[s].state, SlotState::Loading { .. }) {
+            if self.slots[s].pins > 0 || matches!(self.slots[s].state, SlotState::Loading { .. } | SlotState::Failed) {
                 break; // in use: shrink again later
             }
             if self.slots[s].state == SlotState::Ready {
@@ -356,6 +399,11 @@ impl Cache {
                 SlotState::Free => {
                     assert!(s.key.is_none() && s.pins == 0 && self.free.contains(&i));
                 }
+                SlotState::Failed => {
+                    // Forgotten by the map, waiting for its holders.
+                    assert!(s.pins > 0 && !self.free.contains(&i), "failed slot {i} without holders");
+                    assert!(s.key.is_none_or(|k| self.map.get(&k) != Some(&i)));
+                }
                 _ => {
                     keyed += 1;
                     assert!(self.map.get(&s.key.expect("keyed")) == Some(&i));
@@ -376,6 +424,18 @@ impl Cache {
 mod tests {
     use super::*;
 
+    /// Acquires `key`; if it had to be read, pretends the read succeeded.
+    fn get(c: &mut Cache, key: Key) -> Pin {
+        match c.acquire(key) {
+            Lookup::Reserved(p) => {
+                c.loaded(p.slot());
+                p
+            }
+            Lookup::Ready(p) | Lookup::Loading(p) => p,
+            Lookup::Full => panic!("cache full"),
+        }
+    }
+
     #[test]
     fn quota_smaller_than_a_slot_is_refused() {
         assert!(Cache::new(100, 200, Policy::Lru).is_err());
@@ -386,61 +446,63 @@ mod tests {
     fn lru_evicts_the_least_recent_and_never_a_pinned_slot() {
         let mut c = Cache::new(3 * 10, 10, Policy::Lru).unwrap();
         for e in 0..3 {
-            let Lookup::Reserved(s) = c.lookup_or_reserve((0, e), false) else { panic!() };
-            c.loaded(s);
-            c.unpin(s);
+            let p = get(&mut c, (0, e));
+            c.unpin(p);
             c.check();
         }
         // Touch expert 0 so expert 1 is the oldest.
-        let Lookup::Ready(s0) = c.lookup_or_reserve((0, 0), false) else { panic!() };
-        c.unpin(s0);
-        let Lookup::Reserved(_) = c.lookup_or_reserve((0, 9), false) else { panic!() };
+        let p0 = get(&mut c, (0, 0));
+        c.unpin(p0);
+        let Lookup::Reserved(p9) = c.acquire((0, 9)) else { panic!() };
         assert!(c.slot_of((0, 1)).is_none(), "expert 1 should be evicted");
         assert!(c.slot_of((0, 0)).is_some() && c.slot_of((0, 2)).is_some());
         // Pin everything: a new key cannot get a slot.
-        let Lookup::Ready(_) = c.lookup_or_reserve((0, 0), false) else { panic!() };
-        let Lookup::Ready(_) = c.lookup_or_reserve((0, 2), false) else { panic!() };
-        assert_eq!(c.lookup_or_reserve((0, 7), false), Lookup::Full);
+        let Lookup::Ready(a) = c.acquire((0, 0)) else { panic!() };
+        let Lookup::Ready(b) = c.acquire((0, 2)) else { panic!() };
+        assert_eq!(c.acquire((0, 7)), Lookup::Full);
+        assert_eq!(c.reserve_prefetch((0, 7)), None);
         c.check();
         assert_eq!(c.counters.evictions, 1);
+        for p in [a, b, p9] {
+            c.unpin(p);
+        }
+        c.check();
     }
 
     #[test]
     fn experts_held_per_layer_follow_reservations_evictions_and_failures() {
         let mut c = Cache::new(3 * 10, 10, Policy::Lru).unwrap();
-        let Lookup::Reserved(a) = c.lookup_or_reserve((2, 0), false) else { panic!() };
-        let Lookup::Reserved(b) = c.lookup_or_reserve((2, 1), true) else { panic!() };
-        let Lookup::Reserved(d) = c.lookup_or_reserve((5, 0), false) else { panic!() };
+        let Lookup::Reserved(a) = c.acquire((2, 0)) else { panic!() };
+        let b = c.reserve_prefetch((2, 1)).unwrap();
+        let Lookup::Reserved(d) = c.acquire((5, 0)) else { panic!() };
         assert_eq!((c.held_in_layer(2), c.held_in_layer(5), c.held_in_layer(9)), (2, 1, 0));
         c.failed(b);
         assert_eq!(c.held_in_layer(2), 1);
-        for s in [a, d] {
-            c.loaded(s);
-            c.unpin(s);
+        for p in [a, d] {
+            c.loaded(p.slot());
+            c.unpin(p);
         }
         // A new layer-7 expert evicts the least recent one, layer 2's.
-        let Lookup::Reserved(_) = c.lookup_or_reserve((7, 3), false) else { panic!() };
-        let Lookup::Reserved(_) = c.lookup_or_reserve((7, 4), false) else { panic!() };
+        let x = get(&mut c, (7, 3));
+        let y = get(&mut c, (7, 4));
         assert_eq!((c.held_in_layer(2), c.held_in_layer(5), c.held_in_layer(7)), (0, 1, 2));
+        c.unpin(x);
+        c.unpin(y);
         c.check();
     }
 
     #[test]
     fn lfu_keeps_the_popular_expert() {
         let mut c = Cache::new(2 * 10, 10, Policy::LfuAging).unwrap();
-        let get = |c: &mut Cache, e| match c.lookup_or_reserve((0, e), false) {
-            Lookup::Reserved(s) => {
-                c.loaded(s);
-                c.unpin(s)
-            }
-            Lookup::Ready(s) => c.unpin(s),
-            other => panic!("{other:?}"),
+        let use_once = |c: &mut Cache, e| {
+            let p = get(c, (0, e));
+            c.unpin(p);
         };
         for _ in 0..5 {
-            get(&mut c, 0);
+            use_once(&mut c, 0);
         }
-        get(&mut c, 1);
-        get(&mut c, 2); // evicts 1 (used once), not 0 (used 5 times) though 0 is older
+        use_once(&mut c, 1);
+        use_once(&mut c, 2); // evicts 1 (used once), not 0 (used 5 times) though 0 is older
         assert!(c.slot_of((0, 0)).is_some());
         assert!(c.slot_of((0, 1)).is_none());
         c.check();
@@ -449,36 +511,58 @@ mod tests {
     #[test]
     fn prefetch_accounting_and_failures() {
         let mut c = Cache::new(2 * 10, 10, Policy::Lru).unwrap();
-        let Lookup::Reserved(s) = c.lookup_or_reserve((1, 3), true) else { panic!() };
+        let s = c.reserve_prefetch((1, 3)).unwrap();
+        assert_eq!(c.reserve_prefetch((1, 3)), None, "already on its way");
         assert_eq!(c.prefetched_unused_bytes(), 10);
         c.loaded(s);
         c.check();
-        let Lookup::Ready(s2) = c.lookup_or_reserve((1, 3), false) else { panic!() };
-        assert_eq!(s, s2);
+        let Lookup::Ready(p) = c.acquire((1, 3)) else { panic!() };
+        assert_eq!(p.slot(), s);
         assert_eq!(c.counters.prefetch_hits, 1);
         assert_eq!(c.prefetched_unused_bytes(), 0);
-        c.unpin(s);
-        // A failed read frees the slot and forgets the key.
-        let Lookup::Reserved(f) = c.lookup_or_reserve((2, 0), false) else { panic!() };
-        c.failed(f);
-        assert!(c.slot_of((2, 0)).is_none());
+        c.unpin(p);
+        // A failed read with no holder frees the slot and forgets the key at once.
+        let Lookup::Reserved(f) = c.acquire((2, 0)) else { panic!() };
+        c.unpin(f);
+        c.check();
+    }
+
+    #[test]
+    fn a_failure_keeps_the_slot_until_every_holder_has_let_go() {
+        // Two holders wait on one read; it fails. Neither may lose its pin to the other,
+        // and the slot must not be reused while either still holds it.
+        let mut c = Cache::new(2 * 10, 10, Policy::Lru).unwrap();
+        let Lookup::Reserved(first) = c.acquire((0, 1)) else { panic!() };
+        let Lookup::Loading(second) = c.acquire((0, 1)) else { panic!() };
+        let s = first.slot();
+        c.failed(s);
+        c.check();
+        assert_eq!(c.state(s), SlotState::Failed);
+        assert!(c.slot_of((0, 1)).is_none(), "the key is forgotten at once");
+        // A new request reads again, into another slot; the failed one is not reused.
+        let Lookup::Reserved(again) = c.acquire((0, 1)) else { panic!() };
+        assert_ne!(again.slot(), s);
+        assert_eq!(c.acquire((0, 2)), Lookup::Full, "the failed slot is still held");
+        c.unpin(first);
+        assert_eq!(c.state(s), SlotState::Failed);
+        c.check();
+        c.unpin(second);
+        assert_eq!(c.state(s), SlotState::Free);
+        c.check();
+        c.loaded(again.slot());
+        c.unpin(again);
         c.check();
     }
 
     #[test]
     fn shrinking_never_drops_a_pinned_slot() {
         let mut c = Cache::new(4 * 10, 10, Policy::Lru).unwrap();
-        let mut pinned = Vec::new();
-        for e in 0..4 {
-            let Lookup::Reserved(s) = c.lookup_or_reserve((0, e), false) else { panic!() };
-            c.loaded(s);
-            pinned.push(s);
-        }
+        let pinned: Vec<Pin> = (0..4).map(|e| get(&mut c, (0, e))).collect();
         // Everything pinned: nothing can go.
         assert!(c.set_quota(20).is_empty());
         assert_eq!(c.capacity_slots(), 4);
-        for s in pinned {
-            c.unpin(s);
+        for p in pinned {
+            c.unpin(p);
         }
         assert_eq!(c.set_quota(20).len(), 2);
         assert_eq!(c.capacity_slots(), 2);

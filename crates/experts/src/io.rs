@@ -47,6 +47,8 @@ pub trait IoEngine: Send {
     /// Collects finished reads into `out`; waits until at least `min` have finished.
     fn reap(&mut self, min: usize, out: &mut Vec<IoCompletion>) -> io::Result<()>;
     fn in_flight(&self) -> usize;
+    /// Whether every file was opened with O_DIRECT (else reads go through the page cache).
+    fn direct(&self) -> bool;
     /// Slot `s` is about to be handed back to the system (no read into it is in flight): drop
     /// whatever the engine holds on its memory.
     fn release_slot(&mut self, _s: usize) -> io::Result<()> {
@@ -85,6 +87,8 @@ pub struct UringIo {
     registered: bool,
     /// Slots whose entry currently holds the slot's buffer.
     slot_registered: Vec<bool>,
+    /// A submit that failed with entries left in the queue (retried by the next `reap`).
+    submit_error: Option<io::Error>,
     pub direct: bool,
 }
 
@@ -99,7 +103,58 @@ impl UringIo {
             && arena.n_slots <= 16384
             && ring.submitter().register_buffers_sparse(arena.n_slots as u32).is_ok();
         let slot_registered = vec![false; if registered { arena.n_slots } else { 0 }];
-        Ok(UringIo { ring, files, arena, depth, in_flight: 0, registered, slot_registered, direct })
+        Ok(UringIo { ring, files, arena, depth, in_flight: 0, registered, slot_registered, submit_error: None, direct })
+    }
+
+    /// Hands queued entries to the kernel, retrying when interrupted or when the kernel asks
+    /// to try again.
+    fn submit_pending(&mut self) -> io::Result<()> {
+        let mut tries = 0;
+        loop {
+            match self.ring.submit() {
+                Ok(_) => return Ok(()),
+                Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
+                Err(e) if matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EBUSY)) && tries < 100 => {
+                    tries += 1;
+                    std::thread::yield_now();
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Waits for every read in flight (their buffers must outlive them). Returns how many
+    /// completions were collected.
+    pub fn drain(&mut self) -> usize {
+        let mut n = 0;
+        let mut out = Vec::new();
+        while self.in_flight > 0 {
+            out.clear();
+            match self.reap(self.in_flight, &mut out) {
+                Ok(()) => n += out.len(),
+                Err(_) => {
+                    // The ring cannot wait any more; cancel what is left and collect what
+                    // the kernel still reports, without blocking forever.
+                    let cancel = io_uring::opcode::AsyncCancel2::new(io_uring::types::CancelBuilder::any())
+                        .build()
+                        .user_data(u64::MAX);
+                    // SAFETY: a cancel request refers to no buffer.
+                    let _ = unsafe { self.ring.submission().push(&cancel) };
+                    let _ = self.ring.submit_and_wait(1);
+                    let before = self.in_flight;
+                    for cqe in self.ring.completion() {
+                        if cqe.user_data() != u64::MAX {
+                            self.in_flight = self.in_flight.saturating_sub(1);
+                            n += 1;
+                        }
+                    }
+                    if self.in_flight == before {
+                        break;
+                    }
+                }
+            }
+        }
+        n
     }
 
     /// Puts slot `s`'s buffer in its table entry (pinning its pages); false if the kernel refused.
@@ -134,7 +189,7 @@ impl IoEngine for UringIo {
     fn start(&mut self, r: IoRequest) -> io::Result<()> {
         use io_uring::{opcode, types};
         let fd = types::Fd(self.files[r.file].as_raw_fd());
-        // SAFETY: slot_offset + len lies inside the slot (layout guarantees it).
+        // SAFETY: slot_offset + len lies inside the slot (the layout guarantees it).
         let dst = unsafe { self.arena.slot_ptr(r.slot).add(r.slot_offset) };
         let e = if self.registered && self.register_slot(r.slot) {
             opcode::ReadFixed::new(fd, dst, r.len as u32, r.slot as u16).offset(r.offset).build()
@@ -143,19 +198,30 @@ impl IoEngine for UringIo {
         };
         let e = e.user_data(r.tag);
         // SAFETY: the buffer stays valid and untouched until the completion is reaped: the
-        // cache keeps the slot in the Loading state until then.
-        unsafe {
-            if self.ring.submission().push(&e).is_err() {
-                self.ring.submit()?;
-                self.ring.submission().push(&e).map_err(|_| io::Error::other("io_uring submission queue full"))?;
-            }
+        // cache keeps the slot Loading until then, and `Drop` waits for every read in flight.
+        let pushed = unsafe { self.ring.submission().push(&e).is_ok() };
+        if !pushed {
+            // The submission queue is full of entries not yet handed to the kernel.
+            self.submit_pending()?;
+            // SAFETY: as above.
+            unsafe { self.ring.submission().push(&e) }
+                .map_err(|_| io::Error::other("io_uring submission queue full"))?;
         }
-        self.ring.submit()?;
+        // From here the entry is in the ring: the kernel will complete it whatever happens
+        // next, so it counts as in flight. A failed submit leaves it queued; the next submit
+        // (here or in `reap`) hands it over, and only then is an error final.
         self.in_flight += 1;
+        if let Err(e) = self.submit_pending() {
+            self.submit_error = Some(e);
+        }
         Ok(())
     }
 
     fn reap(&mut self, min: usize, out: &mut Vec<IoCompletion>) -> io::Result<()> {
+        if self.submit_error.take().is_some() {
+            // Entries left in the queue by a failed submit: hand them over now, or fail.
+            self.submit_pending()?;
+        }
         let want = min.min(self.in_flight);
         if want > 0 {
             loop {
@@ -167,7 +233,7 @@ impl IoEngine for UringIo {
             }
         }
         for cqe in self.ring.completion() {
-            self.in_flight -= 1;
+            self.in_flight = self.in_flight.saturating_sub(1);
             let res = cqe.result();
             out.push(IoCompletion {
                 tag: cqe.user_data(),
@@ -181,6 +247,10 @@ impl IoEngine for UringIo {
         self.in_flight
     }
 
+    fn direct(&self) -> bool {
+        self.direct
+    }
+
     fn release_slot(&mut self, s: usize) -> io::Result<()> {
         if self.registered && self.slot_registered[s] {
             // An empty entry: the kernel drops its pin once no request uses the buffer.
@@ -190,6 +260,14 @@ impl IoEngine for UringIo {
             self.slot_registered[s] = false;
         }
         Ok(())
+    }
+}
+
+impl Drop for UringIo {
+    fn drop(&mut self) {
+        // Reads still in flight write into the arena; it may be unmapped (and its addresses
+        // reused) right after the ring goes, so wait for them first.
+        self.drain();
     }
 }
 
@@ -281,6 +359,10 @@ impl IoEngine for PreadIo {
     fn in_flight(&self) -> usize {
         self.in_flight
     }
+
+    fn direct(&self) -> bool {
+        self.direct
+    }
 }
 
 impl Drop for PreadIo {
@@ -301,6 +383,8 @@ pub enum Fault {
     Short,
     /// The read succeeds but one byte comes back flipped.
     Corrupt,
+    /// Starting the read fails (as a refused submit would).
+    SubmitFail,
 }
 
 /// Faults to inject: `(n, fault)` applies to the n-th read started (counting from 0).
@@ -308,6 +392,8 @@ pub enum Fault {
 pub struct FaultPlan {
     pub faults: VecDeque<(u64, Fault)>,
     pub started: u64,
+    /// Report buffered IO, as on a file system that refuses O_DIRECT.
+    pub force_buffered: bool,
 }
 
 /// Wraps an engine and injects faults (tests).
@@ -340,6 +426,9 @@ impl IoEngine for FaultyIo {
         p.started += 1;
         if let Some(i) = p.faults.iter().position(|(k, _)| *k == n) {
             let (_, f) = p.faults.remove(i).expect("found");
+            if f == Fault::SubmitFail {
+                return Err(io::Error::from_raw_os_error(libc::EAGAIN));
+            }
             self.pending.push((r.tag, f, r));
         }
         drop(p);
@@ -358,6 +447,7 @@ impl IoEngine for FaultyIo {
                             c.result = Ok(n / 2);
                         }
                     }
+                    Fault::SubmitFail => {}
                     Fault::Corrupt => {
                         // SAFETY: the read's destination, still reserved for it.
                         unsafe {
@@ -372,6 +462,9 @@ impl IoEngine for FaultyIo {
     }
     fn in_flight(&self) -> usize {
         self.inner.in_flight()
+    }
+    fn direct(&self) -> bool {
+        self.inner.direct() && !self.plan.lock().unwrap_or_else(|e| e.into_inner()).force_buffered
     }
 }
 
@@ -428,4 +521,101 @@ pub fn read_bandwidth(path: &Path, block: usize, depth: usize, seconds: f64, uri
         }
     }
     Ok((bytes as f64 / t0.elapsed().as_secs_f64(), direct))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file_of(len: usize, tag: &str) -> (PathBuf, Vec<u8>) {
+        let path = std::env::temp_dir().join(format!("sluice-io-{tag}-{}.bin", std::process::id()));
+        let data: Vec<u8> = (0..len).map(|i| (i * 31 + (i >> 12)) as u8).collect();
+        std::fs::write(&path, &data).unwrap();
+        (path, data)
+    }
+
+    #[test]
+    fn dropping_the_ring_waits_for_reads_in_flight() {
+        // Reads in flight at drop must land before the engine is gone (their buffers may be
+        // unmapped right after): after the drop, every slot holds its data.
+        let slot = 4 << 20;
+        let n = 12;
+        let (path, data) = file_of(n * slot, "drain");
+        let arena = Arc::new(Arena::new(n, slot).unwrap());
+        let mut io = UringIo::new(std::slice::from_ref(&path), arena.clone(), n, false).unwrap();
+        for s in 0..n {
+            io.start(IoRequest {
+                tag: s as u64,
+                file: 0,
+                offset: (s * slot) as u64,
+                len: slot,
+                slot: s,
+                slot_offset: 0,
+            })
+            .unwrap();
+        }
+        assert_eq!(io.in_flight(), n);
+        drop(io);
+        for s in 0..n {
+            // SAFETY: no read is in flight any more; the arena is alive.
+            let got = unsafe { std::slice::from_raw_parts(arena.slot_ptr(s), slot) };
+            assert!(got == &data[s * slot..(s + 1) * slot], "slot {s} incomplete after drop");
+        }
+        std::fs::remove_file(path).ok();
+    }
+
+    #[test]
+    fn drain_collects_every_read_in_flight() {
+        let slot = 1 << 20;
+        let (path, _) = file_of(8 * slot, "drain2");
+        let arena = Arc::new(Arena::new(8, slot).unwrap());
+        let mut io = UringIo::new(std::slice::from_ref(&path), arena, 8, true).unwrap();
+        for s in 0..8 {
+            io.start(IoRequest {
+                tag: s as u64,
+                file: 0,
+                offset: (s * slot) as u64,
+                len: slot,
+                slot: s,
+                slot_offset: 0,
+            })
+            .unwrap();
+        }
+        assert_eq!(io.drain(), 8);
+        assert_eq!(io.in_flight(), 0);
+        std::fs::remove_file(path).ok();
+    }
+
+    #[test]
+    fn injected_faults_reach_the_completion() {
+        let slot = 4096;
+        let (path, _) = file_of(4 * slot, "faults");
+        let arena = Arc::new(Arena::new(4, slot).unwrap());
+        let inner = Box::new(PreadIo::new(std::slice::from_ref(&path), arena.clone(), 4).unwrap());
+        let plan = Arc::new(Mutex::new(FaultPlan::default()));
+        plan.lock().unwrap().faults.extend([(0, Fault::Eio), (1, Fault::Short), (2, Fault::SubmitFail)]);
+        let mut io = FaultyIo::new(inner, arena, plan);
+        let req = |s: usize| IoRequest {
+            tag: s as u64,
+            file: 0,
+            offset: (s * slot) as u64,
+            len: slot,
+            slot: s,
+            slot_offset: 0,
+        };
+        io.start(req(0)).unwrap();
+        io.start(req(1)).unwrap();
+        assert!(io.start(req(2)).is_err(), "a refused submit is an error of start");
+        io.start(req(3)).unwrap();
+        let mut out = Vec::new();
+        while out.len() < 3 {
+            io.reap(1, &mut out).unwrap();
+        }
+        out.sort_by_key(|c| c.tag);
+        assert!(out[0].result.is_err());
+        assert_eq!(*out[1].result.as_ref().unwrap(), slot / 2);
+        assert_eq!(*out[2].result.as_ref().unwrap(), slot);
+        assert_eq!(io.in_flight(), 0);
+        std::fs::remove_file(path).ok();
+    }
 }

@@ -6,11 +6,13 @@
 //! out resident experts first and then each miss as its reads complete, so the kernels work
 //! while reads land. When the quota is smaller than a layer's experts, the request proceeds in
 //! waves: an expert whose slot could not be reserved retries as soon as the MoE block drops a
-//! view. A failed, short or corrupt read fails the request with a message naming the expert and
-//! the file, and frees the slot, so the cache stays consistent and the next request retries.
+//! view. A failed, short or corrupt read (or one the engine refuses to start) fails every
+//! request waiting on that expert with a message naming the expert and the file; the cache
+//! forgets the key at once, so the next request reads it again, and frees the slot once every
+//! holder has let go of it.
 
 use crate::arena::Arena;
-use crate::cache::{Cache, Key, Lookup, Policy, SlotState};
+use crate::cache::{Cache, Key, Lookup, Pin, Policy, SlotState};
 use crate::io::{FaultPlan, FaultyIo, IoCompletion, IoEngine, IoRequest, PreadIo, UringIo};
 use crate::layout::{Layout, Read};
 use crate::{ExpertError, Result};
@@ -18,8 +20,8 @@ use sluice_kernels::MatRef;
 use sluice_model::expert::{ExpertFetch, ExpertSource, ExpertStats, ExpertView, ExpertWeights};
 use sluice_model::ModelError;
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Instant;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum IoKind {
@@ -63,18 +65,25 @@ struct Job {
     read: Read,
 }
 
-struct State {
+/// The cache's bookkeeping and the read queues: held only for short, non-blocking work.
+struct Book {
     cache: Cache,
-    io: Box<dyn IoEngine>,
     demand: VecDeque<Job>,
     prefetch: VecDeque<Job>,
-    /// Per slot: reads not yet completed, and the first error among them.
+    /// Per slot: reads not yet completed, the first error among them, and (once the slot
+    /// has failed) the message its holders report.
     reads_left: Vec<u32>,
     slot_error: Vec<Option<String>>,
-    /// Keys whose reads failed, with the message for whoever waits on them.
-    failed: HashMap<Key, String>,
+    failure: Vec<Option<String>>,
     tags: HashMap<u64, (usize, Read)>,
     next_tag: u64,
+    /// Reads handed to the engine and not yet applied here.
+    in_flight: usize,
+    /// A holder of the engine is blocked waiting for a completion; others wait on `changed`.
+    reaping: bool,
+    /// Slots removed by a quota shrink whose memory is given back by the next holder of the
+    /// engine (it must drop its registration first).
+    to_release: Vec<usize>,
     bytes_read: u64,
     /// Payload bytes of the experts made resident (demand misses and prefetches).
     loaded_bytes: u64,
@@ -82,11 +91,24 @@ struct State {
     quota_changes: Vec<(f64, u64, u64, String)>,
 }
 
+/// How long a request waits for a slot that other holders keep pinned before it gives up.
+const SLOT_WAIT: Duration = Duration::from_secs(60);
+
+/// The streaming expert source.
+///
+/// Locking: `io` (the engine) is taken before `book`, never after; a thread holding `book`
+/// only `try_lock`s the engine. Nobody waits for a read while holding `book`: one thread
+/// at a time (`Book::reaping`) blocks in the engine holding only `io`, then applies what
+/// finished and wakes the others through `changed`. So the pressure monitor can shrink the
+/// quota, and other requests can pin what is resident, while a layer's reads are in flight.
 pub struct StreamingExperts {
     layout: Layout,
     arena: Arc<Arena>,
-    state: Mutex<State>,
+    io: Mutex<Box<dyn IoEngine>>,
+    book: Mutex<Book>,
+    changed: Condvar,
     io_name: String,
+    direct: bool,
     prefetch: bool,
     prefetch_budget: usize,
     max_quota: usize,
@@ -122,6 +144,7 @@ impl StreamingExperts {
             None => io,
         };
         let io_name = io.name();
+        let direct = io.direct();
         let per_layer = layout.experts.iter().map(|l| l.len()).max().unwrap_or(1).max(1);
         let budget = if o.prefetch_budget > 0 {
             o.prefetch_budget
@@ -129,24 +152,29 @@ impl StreamingExperts {
             (slot_bytes * per_layer.min(16) * 2).min(n * slot_bytes / 2)
         };
         Ok(StreamingExperts {
-            state: Mutex::new(State {
+            book: Mutex::new(Book {
                 cache,
-                io,
                 demand: VecDeque::new(),
                 prefetch: VecDeque::new(),
                 reads_left: vec![0; n],
                 slot_error: vec![None; n],
-                failed: HashMap::new(),
+                failure: vec![None; n],
                 tags: HashMap::new(),
                 next_tag: 1,
+                in_flight: 0,
+                reaping: false,
+                to_release: Vec::new(),
                 bytes_read: 0,
                 loaded_bytes: 0,
                 stall_ns: 0,
                 quota_changes: Vec::new(),
             }),
+            io: Mutex::new(io),
+            changed: Condvar::new(),
             layout,
             arena,
             io_name,
+            direct,
             prefetch: o.prefetch,
             prefetch_budget: budget,
             max_quota: n * slot_bytes,
@@ -154,8 +182,21 @@ impl StreamingExperts {
         })
     }
 
-    fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    fn book(&self) -> MutexGuard<'_, Book> {
+        self.book.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn engine(&self) -> MutexGuard<'_, Box<dyn IoEngine>> {
+        self.io.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The engine if no one else holds it (callers holding `book` must not block on it).
+    fn try_engine(&self) -> Option<MutexGuard<'_, Box<dyn IoEngine>>> {
+        match self.io.try_lock() {
+            Ok(g) => Some(g),
+            Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        }
     }
 
     pub fn slot_bytes(&self) -> usize {
@@ -167,71 +208,89 @@ impl StreamingExperts {
     }
 
     pub fn policy(&self) -> Policy {
-        self.lock().cache.policy()
+        self.book().cache.policy()
+    }
+
+    /// Whether every expert file was opened with O_DIRECT. When not (tmpfs, some network
+    /// file systems), reads go through the page cache, which then holds a second copy of
+    /// what was read: the memory bound no longer holds.
+    pub fn direct_io(&self) -> bool {
+        self.direct
     }
 
     /// Sets the quota (bytes, clamped to what was allocated); returns the new quota. Slots in
     /// use keep their memory until they are released, so shrinking may take effect gradually.
+    /// Never waits for reads: it may run while a layer streams.
     pub fn set_quota(&self, quota: usize, reason: &str) -> usize {
-        let mut st = self.lock();
-        let old = st.cache.quota();
+        let mut b = self.book();
+        let old = b.cache.quota();
         let q = quota.min(self.max_quota).max(self.arena.slot_bytes);
-        if st.io.in_flight() > 0 && q < old {
-            return old; // shrink between reads only
+        let removed = b.cache.set_quota(q);
+        b.to_release.extend(removed);
+        if let Some(mut io) = self.try_engine() {
+            self.release_removed(&mut **io, &mut b);
         }
-        for s in st.cache.set_quota(q) {
-            // A slot the engine could not let go of keeps its pages (and stays consistent).
-            if st.io.release_slot(s).is_ok() {
-                self.arena.release(s);
-            }
-        }
-        let new = st.cache.quota();
+        let new = b.cache.quota();
         if new != old {
             let t = self.started.elapsed().as_secs_f64();
-            st.quota_changes.push((t, old as u64, new as u64, reason.to_string()));
+            b.quota_changes.push((t, old as u64, new as u64, reason.to_string()));
         }
         new
     }
 
     pub fn quota(&self) -> usize {
-        self.lock().cache.quota()
+        self.book().cache.quota()
     }
 
     pub fn max_quota(&self) -> usize {
         self.max_quota
     }
 
+    /// Gives the memory of slots dropped by a shrink back to the system (unless a regrow
+    /// took them back first).
+    fn release_removed(&self, io: &mut dyn IoEngine, b: &mut Book) {
+        let n = b.cache.capacity_slots();
+        for s in std::mem::take(&mut b.to_release) {
+            // A slot the engine could not let go of keeps its pages (and stays consistent).
+            if s >= n && io.release_slot(s).is_ok() {
+                self.arena.release(s);
+            }
+        }
+    }
+
     /// Queues the reads of `slot` for expert `key`.
-    fn enqueue(&self, st: &mut State, key: Key, slot: usize, prefetch: bool) {
+    fn enqueue(&self, b: &mut Book, key: Key, slot: usize, prefetch: bool) {
         let plan = self.layout.plan(key.0 as usize, key.1 as usize).expect("layout covers the key");
-        st.reads_left[slot] = plan.reads.len() as u32;
-        st.slot_error[slot] = None;
-        let q = if prefetch { &mut st.prefetch } else { &mut st.demand };
+        b.reads_left[slot] = plan.reads.len() as u32;
+        b.slot_error[slot] = None;
+        b.failure[slot] = None;
+        let q = if prefetch { &mut b.prefetch } else { &mut b.demand };
         for r in &plan.reads {
             q.push_back(Job { slot, read: *r });
         }
     }
 
     /// Moves queued prefetch reads of `slot` ahead of everything (a demand caught up with them).
-    fn promote(st: &mut State, slot: usize) {
+    fn promote(b: &mut Book, slot: usize) {
         let mut keep = VecDeque::new();
-        while let Some(j) = st.prefetch.pop_front() {
+        while let Some(j) = b.prefetch.pop_front() {
             if j.slot == slot {
-                st.demand.push_front(j);
+                b.demand.push_front(j);
             } else {
                 keep.push_back(j);
             }
         }
-        st.prefetch = keep;
+        b.prefetch = keep;
     }
 
-    /// Starts queued reads while the engine has room, demand first.
-    fn pump(&self, st: &mut State) -> Result<()> {
-        while st.io.room() > 0 {
-            let Some(j) = st.demand.pop_front().or_else(|| st.prefetch.pop_front()) else { break };
-            let tag = st.next_tag;
-            st.next_tag += 1;
-            st.tags.insert(tag, (j.slot, j.read));
+    /// Starts queued reads while the engine has room, demand first. A read the engine
+    /// refuses fails its expert (its holders get the error); the others go on.
+    fn pump(&self, io: &mut dyn IoEngine, b: &mut Book) {
+        self.release_removed(io, b);
+        while io.room() > 0 {
+            let Some(j) = b.demand.pop_front().or_else(|| b.prefetch.pop_front()) else { break };
+            let tag = b.next_tag;
+            b.next_tag += 1;
             let req = IoRequest {
                 tag,
                 file: j.read.file,
@@ -240,51 +299,64 @@ impl StreamingExperts {
                 slot: j.slot,
                 slot_offset: j.read.slot_offset as usize,
             };
-            if let Err(e) = st.io.start(req) {
-                st.tags.remove(&tag);
-                return Err(io_err(&self.layout, e));
+            match io.start(req) {
+                Ok(()) => {
+                    b.tags.insert(tag, (j.slot, j.read));
+                    b.in_flight += 1;
+                }
+                Err(e) => self.complete_read(b, j.slot, j.read, Err(e)),
             }
         }
-        Ok(())
+    }
+
+    /// Starts queued reads if the engine is free now; otherwise its holder will.
+    fn try_pump(&self, b: &mut Book) {
+        if let Some(mut io) = self.try_engine() {
+            self.pump(&mut **io, b);
+        }
     }
 
     /// Applies finished reads to the cache.
-    fn complete(&self, st: &mut State, done: Vec<IoCompletion>) {
+    fn complete(&self, b: &mut Book, done: Vec<IoCompletion>) {
         for c in done {
-            let Some((slot, read)) = st.tags.remove(&c.tag) else { continue };
-            let file = self.layout.files[read.file].display();
-            match c.result {
-                Ok(n) if n as u64 >= read.need => st.bytes_read += n as u64,
-                Ok(n) => {
-                    st.bytes_read += n as u64;
-                    st.slot_error[slot].get_or_insert(format!(
-                        "short read from {file}: {n} of {} bytes at offset {}",
-                        read.need, read.offset
-                    ));
-                }
-                Err(e) => {
-                    st.slot_error[slot].get_or_insert(format!("read error in {file} at offset {}: {e}", read.offset));
-                }
+            let Some((slot, read)) = b.tags.remove(&c.tag) else { continue };
+            b.in_flight -= 1;
+            self.complete_read(b, slot, read, c.result);
+        }
+    }
+
+    fn complete_read(&self, b: &mut Book, slot: usize, read: Read, result: std::io::Result<usize>) {
+        let file = self.layout.files[read.file].display();
+        match result {
+            Ok(n) if n as u64 >= read.need => b.bytes_read += n as u64,
+            Ok(n) => {
+                b.bytes_read += n as u64;
+                b.slot_error[slot].get_or_insert(format!(
+                    "short read from {file}: {n} of {} bytes at offset {}",
+                    read.need, read.offset
+                ));
             }
-            st.reads_left[slot] -= 1;
-            if st.reads_left[slot] > 0 {
-                continue;
+            Err(e) => {
+                b.slot_error[slot].get_or_insert(format!("read error in {file} at offset {}: {e}", read.offset));
             }
-            let key = st.cache.slots[slot].key.expect("a loading slot has a key");
-            let mut err = st.slot_error[slot].take();
-            if err.is_none() {
-                err = self.verify(key, slot);
+        }
+        b.reads_left[slot] -= 1;
+        if b.reads_left[slot] > 0 {
+            return;
+        }
+        let key = b.cache.slots[slot].key.expect("a loading slot has a key");
+        let mut err = b.slot_error[slot].take();
+        if err.is_none() {
+            err = self.verify(key, slot);
+        }
+        match err {
+            None => {
+                b.loaded_bytes += self.layout.plan(key.0 as usize, key.1 as usize).map_or(0, |p| p.payload_bytes());
+                b.cache.loaded(slot)
             }
-            match err {
-                None => {
-                    st.loaded_bytes +=
-                        self.layout.plan(key.0 as usize, key.1 as usize).map_or(0, |p| p.payload_bytes());
-                    st.cache.loaded(slot)
-                }
-                Some(msg) => {
-                    st.failed.insert(key, format!("layer {} expert {}: {msg}", key.0, key.1));
-                    st.cache.failed(slot);
-                }
+            Some(msg) => {
+                b.failure[slot] = Some(format!("layer {} expert {}: {msg}", key.0, key.1));
+                b.cache.failed(slot);
             }
         }
     }
@@ -306,26 +378,39 @@ impl StreamingExperts {
         })
     }
 
-    /// Waits for at least one read and applies what finished.
-    fn wait(&self, st: &mut State) -> Result<()> {
-        let t0 = Instant::now();
+    /// Collects finished reads without waiting, if the engine is free.
+    fn poll(&self, b: &mut Book) -> Result<()> {
+        let Some(mut io) = self.try_engine() else { return Ok(()) };
         let mut done = Vec::new();
-        st.io.reap(1, &mut done).map_err(|e| io_err(&self.layout, e))?;
-        st.stall_ns += t0.elapsed().as_nanos() as u64;
-        self.complete(st, done);
-        self.pump(st)
+        io.reap(0, &mut done).map_err(|e| io_err(&self.layout, e))?;
+        self.complete(b, done);
+        self.pump(&mut **io, b);
+        Ok(())
     }
 
-    fn poll(&self, st: &mut State) -> Result<()> {
+    /// Blocks until at least one read finishes and applies what finished. The caller has
+    /// set `reaping` and holds neither lock. Returns false when nothing was in flight.
+    fn reap_blocking(&self) -> Result<bool> {
+        let mut io = self.engine();
+        {
+            let mut b = self.book();
+            self.pump(&mut **io, &mut b);
+            if b.in_flight == 0 {
+                return Ok(false);
+            }
+        }
         let mut done = Vec::new();
-        st.io.reap(0, &mut done).map_err(|e| io_err(&self.layout, e))?;
-        self.complete(st, done);
-        self.pump(st)
+        let r = io.reap(1, &mut done);
+        let mut b = self.book();
+        self.complete(&mut b, done);
+        self.pump(&mut **io, &mut b);
+        r.map_err(|e| io_err(&self.layout, e))?;
+        Ok(true)
     }
 
-    fn view(&self, slot: usize, key: Key) -> Box<dyn ExpertView + '_> {
+    fn view(&self, pin: Pin, key: Key) -> Box<dyn ExpertView + '_> {
         let plan = self.layout.plan(key.0 as usize, key.1 as usize).expect("layout covers the key");
-        let base = self.arena.slot_ptr(slot);
+        let base = self.arena.slot_ptr(pin.slot());
         let mat = |i: usize| {
             let p = &plan.parts[i];
             // SAFETY: the slot is Ready and pinned for this view: its bytes are complete and
@@ -333,7 +418,19 @@ impl StreamingExperts {
             let data = unsafe { std::slice::from_raw_parts(base.add(plan.part_offsets[i] as usize), p.len as usize) };
             MatRef { dtype: p.dtype, rows: p.rows, cols: p.cols, data }
         };
-        Box::new(SlotView { src: self, slot, w: ExpertWeights { gate: mat(0), up: mat(1), down: mat(2) } })
+        let w = ExpertWeights { gate: mat(0), up: mat(1), down: mat(2) };
+        Box::new(SlotView { src: self, pin: Some(pin), w })
+    }
+
+    /// Gives a pin back and wakes anyone waiting for a slot.
+    fn release(&self, b: &mut Book, pin: Pin) {
+        b.cache.unpin(pin);
+        self.changed.notify_all();
+    }
+
+    /// Checks the cache's invariants (tests).
+    pub fn check(&self) {
+        self.book().cache.check();
     }
 }
 
@@ -343,7 +440,7 @@ fn io_err(layout: &Layout, e: std::io::Error) -> ExpertError {
 
 struct SlotView<'s> {
     src: &'s StreamingExperts,
-    slot: usize,
+    pin: Option<Pin>,
     w: ExpertWeights<'s>,
 }
 
@@ -358,16 +455,15 @@ impl ExpertView for SlotView<'_> {
 
 impl Drop for SlotView<'_> {
     fn drop(&mut self) {
-        self.src.lock().cache.unpin(self.slot);
+        if let Some(pin) = self.pin.take() {
+            self.src.release(&mut self.src.book(), pin);
+        }
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Item {
-    /// Pinned and resident.
-    Ready(usize),
-    /// Pinned, reads in flight.
-    Waiting(usize),
+    /// Pinned; resident, or its reads are in flight.
+    Pinned(Pin),
     /// No slot could be reserved yet.
     NoSlot,
     Done,
@@ -380,71 +476,113 @@ struct StreamFetch<'s> {
     items: Vec<Item>,
 }
 
+impl StreamFetch<'_> {
+    /// An item whose slot is ready or failed, handed out (or reported) now.
+    fn settled(&mut self, b: &mut Book) -> Option<sluice_model::Result<usize>> {
+        for i in 0..self.items.len() {
+            let Item::Pinned(pin) = &self.items[i] else { continue };
+            match b.cache.state(pin.slot()) {
+                SlotState::Ready => return Some(Ok(i)),
+                SlotState::Failed => {
+                    let msg = b.failure[pin.slot()].clone().unwrap_or_else(|| "read failed".into());
+                    let Item::Pinned(pin) = std::mem::replace(&mut self.items[i], Item::Done) else { unreachable!() };
+                    self.src.release(b, pin);
+                    return Some(Err(ModelError::Expert(msg)));
+                }
+                _ => {}
+            }
+        }
+        None
+    }
+
+    /// Tries again to reserve slots for experts that had none.
+    fn retry_reservations(&mut self, b: &mut Book) {
+        for i in 0..self.items.len() {
+            if !matches!(self.items[i], Item::NoSlot) {
+                continue;
+            }
+            let key = (self.layer, self.experts[i]);
+            self.items[i] = match b.cache.acquire(key) {
+                Lookup::Ready(p) => Item::Pinned(p),
+                Lookup::Loading(p) => {
+                    StreamingExperts::promote(b, p.slot());
+                    Item::Pinned(p)
+                }
+                Lookup::Reserved(p) => {
+                    self.src.enqueue(b, key, p.slot(), false);
+                    Item::Pinned(p)
+                }
+                Lookup::Full => Item::NoSlot,
+            };
+        }
+    }
+}
+
 impl<'s> ExpertFetch<'s> for StreamFetch<'s> {
     fn next(&mut self) -> Option<sluice_model::Result<(usize, Box<dyn ExpertView + 's>)>> {
         let src = self.src;
-        let mut st = src.lock();
-        loop {
-            // 1. Anything resident now?
-            for i in 0..self.items.len() {
-                let key = (self.layer, self.experts[i]);
-                match self.items[i] {
-                    Item::Ready(s) => {
-                        self.items[i] = Item::Done;
-                        drop(st);
-                        return Some(Ok((i, src.view(s, key))));
-                    }
-                    Item::Waiting(s) => {
-                        if let Some(msg) = st.failed.remove(&key) {
-                            self.items[i] = Item::Done;
-                            return Some(Err(ModelError::Expert(msg)));
-                        }
-                        if st.cache.slots[s].state == SlotState::Ready && st.cache.slots[s].key == Some(key) {
-                            self.items[i] = Item::Done;
-                            drop(st);
-                            return Some(Ok((i, src.view(s, key))));
-                        }
-                    }
-                    _ => {}
+        let mut b = src.book();
+        let mut waited: Option<Instant> = None;
+        let mut slot_wait_from: Option<Instant> = None;
+        let result = loop {
+            match self.settled(&mut b) {
+                Some(Ok(i)) => {
+                    let Item::Pinned(pin) = std::mem::replace(&mut self.items[i], Item::Done) else { unreachable!() };
+                    break Some(Ok((i, pin)));
                 }
+                Some(Err(e)) => break Some(Err(e)),
+                None => {}
             }
-            // 2. Experts still without a slot: retry (views dropped since may have freed one).
-            for i in 0..self.items.len() {
-                if self.items[i] != Item::NoSlot {
-                    continue;
-                }
-                let key = (self.layer, self.experts[i]);
-                match st.cache.lookup_or_reserve(key, false) {
-                    Lookup::Ready(s) => self.items[i] = Item::Ready(s),
-                    Lookup::Loading(s) => {
-                        StreamingExperts::promote(&mut st, s);
-                        self.items[i] = Item::Waiting(s);
-                    }
-                    Lookup::Reserved(s) => {
-                        src.enqueue(&mut st, key, s, false);
-                        self.items[i] = Item::Waiting(s);
-                    }
-                    Lookup::Full => {}
-                }
+            self.retry_reservations(&mut b);
+            if self.items.iter().all(|i| matches!(i, Item::Done)) {
+                break None;
             }
-            if self.items.iter().all(|i| *i == Item::Done) {
-                return None;
-            }
-            if self.items.iter().any(|i| matches!(i, Item::Ready(_))) {
+            if self.items.iter().any(|i| matches!(i, Item::Pinned(p) if b.cache.state(p.slot()) == SlotState::Ready)) {
                 continue;
             }
-            if let Err(e) = src.pump(&mut st) {
-                return Some(Err(ModelError::Expert(e.to_string())));
+            // Nothing to hand out yet: wait, never holding `book` while the engine blocks.
+            waited.get_or_insert_with(Instant::now);
+            src.try_pump(&mut b);
+            if b.reaping {
+                b = src.changed.wait(b).unwrap_or_else(|e| e.into_inner());
+                continue;
             }
-            if st.io.in_flight() == 0 {
-                // Nothing in flight and nothing resident: no progress is possible.
-                let n = st.cache.capacity_slots();
-                return Some(Err(ModelError::Expert(format!(
-                    "the expert cache's {n} slots are all in use; raise --expert-cache"
+            if b.in_flight > 0 || !b.demand.is_empty() || !b.prefetch.is_empty() {
+                b.reaping = true;
+                drop(b);
+                let r = src.reap_blocking();
+                b = src.book();
+                b.reaping = false;
+                src.changed.notify_all();
+                match r {
+                    Ok(true) => continue,
+                    Ok(false) => {}
+                    Err(e) => break Some(Err(ModelError::Expert(e.to_string()))),
+                }
+            }
+            // No read in flight and none queued: every slot is held by other holders.
+            // Their pins are given back as they finish; wait for one, within reason.
+            let since = *slot_wait_from.get_or_insert_with(Instant::now);
+            let left = SLOT_WAIT.saturating_sub(since.elapsed());
+            if left.is_zero() {
+                let n = b.cache.capacity_slots();
+                break Some(Err(ModelError::Expert(format!(
+                    "the expert cache's {n} slots stayed in use for {} s; raise --expert-cache",
+                    SLOT_WAIT.as_secs()
                 ))));
             }
-            if let Err(e) = src.wait(&mut st) {
-                return Some(Err(ModelError::Expert(e.to_string())));
+            b = src.changed.wait_timeout(b, left.min(Duration::from_millis(50))).unwrap_or_else(|e| e.into_inner()).0;
+        };
+        if let Some(t) = waited {
+            b.stall_ns += t.elapsed().as_nanos() as u64;
+        }
+        drop(b);
+        match result {
+            None => None,
+            Some(Err(e)) => Some(Err(e)),
+            Some(Ok((i, pin))) => {
+                let key = (self.layer, self.experts[i]);
+                Some(Ok((i, src.view(pin, key))))
             }
         }
     }
@@ -452,13 +590,11 @@ impl<'s> ExpertFetch<'s> for StreamFetch<'s> {
 
 impl Drop for StreamFetch<'_> {
     fn drop(&mut self) {
-        // Unpin whatever was reserved but not handed out (an error cut the request short).
-        let mut st = self.src.lock();
-        for (i, item) in self.items.iter().enumerate() {
-            if let Item::Ready(s) | Item::Waiting(s) = item {
-                if st.cache.slots[*s].key == Some((self.layer, self.experts[i])) {
-                    st.cache.unpin(*s);
-                }
+        // Give back whatever was pinned but not handed out (an error cut the request short).
+        let mut b = self.src.book();
+        for item in std::mem::take(&mut self.items) {
+            if let Item::Pinned(pin) = item {
+                self.src.release(&mut b, pin);
             }
         }
     }
@@ -469,59 +605,51 @@ impl ExpertSource for StreamingExperts {
         if self.layout.experts.get(layer).is_none_or(|l| l.is_empty()) {
             return Err(ModelError::Expert(format!("layer {layer} has no routed experts")));
         }
-        let mut st = self.lock();
-        self.poll(&mut st).map_err(|e| ModelError::Expert(e.to_string()))?;
-        let mut items = Vec::with_capacity(experts.len());
-        for &e in experts {
-            if e as usize >= self.layout.experts[layer].len() {
-                return Err(ModelError::Expert(format!("expert {e} out of range in layer {layer}")));
-            }
-            let key = (layer as u32, e);
-            st.failed.remove(&key);
-            items.push(match st.cache.lookup_or_reserve(key, false) {
-                Lookup::Ready(s) => Item::Ready(s),
-                Lookup::Loading(s) => {
-                    Self::promote(&mut st, s);
-                    Item::Waiting(s)
-                }
-                Lookup::Reserved(s) => {
-                    self.enqueue(&mut st, key, s, false);
-                    Item::Waiting(s)
-                }
-                Lookup::Full => Item::NoSlot,
-            });
+        if let Some(e) = experts.iter().find(|e| **e as usize >= self.layout.experts[layer].len()) {
+            return Err(ModelError::Expert(format!("expert {e} out of range in layer {layer}")));
         }
-        self.pump(&mut st).map_err(|e| ModelError::Expert(e.to_string()))?;
-        Ok(Box::new(StreamFetch { src: self, layer: layer as u32, experts: experts.to_vec(), items }))
+        let mut b = self.book();
+        self.poll(&mut b).map_err(|e| ModelError::Expert(e.to_string()))?;
+        let mut fetch = StreamFetch {
+            src: self,
+            layer: layer as u32,
+            experts: experts.to_vec(),
+            items: Vec::with_capacity(experts.len()),
+        };
+        fetch.items.extend(experts.iter().map(|_| Item::NoSlot));
+        fetch.retry_reservations(&mut b);
+        self.try_pump(&mut b);
+        drop(b);
+        Ok(Box::new(fetch))
     }
 
     fn wants_prefetch(&self, layer: usize) -> bool {
         self.prefetch
-            && self.layout.experts.get(layer).is_some_and(|l| self.lock().cache.held_in_layer(layer as u32) < l.len())
+            && self.layout.experts.get(layer).is_some_and(|l| self.book().cache.held_in_layer(layer as u32) < l.len())
     }
 
     fn prefetch(&self, layer: usize, experts: &[u32]) {
         if !self.prefetch || self.layout.experts.get(layer).is_none_or(|l| l.is_empty()) {
             return;
         }
-        let mut st = self.lock();
+        let mut b = self.book();
         for &e in experts {
             if e as usize >= self.layout.experts[layer].len() {
                 continue;
             }
-            if st.cache.prefetched_unused_bytes() + self.arena.slot_bytes > self.prefetch_budget {
+            if b.cache.prefetched_unused_bytes() + self.arena.slot_bytes > self.prefetch_budget {
                 break;
             }
             let key = (layer as u32, e);
-            if let Lookup::Reserved(s) = st.cache.lookup_or_reserve(key, true) {
-                self.enqueue(&mut st, key, s, true);
+            if let Some(s) = b.cache.reserve_prefetch(key) {
+                self.enqueue(&mut b, key, s, true);
             }
         }
-        let _ = self.pump(&mut st);
+        self.try_pump(&mut b);
     }
 
     fn resident_bytes(&self) -> usize {
-        self.lock().cache.resident_bytes()
+        self.book().cache.resident_bytes()
     }
 
     fn expert_bytes(&self) -> usize {
@@ -529,34 +657,40 @@ impl ExpertSource for StreamingExperts {
     }
 
     fn describe(&self) -> String {
-        let st = self.lock();
+        let b = self.book();
         format!(
-            "streaming experts: {:.2} GiB cache ({} slots of {:.2} MiB), {} eviction, prefetch {}, {}",
-            st.cache.quota() as f64 / (1u64 << 30) as f64,
-            st.cache.capacity_slots(),
+            "streaming experts: {:.2} GiB cache ({} slots of {:.2} MiB), {} eviction, prefetch {}, {}{}",
+            b.cache.quota() as f64 / (1u64 << 30) as f64,
+            b.cache.capacity_slots(),
             self.arena.slot_bytes as f64 / (1u64 << 20) as f64,
-            st.cache.policy().name(),
+            b.cache.policy().name(),
             if self.prefetch { "on" } else { "off" },
-            self.io_name
+            self.io_name,
+            if self.direct {
+                ""
+            } else {
+                "; WARNING: O_DIRECT refused by the file system, reads go through the page cache, which keeps its own copy of what was read (memory use may exceed the quota)"
+            }
         )
     }
 
     fn stats(&self) -> ExpertStats {
-        let st = self.lock();
-        let c = &st.cache.counters;
+        let b = self.book();
+        let c = &b.cache.counters;
         ExpertStats {
             hits: c.hits,
             misses: c.misses,
             evictions: c.evictions,
-            bytes_read: st.bytes_read,
-            loaded_bytes: st.loaded_bytes,
-            stall_ns: st.stall_ns,
+            bytes_read: b.bytes_read,
+            loaded_bytes: b.loaded_bytes,
+            stall_ns: b.stall_ns,
             prefetch_issued: c.prefetch_issued,
             prefetch_hits: c.prefetch_hits,
             prefetch_wasted: c.prefetch_wasted,
-            quota_bytes: st.cache.quota() as u64,
-            resident_bytes: st.cache.resident_bytes() as u64,
-            quota_changes: st.quota_changes.clone(),
+            quota_bytes: b.cache.quota() as u64,
+            resident_bytes: b.cache.resident_bytes() as u64,
+            quota_changes: b.quota_changes.clone(),
+            buffered_io: !self.direct,
         }
     }
 }

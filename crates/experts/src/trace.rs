@@ -149,13 +149,13 @@ pub fn simulate_policy(reqs: &[(u16, Vec<u16>)], policy: Policy, slots: usize) -
             acc += 1;
             let key = (*layer as u32, *e as u32);
             let s = loop {
-                match c.lookup_or_reserve(key, false) {
+                match c.acquire(key) {
                     Lookup::Ready(s) => {
                         hits += 1;
                         break s;
                     }
                     Lookup::Reserved(s) => {
-                        c.loaded(s);
+                        c.loaded(s.slot());
                         break s;
                     }
                     Lookup::Loading(s) => break s,

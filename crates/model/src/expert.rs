@@ -33,6 +33,8 @@ pub trait ExpertFetch<'s> {
 /// Counters an expert source keeps (zero for a resident source).
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
 pub struct ExpertStats {
+    /// Demand accesses found resident or already being read (by a prefetch or another
+    /// request); `prefetch_hits` of them were brought in by a prefetch.
     pub hits: u64,
     pub misses: u64,
     pub evictions: u64,
@@ -51,6 +53,9 @@ pub struct ExpertStats {
     pub resident_bytes: u64,
     /// (seconds since start, old quota, new quota, reason)
     pub quota_changes: Vec<(f64, u64, u64, String)>,
+    /// Reads go through the page cache (the file system refused O_DIRECT): the page cache
+    /// holds a copy of what was read, beside the expert cache.
+    pub buffered_io: bool,
 }
 
 impl ExpertStats {
@@ -70,7 +75,32 @@ impl ExpertStats {
             quota_bytes: self.quota_bytes,
             resident_bytes: self.resident_bytes,
             quota_changes: self.quota_changes[earlier.quota_changes.len().min(self.quota_changes.len())..].to_vec(),
+            buffered_io: self.buffered_io,
         }
+    }
+
+    /// Demand accesses: every expert the MoE blocks asked for (prefetch hints not counted).
+    pub fn accesses(&self) -> u64 {
+        self.hits + self.misses
+    }
+
+    /// Share of demand accesses found in the cache without a prefetch's help (an expert kept
+    /// from an earlier demand); `None` before any access.
+    pub fn hit_rate(&self) -> Option<f64> {
+        let a = self.accesses();
+        (a > 0).then(|| (self.hits - self.prefetch_hits.min(self.hits)) as f64 / a as f64)
+    }
+
+    /// Share of demand accesses served by a prefetched expert (resident or still in flight).
+    pub fn prefetch_hit_rate(&self) -> Option<f64> {
+        let a = self.accesses();
+        (a > 0).then(|| self.prefetch_hits.min(self.hits) as f64 / a as f64)
+    }
+
+    /// Share of demand accesses that had to be read.
+    pub fn miss_rate(&self) -> Option<f64> {
+        let a = self.accesses();
+        (a > 0).then(|| self.misses as f64 / a as f64)
     }
 
     /// Share of prefetched experts that were used, among those whose fate is known (used, or
@@ -95,6 +125,7 @@ impl ExpertStats {
         self.quota_bytes = other.quota_bytes;
         self.resident_bytes = other.resident_bytes;
         self.quota_changes.extend(other.quota_changes.iter().cloned());
+        self.buffered_io |= other.buffered_io;
     }
 }
 
