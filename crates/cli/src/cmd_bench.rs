@@ -42,6 +42,7 @@ pub fn main(a: Args) -> Result<()> {
                 "dense_bytes": engine.model.dense_bytes(),
                 "experts": {
                     "placement": engine.placement,
+                    "routing_note": engine.routing_note(),
                     "prefill": stats_json(&r.prefill_experts_total(), &engine.placement, o.reps * a.prompt),
                     "decode": stats_json(&r.decode_experts_total(), &engine.placement, o.reps * a.gen),
                     "prefill_runs": r.prefill_experts.iter().map(|s| stats_json(s, &engine.placement, a.prompt)).collect::<Vec<_>>(),
@@ -63,6 +64,9 @@ pub fn main(a: Args) -> Result<()> {
             }
             if a.gen > 0 {
                 println!("  tg {}", stats_line(&r.decode_experts_total(), o.reps * a.gen));
+            }
+            if let Some(note) = engine.routing_note() {
+                println!("  note: {note}");
             }
         }
     }

@@ -110,14 +110,13 @@ pub fn main(a: Args) -> Result<()> {
             return;
         }
         let s = streamed.model.experts.stats().since(&base);
-        let (hits, misses) = (s.hits, s.misses);
         let line = format!(
-            "[{:>3}/{}] {:5.1} tok/s | cache hits {:4.1}% ({:4.1}% prefetched) | read {:5.1} MB/token | IO wait {:4.1} ms/token | prefetch precision {:3.0}%",
+            "[{:>3}/{}] {:5.1} tok/s | hits {:4.1}% + {:4.1}% by prefetch | read {:5.1} MB/token | IO wait {:4.1} ms/token | prefetch precision {:3.0}%",
             i + 1,
             a.n,
             i as f64 / t_decode.elapsed().as_secs_f64(),
-            100.0 * hits as f64 / (hits + misses).max(1) as f64,
-            100.0 * s.prefetch_hits as f64 / (hits + misses).max(1) as f64,
+            100.0 * s.hit_rate().unwrap_or(0.0),
+            100.0 * s.prefetch_hit_rate().unwrap_or(0.0),
             s.bytes_read as f64 / i as f64 / 1e6,
             s.stall_ns as f64 / i as f64 / 1e6,
             100.0 * s.prefetch_precision().unwrap_or(0.0),
@@ -150,8 +149,8 @@ pub fn main(a: Args) -> Result<()> {
     if reference.tokens != run.tokens {
         bail!("streamed tokens differ from the resident run: {:?} vs {:?}", run.tokens, reference.tokens);
     }
-    let same =
-        run.logits.iter().zip(&reference.logits).all(|(x, y)| x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits()));
+    let same = run.logits.len() == reference.logits.len()
+        && run.logits.iter().zip(&reference.logits).all(|(x, y)| sluice_kernels::compare::same_bits(x, y));
     if !same {
         bail!("streamed logits differ from the resident run");
     }

@@ -135,18 +135,24 @@ pub fn parse_tokens(s: &str) -> Result<Vec<u32>> {
 
 /// The expert source's counters as JSON, per token where that makes sense.
 pub fn expert_stats_json(e: &Engine, tokens: usize) -> serde_json::Value {
-    stats_json(&e.model.experts.stats(), &e.placement, tokens)
+    let mut v = stats_json(&e.model.experts.stats(), &e.placement, tokens);
+    v["routing_note"] = e.routing_note().map_or(serde_json::Value::Null, Into::into);
+    v
 }
 
-/// Expert-cache counters over `tokens` tokens as JSON.
+/// Expert-cache counters over `tokens` tokens as JSON. Rates are over demand accesses (the
+/// experts the MoE blocks asked for): `hit_rate` counts those found resident from an earlier
+/// demand, `prefetch_hit_rate` those a prefetch brought in, `miss_rate` those read on demand.
 pub fn stats_json(s: &ExpertStats, placement: &str, tokens: usize) -> serde_json::Value {
-    let acc = s.hits + s.misses;
     let per = |v: u64| if tokens == 0 { 0.0 } else { v as f64 / tokens as f64 };
     serde_json::json!({
         "placement": placement,
+        "accesses": s.accesses(),
         "hits": s.hits,
         "misses": s.misses,
-        "hit_rate": if acc == 0 { serde_json::Value::Null } else { (s.hits as f64 / acc as f64).into() },
+        "hit_rate": s.hit_rate(),
+        "prefetch_hit_rate": s.prefetch_hit_rate(),
+        "miss_rate": s.miss_rate(),
         "evictions": s.evictions,
         "bytes_read": s.bytes_read,
         "bytes_read_per_token": per(s.bytes_read),
@@ -160,30 +166,36 @@ pub fn stats_json(s: &ExpertStats, placement: &str, tokens: usize) -> serde_json
         "prefetch_precision": s.prefetch_precision(),
         "quota_bytes": s.quota_bytes,
         "resident_bytes": s.resident_bytes,
+        "buffered_io": s.buffered_io,
         "quota_changes": s.quota_changes.iter().map(|(t, a, b, why)| serde_json::json!({"t_s": t, "from": a, "to": b, "reason": why})).collect::<Vec<_>>(),
     })
 }
 
-/// One line of expert-cache stats for humans.
+/// One line of expert-cache stats for humans, with the caveats that apply to this model.
 pub fn expert_stats_line(e: &Engine, tokens: usize) -> String {
-    stats_line(&e.model.experts.stats(), tokens)
+    let mut line = stats_line(&e.model.experts.stats(), tokens);
+    if let Some(note) = e.routing_note() {
+        line.push_str(&format!("\n  note: {note}"));
+    }
+    line
 }
 
 /// One line of expert-cache counters over `tokens` tokens.
 pub fn stats_line(s: &ExpertStats, tokens: usize) -> String {
-    let acc = (s.hits + s.misses).max(1);
     let t = tokens.max(1) as f64;
+    let pct = |r: Option<f64>| 100.0 * r.unwrap_or(0.0);
     let pf = s.prefetch_precision().map_or(String::new(), |p| format!(", prefetch precision {:.0}%", 100.0 * p));
     format!(
-        "experts: hit rate {:.1}% ({} hits, {} of them prefetched; {} misses), {:.1} MB read/token, IO stall {:.1} ms/token{pf}, cache {:.2} GiB{}",
-        100.0 * s.hits as f64 / acc as f64,
-        s.hits,
-        s.prefetch_hits,
-        s.misses,
+        "experts: {} accesses: {:.1}% hits, {:.1}% served by prefetch, {:.1}% misses; {:.1} MB read/token, IO stall {:.1} ms/token{pf}, cache {:.2} GiB{}{}",
+        s.accesses(),
+        pct(s.hit_rate()),
+        pct(s.prefetch_hit_rate()),
+        pct(s.miss_rate()),
         s.bytes_read as f64 / t / 1e6,
         s.stall_ns as f64 / t / 1e6,
         s.quota_bytes as f64 / (1u64 << 30) as f64,
-        if s.quota_changes.is_empty() { String::new() } else { format!(", {} quota changes", s.quota_changes.len()) }
+        if s.quota_changes.is_empty() { String::new() } else { format!(", {} quota changes", s.quota_changes.len()) },
+        if s.buffered_io { ", buffered reads (O_DIRECT refused: the page cache holds copies)" } else { "" }
     )
 }
 

@@ -15,6 +15,19 @@ use sluice_formats::gguf::{Array, Value};
 use sluice_kernels::quant::blocks::{pack_scale_min_k4, put_f16};
 use sluice_kernels::DType;
 
+/// Metadata key naming how a synthetic model routes (what its cache figures can mean).
+pub const ROUTING_KEY: &str = "sluice.synthetic.routing";
+
+/// What to say beside hit rates measured on a synthetic model with `routing`.
+pub fn routing_caveat(routing: &str) -> String {
+    match routing {
+        "uniform" => "synthetic model with uniform, token-driven routing: its hit rates and prefetch precision \
+                      say nothing about a real model's expert locality"
+            .into(),
+        other => format!("synthetic model ({other} routing): cache figures come from made-up routing"),
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SynthArch {
     Qwen3Moe,
@@ -278,6 +291,7 @@ pub fn metadata(s: &SynthSpec) -> Vec<(String, Value)> {
         ("general.architecture".to_string(), Value::String(a.into())),
         ("general.name".to_string(), Value::String(format!("sluice synthetic {} {}", s.name, s.quant.name()))),
         ("general.quantization_version".to_string(), Value::U32(2)),
+        (ROUTING_KEY.to_string(), Value::String("uniform".into())),
         (k("block_count"), u(s.n_layer)),
         (k("context_length"), u(s.context)),
         (k("embedding_length"), u(s.hidden)),

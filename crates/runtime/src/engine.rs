@@ -44,6 +44,8 @@ pub struct Engine {
     pub placement: String,
     /// The streaming source, when experts stream.
     pub streaming: Option<Arc<StreamingExperts>>,
+    /// How a synthetic model routes (`None` for a real checkpoint).
+    pub synthetic_routing: Option<String>,
     _monitor: Option<PressureMonitor>,
 }
 
@@ -129,6 +131,10 @@ impl Engine {
         } else {
             Model::load(cfg, src, experts, pool)?
         };
+        let synthetic_routing = match &ckpt {
+            Checkpoint::Gguf(c) => synthetic_routing(&c.file),
+            Checkpoint::Hf(_) => None,
+        };
         let (tokenizer, eos) = match &ckpt {
             Checkpoint::Hf(_) => hf_tokenizer(path, &model)?,
             Checkpoint::Gguf(c) => {
@@ -151,8 +157,15 @@ impl Engine {
             options,
             placement: reason,
             streaming,
+            synthetic_routing,
             _monitor: monitor,
         })
+    }
+
+    /// What to say beside cache hit rates and prefetch precision measured on this model, if
+    /// anything (synthetic routing is not a real model's).
+    pub fn routing_note(&self) -> Option<String> {
+        self.synthetic_routing.as_deref().map(sluice_model::synth::routing_caveat)
     }
 
     /// The tokenizer, or an error saying the model has none.
@@ -203,6 +216,16 @@ fn hf_tokenizer(dir: &Path, model: &Model) -> Result<(Option<Tokenizer>, Vec<u32
         }
     }
     Ok((tokenizer, eos))
+}
+
+/// The routing a synthetic GGUF declares; files written before the key existed are known by
+/// their name (their routing was uniform).
+fn synthetic_routing(f: &sluice_formats::gguf::GgufFile) -> Option<String> {
+    if let Some(r) = f.get(sluice_model::synth::ROUTING_KEY).and_then(|v| v.as_str()) {
+        return Some(r.to_string());
+    }
+    let name = f.get("general.name").and_then(|v| v.as_str())?;
+    name.starts_with("sluice synthetic").then(|| "uniform".to_string())
 }
 
 /// Whether `path` starts with the GGUF magic number.
