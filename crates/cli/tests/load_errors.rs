@@ -164,3 +164,70 @@ fn token_outside_vocabulary() {
     assert_eq!(out.status.code(), Some(1));
     assert!(err.contains("token id 99999 is outside the vocabulary of 384"), "{err}");
 }
+
+#[test]
+fn absurd_dimensions_in_config_json_are_refused_before_allocating() {
+    for (key, value, expect) in [
+        ("head_dim", serde_json::json!(0), "head_dim is 0"),
+        ("num_hidden_layers", serde_json::json!(1u64 << 40), "number of layers is 1099511627776"),
+        ("vocab_size", serde_json::json!(1u64 << 34), "vocabulary size is 17179869184"),
+        ("num_key_value_heads", serde_json::json!(0), "key/value heads is 0"),
+        ("max_position_embeddings", serde_json::json!(0), "context length 0"),
+    ] {
+        let d = copy_model("qwen3_moe", &format!("absurd-{key}"));
+        edit_config(&d, |c| {
+            c.insert(key.into(), value.clone());
+        });
+        let e = fails(&d);
+        assert!(e.contains("config.json") && e.contains(expect), "{key}: {e}");
+    }
+}
+
+/// A copy of a golden GGUF with its metadata edited.
+fn edited_gguf(name: &str, tag: &str, edit: impl FnOnce(&mut sluice_formats::gguf::GgufWriter)) -> PathBuf {
+    let src = golden("gguf").join(name);
+    let f = sluice_formats::gguf::GgufFile::open(&src).unwrap();
+    let dst = std::env::temp_dir().join(format!("sluice-err-{tag}-{}.gguf", std::process::id()));
+    sluice_formats::gguf::rewrite(&f, &dst, edit).unwrap();
+    dst
+}
+
+fn set_meta(w: &mut sluice_formats::gguf::GgufWriter, key: &str, v: sluice_formats::gguf::Value) {
+    w.metadata.retain(|(k, _)| k != key);
+    w.metadata.push((key.into(), v));
+}
+
+#[test]
+fn absurd_dimensions_in_gguf_metadata_are_refused_before_allocating() {
+    use sluice_formats::gguf::Value;
+    for (key, value, expect) in [
+        ("olmoe.attention.key_length", Value::U32(0), "head_dim is 0"),
+        ("olmoe.block_count", Value::U64(1 << 40), "number of layers is 1099511627776"),
+        ("olmoe.embedding_length", Value::U64(1 << 33), "hidden size is 8589934592"),
+        ("olmoe.rope.dimension_count", Value::U64(1 << 40), "rope.dimension_count"),
+        ("olmoe.expert_used_count", Value::U32(99), "99 experts per token out of 8"),
+    ] {
+        let p = edited_gguf("olmoe-bf16.gguf", &format!("gguf-{key}"), |w| set_meta(w, key, value.clone()));
+        let e = fails(&p);
+        assert!(e.contains(".gguf") && e.contains(expect), "{key}: {e}");
+    }
+}
+
+#[test]
+fn a_huge_vocabulary_in_the_embedding_shape_is_refused() {
+    // The header declares 2^34 embedding rows; no data follows (the file is a few KB). The
+    // loader must refuse it without trying to allocate or read 2^34 rows.
+    let src = sluice_formats::gguf::GgufFile::open(&golden("gguf").join("olmoe-bf16.gguf")).unwrap();
+    let mut w = sluice_formats::gguf::GgufWriter { alignment: src.alignment, ..Default::default() };
+    w.metadata = src.metadata.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+    w.tensors = src.tensors.iter().map(|t| (t.name.clone(), t.dims.clone(), t.dtype)).collect();
+    let t = w.tensors.iter_mut().find(|t| t.0 == "token_embd.weight").unwrap();
+    t.1 = vec![t.1[0], 1 << 34];
+    let p = std::env::temp_dir().join(format!("sluice-err-vocab-{}.gguf", std::process::id()));
+    let mut f = std::fs::File::create(&p).unwrap();
+    // The writer refuses to finish a file without the data; its header is already out.
+    assert!(w.write(&mut f, |_, _| Ok(())).is_err());
+    drop(f);
+    let e = fails(&p);
+    assert!(e.contains(".gguf") && (e.contains("vocabulary size is 17179869184") || e.contains("runs past the end")), "{e}");
+}

@@ -480,6 +480,40 @@ impl GgufFile {
     }
 }
 
+/// Writes a copy of `f` to `out` after `edit` has changed its metadata and tensor list (a
+/// tensor kept under its name keeps its data; one added or resized gets zeros). For tools
+/// that rename or patch keys, and for tests that make broken files.
+pub fn rewrite(
+    f: &GgufFile,
+    out: &std::path::Path,
+    edit: impl FnOnce(&mut GgufWriter),
+) -> std::io::Result<()> {
+    let mut w = GgufWriter { alignment: f.alignment, ..Default::default() };
+    w.metadata = f.metadata.iter().filter(|(k, _)| *k != "general.alignment").map(|(k, v)| (k.clone(), v.clone())).collect();
+    w.tensors = f.tensors.iter().map(|t| (t.name.clone(), t.dims.clone(), t.dtype)).collect();
+    edit(&mut w);
+    let mut file = std::io::BufWriter::new(std::fs::File::create(out)?);
+    let tensors = w.tensors.clone();
+    w.write(&mut file, |i, o| {
+        let (name, dims, dtype) = &tensors[i];
+        let size = GgufWriter::tensor_size(dims, *dtype) as usize;
+        match f.tensor(name).filter(|t| t.data.len() == size) {
+            Some(t) => o.write_all(&t.data),
+            None => {
+                let zeros = [0u8; 1 << 16];
+                let mut left = size;
+                while left > 0 {
+                    let n = left.min(zeros.len());
+                    o.write_all(&zeros[..n])?;
+                    left -= n;
+                }
+                Ok(())
+            }
+        }
+    })?;
+    file.into_inner().map_err(|e| e.into_error())?.sync_all()
+}
+
 /// Writes a GGUF v3 file: metadata, tensor infos, then each tensor's data, aligned. Tensor
 /// data is produced by a callback so that a writer never holds a whole model in memory.
 pub struct GgufWriter {

@@ -168,6 +168,11 @@ mod x86 {
         }};
     }
 
+    /// # Safety
+    ///
+    /// The CPU supports the features named in `target_feature` (AVX2; the dispatcher checks
+    /// `cpu::isa()` first), and the slices hold what the format implies: whole blocks per row
+    /// (`MatRef::new` checked the sizes), activations and outputs for every token in range.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn axpy_fma(acc: &mut [f32], s: f32, x: &[f32]) {
         let n = acc.len();
@@ -184,16 +189,30 @@ mod x86 {
         }
     }
 
+    /// # Safety
+    ///
+    /// The CPU supports the features named in `target_feature` (AVX-512; the dispatcher checks
+    /// `cpu::isa()` first), and the slices hold what the format implies: whole blocks per row
+    /// (`MatRef::new` checked the sizes), activations and outputs for every token in range.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")]
     pub unsafe fn tile_avx512(dtype: DType, rows: &[&[u8]], xs: &[&[f32]], out: &mut [f32], ldo: usize) {
         dispatch_rt!(tile512, dtype, rows, xs, out, ldo)
     }
 
+    /// # Safety
+    ///
+    /// The CPU supports the features named in `target_feature` (AVX2; the dispatcher checks
+    /// `cpu::isa()` first), and the slices hold what the format implies: whole blocks per row
+    /// (`MatRef::new` checked the sizes), activations and outputs for every token in range.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn tile_avx2(dtype: DType, rows: &[&[u8]], xs: &[&[f32]], out: &mut [f32], ldo: usize) {
         dispatch_rt!(tile256, dtype, rows, xs, out, ldo)
     }
 
+    /// # Safety
+    ///
+    /// The pointer must be valid for reading one block (or vector) of the format at hand; the CPU
+    /// has the instruction set this is compiled for ({isa}, checked by `cpu::isa()`).
     #[inline(always)]
     unsafe fn load16(dtype: DType, p: *const u8) -> __m512 {
         match dtype {
@@ -207,12 +226,18 @@ mod x86 {
         }
     }
 
+    /// # Safety
+    ///
+    /// Needs only the instruction set it is compiled for (AVX-512), which the caller checked (`cpu::isa()`).
     #[inline(always)]
     unsafe fn hsum512(v: __m512) -> f32 {
         let s8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
         hsum256(s8)
     }
 
+    /// # Safety
+    ///
+    /// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
     #[inline(always)]
     unsafe fn hsum256(s8: __m256) -> f32 {
         let s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
@@ -221,6 +246,11 @@ mod x86 {
         _mm_cvtss_f32(s1)
     }
 
+    /// # Safety
+    ///
+    /// The CPU supports the features named in `target_feature` (AVX-512; the dispatcher checks
+    /// `cpu::isa()` first), and the slices hold what the format implies: whole blocks per row
+    /// (`MatRef::new` checked the sizes), activations and outputs for every token in range.
     #[inline(always)]
     unsafe fn tile512<const R: usize, const T: usize>(
         dtype: DType,
@@ -263,6 +293,11 @@ mod x86 {
     }
 
     /// Loads 16 elements as two 8-lane halves (lanes 0..8, 8..16).
+    ///
+    /// # Safety
+    ///
+    /// The pointer must be valid for reading one block (or vector) of the format at hand; the CPU
+    /// has the instruction set this is compiled for ({isa}, checked by `cpu::isa()`).
     #[inline(always)]
     unsafe fn load8x2(dtype: DType, p: *const u8) -> (__m256, __m256) {
         match dtype {
@@ -283,6 +318,11 @@ mod x86 {
         }
     }
 
+    /// # Safety
+    ///
+    /// The CPU supports the features named in `target_feature` (AVX2; the dispatcher checks
+    /// `cpu::isa()` first), and the slices hold what the format implies: whole blocks per row
+    /// (`MatRef::new` checked the sizes), activations and outputs for every token in range.
     #[inline(always)]
     unsafe fn tile256<const R: usize, const T: usize>(
         dtype: DType,

@@ -103,6 +103,45 @@ pub struct ModelConfig {
     pub eos_tokens: Vec<u32>,
 }
 
+/// Largest values any real checkpoint comes near (the largest known models are well inside
+/// them); a config beyond them is refused before anything is sized from it.
+pub mod limits {
+    pub const HIDDEN: usize = 1 << 17;
+    pub const LAYERS: usize = 1 << 12;
+    pub const HEADS: usize = 1 << 12;
+    pub const HEAD_DIM: usize = 1 << 12;
+    pub const VOCAB: usize = 1 << 23;
+    pub const FF: usize = 1 << 20;
+    pub const EXPERTS: usize = 1 << 14;
+    pub const CONTEXT: usize = 1 << 24;
+}
+
+/// Checks the dimensions that size allocations, as soon as a loader has read them: each
+/// positive (but the vocabulary, checked against the embedding) and within `limits`.
+pub fn check_dims(
+    hidden: usize,
+    n_layer: usize,
+    n_head: usize,
+    n_head_kv: usize,
+    head_dim: usize,
+    vocab: usize,
+) -> Result<(), String> {
+    let within = |name: &str, v: usize, max: usize| {
+        if v == 0 || v > max {
+            Err(format!("{name} is {v}; it must be between 1 and {max}"))
+        } else {
+            Ok(())
+        }
+    };
+    within("the hidden size", hidden, limits::HIDDEN)?;
+    within("the number of layers", n_layer, limits::LAYERS)?;
+    within("the number of attention heads", n_head, limits::HEADS)?;
+    within("the number of key/value heads", n_head_kv, limits::HEADS)?;
+    within("head_dim", head_dim, limits::HEAD_DIM)?;
+    within("the vocabulary size", vocab, limits::VOCAB)?;
+    Ok(())
+}
+
 impl ModelConfig {
     /// `f(layer, expert)` for every routed expert, by layer; dense layers (and every layer of
     /// a dense model) get an empty list.
@@ -128,11 +167,20 @@ impl ModelConfig {
     /// Checks the invariants the forward pass relies on; `source` names the config for errors.
     pub fn validate(&self) -> Result<(), String> {
         let must = |ok: bool, msg: String| if ok { Ok(()) } else { Err(msg) };
+        check_dims(self.hidden, self.n_layer, self.n_head, self.n_head_kv, self.head_dim, self.vocab_size)?;
         must(
-            self.hidden > 0 && self.n_layer > 0 && self.vocab_size > 0,
-            "hidden size, layers and vocabulary must be positive".into(),
+            self.ff <= limits::FF,
+            format!("the feed-forward width {} is beyond {}", self.ff, limits::FF),
         )?;
-        must(self.n_head > 0 && self.n_head_kv > 0, "head counts must be positive".into())?;
+        must(
+            self.max_position > 0 && self.max_position <= limits::CONTEXT,
+            format!("the context length {} must be between 1 and {}", self.max_position, limits::CONTEXT),
+        )?;
+        must(
+            self.window.len() == self.n_layer && self.window.iter().flatten().all(|w| *w > 0),
+            "per-layer sliding windows have the wrong length or a zero window".into(),
+        )?;
+        must(self.rms_eps.is_finite() && self.rms_eps >= 0.0, format!("rms_norm_eps {} is not a number >= 0", self.rms_eps))?;
         must(
             self.n_head.is_multiple_of(self.n_head_kv),
             format!("{} attention heads are not a multiple of {} key/value heads", self.n_head, self.n_head_kv),
@@ -144,8 +192,12 @@ impl ModelConfig {
         must(self.sparse_layer.len() == self.n_layer, "per-layer sparsity has the wrong length".into())?;
         if let Some(m) = &self.moe {
             must(
-                m.n_expert_used >= 1 && m.n_expert_used <= m.n_expert,
+                m.n_expert_used >= 1 && m.n_expert_used <= m.n_expert && m.n_expert <= limits::EXPERTS,
                 format!("{} experts per token out of {} experts", m.n_expert_used, m.n_expert),
+            )?;
+            must(
+                m.expert_ff > 0 && m.expert_ff <= limits::FF && m.shared_expert_ff.is_none_or(|f| f > 0 && f <= limits::FF),
+                format!("expert feed-forward width {} (shared {:?}) out of range", m.expert_ff, m.shared_expert_ff),
             )?;
         } else {
             must(!self.sparse_layer.iter().any(|s| *s), "sparse layers without an MoE config".into())?;

@@ -123,18 +123,22 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig> {
     }
     let n_head_kv = ou("attention.head_count_kv")?.unwrap_or(n_head);
     let head_dim = ou("attention.key_length")?.unwrap_or(hidden / n_head);
+    let embd = f.tensor_info("token_embd.weight").ok_or_else(|| f.error("missing tensor `token_embd.weight`"))?;
+    let vocab_size = *embd.shape().first().ok_or_else(|| f.error("tensor `token_embd.weight` has no dimensions"))?;
+    crate::config::check_dims(hidden, n_layer, n_head, n_head_kv, head_dim, vocab_size).map_err(|e| f.error(e))?;
     if let Some(v) = ou("attention.value_length")? {
         if v != head_dim {
             return Err(f.error(format!("attention.value_length {v} differs from key_length {head_dim}")).into());
         }
     }
-    let embd = f.tensor_info("token_embd.weight").ok_or_else(|| f.error("missing tensor `token_embd.weight`"))?;
-    let vocab_size = embd.shape()[0];
     let ff = ou("feed_forward_length")?.unwrap_or(0);
 
     let style = if matches!(arch, Arch::Llama | Arch::Mixtral) { RopeStyle::Interleaved } else { RopeStyle::Neox };
     let theta = of("rope.freq_base")?.unwrap_or(10000.0);
     let rope_dim = ou("rope.dimension_count")?.unwrap_or(head_dim);
+    if rope_dim > head_dim || rope_dim % 2 != 0 {
+        return Err(f.error(format!("rope.dimension_count {rope_dim} does not fit head_dim {head_dim}")).into());
+    }
     let scaling = match f.get(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
         None | Some("none") => match f.tensor("rope_freqs.weight") {
             Some(t) => {

@@ -56,6 +56,9 @@ fn read_all(b: &[u8]) -> u64 {
     acc.iter().fold(0, |a, b| a.wrapping_add(*b))
 }
 
+/// # Safety
+///
+/// The CPU has AVX-512F (the caller checked), and `b.len()` is a multiple of 64.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn read_avx512(b: &[u8]) -> u64 {

@@ -16,6 +16,11 @@ use crate::DType;
 use std::arch::x86_64::*;
 
 /// 32 four-bit codes: low nibbles of `q` then high nibbles (the Q4_0/Q4_1/Q5 order).
+///
+/// # Safety
+///
+/// The pointer must be valid for reading one block (or vector) of the format at hand; the CPU
+/// has the instruction set this is compiled for ({isa}, checked by `cpu::isa()`).
 #[inline(always)]
 pub(crate) unsafe fn nibbles_split16(q: *const u8) -> __m256i {
     let v = _mm_loadu_si128(q as *const __m128i);
@@ -26,6 +31,10 @@ pub(crate) unsafe fn nibbles_split16(q: *const u8) -> __m256i {
 }
 
 /// The fifth bit of 32 codes from a little-endian u32 (bit j → byte j), as 0 or 16.
+///
+/// # Safety
+///
+/// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
 #[inline(always)]
 pub(crate) unsafe fn fifth_bits(qh: u32) -> __m256i {
     // Spread the 32 bits over 32 bytes: byte j takes byte j/8 of qh, then tests bit j%8.
@@ -38,6 +47,10 @@ pub(crate) unsafe fn fifth_bits(qh: u32) -> __m256i {
 }
 
 /// Eight vectors of 8 partial sums → one vector of their 8 totals, in order.
+///
+/// # Safety
+///
+/// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
 #[inline(always)]
 unsafe fn reduce8x8(a: &[__m256i; 8]) -> __m256i {
     let h1 = _mm256_hadd_epi32(a[0], a[1]);
@@ -49,6 +62,9 @@ unsafe fn reduce8x8(a: &[__m256i; 8]) -> __m256i {
     _mm256_add_epi32(_mm256_permute2x128_si256(g1, g2, 0x20), _mm256_permute2x128_si256(g1, g2, 0x31))
 }
 
+/// # Safety
+///
+/// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
 #[inline(always)]
 unsafe fn hsum8(v: __m256i) -> i32 {
     let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -59,6 +75,11 @@ unsafe fn hsum8(v: __m256i) -> i32 {
 
 /// Asks for the cache lines of `len` bytes at `p + PREFETCH_AHEAD`: a single decode stream
 /// does not keep enough loads in flight for the hardware prefetcher to reach full bandwidth.
+///
+/// # Safety
+///
+/// Prefetches never fault, but the caller keeps `p .. p + len` inside one allocation (pointer
+/// arithmetic); the CPU has AVX2 (checked by `cpu::isa()`).
 #[inline(always)]
 pub(crate) unsafe fn prefetch_ahead(p: *const u8, len: usize) {
     let mut o = 0;
@@ -71,6 +92,11 @@ pub(crate) unsafe fn prefetch_ahead(p: *const u8, len: usize) {
 const PREFETCH_AHEAD: usize = 1024;
 
 /// Asks for the cache lines of `len` bytes at `p`.
+///
+/// # Safety
+///
+/// Prefetches never fault, but the caller keeps `p .. p + len` inside one allocation (pointer
+/// arithmetic); the CPU has AVX2 (checked by `cpu::isa()`).
 #[inline(always)]
 pub(crate) unsafe fn prefetch_rows(p: *const u8, len: usize) {
     let mut o = 0;
@@ -85,6 +111,9 @@ pub(crate) fn f16_bits(w: &[u8], o: usize) -> u16 {
     u16::from_le_bytes([w[o], w[o + 1]])
 }
 
+/// # Safety
+///
+/// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
 #[inline(always)]
 pub(crate) unsafe fn f16_to_f32(bits: u16) -> f32 {
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
@@ -104,6 +133,11 @@ pub(crate) fn layout32(dtype: DType) -> (Option<usize>, usize, i32) {
 
 /// The 32 codes of a block in element order: unsigned (0..32), except Q8_0's, which stay
 /// signed here.
+///
+/// # Safety
+///
+/// The pointer must be valid for reading one block (or vector) of the format at hand; the CPU
+/// has the instruction set this is compiled for ({isa}, checked by `cpu::isa()`).
 #[inline(always)]
 pub(crate) unsafe fn codes32(dtype: DType, w: *const u8) -> __m256i {
     let (qh, qs, _) = layout32(dtype);
@@ -119,6 +153,12 @@ pub(crate) unsafe fn codes32(dtype: DType, w: *const u8) -> __m256i {
 }
 
 /// Codes of Q4_K/Q5_K superblock chunk `c` (elements 64c..64c+32 and 64c+32..64c+64).
+///
+/// # Safety
+///
+/// The CPU supports the features named in `target_feature` (AVX2; the dispatcher checks
+/// `cpu::isa()` first), and the slices hold what the format implies: whole blocks per row
+/// (`MatRef::new` checked the sizes), activations and outputs for every token in range.
 #[inline(always)]
 pub(crate) unsafe fn codes_q4k(q5: bool, w: &[u8], c: usize) -> (__m256i, __m256i) {
     let mask = _mm256_set1_epi8(0x0F);
@@ -138,6 +178,12 @@ pub(crate) unsafe fn codes_q4k(q5: bool, w: &[u8], c: usize) -> (__m256i, __m256
 }
 
 /// Codes (0..63) of a Q6_K superblock, elements 32j..32j+32 in `out[j]`.
+///
+/// # Safety
+///
+/// The CPU supports the features named in `target_feature` (AVX2; the dispatcher checks
+/// `cpu::isa()` first), and the slices hold what the format implies: whole blocks per row
+/// (`MatRef::new` checked the sizes), activations and outputs for every token in range.
 #[inline(always)]
 pub(crate) unsafe fn codes_q6k(w: &[u8]) -> [__m256i; 8] {
     let (ql, qh) = (w.as_ptr(), w.as_ptr().add(128));
@@ -158,18 +204,30 @@ pub(crate) unsafe fn codes_q6k(w: &[u8]) -> [__m256i; 8] {
 }
 
 /// Σ u8·i8 over 32 bytes into 8 lanes.
+///
+/// # Safety
+///
+/// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
 #[inline(always)]
 unsafe fn dp(u: __m256i, x: __m256i) -> __m256i {
     _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1))
 }
 
 /// Σ (u8·i8 pairs as i16) · scale16 into 8 lanes.
+///
+/// # Safety
+///
+/// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
 #[inline(always)]
 unsafe fn dp_scaled(acc: __m256i, u: __m256i, x: __m256i, scale16: __m256i) -> __m256i {
     _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), scale16))
 }
 
 /// Σ code·x of a 32-block (Q8_0: sign moved to the activations; |q| ≤ 127 fits i16 pairs).
+///
+/// # Safety
+///
+/// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
 #[inline(always)]
 unsafe fn dp32(dtype: DType, u: __m256i, x: __m256i) -> __m256i {
     if dtype == DType::Q8_0 {
@@ -181,6 +239,12 @@ unsafe fn dp32(dtype: DType, u: __m256i, x: __m256i) -> __m256i {
 
 /// One row of a 32-block format against tokens `toks`: eight blocks at a time, their sums
 /// reduced together, then added block after block.
+///
+/// # Safety
+///
+/// The CPU supports the features named in `target_feature` (AVX2; the dispatcher checks
+/// `cpu::isa()` first), and the slices hold what the format implies: whole blocks per row
+/// (`MatRef::new` checked the sizes), activations and outputs for every token in range.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn row32(dtype: DType, row: &[u8], act: &QuantAct, toks: std::ops::Range<usize>, out: &mut [f32]) {
     let (t0, n) = (toks.start, toks.len());
@@ -243,6 +307,12 @@ fn k4_scales_mins(blk: &[u8]) -> ([i16; 8], [i16; 16]) {
 }
 
 /// One Q4_K or Q5_K row against tokens `toks`.
+///
+/// # Safety
+///
+/// The CPU supports the features named in `target_feature` (AVX2; the dispatcher checks
+/// `cpu::isa()` first), and the slices hold what the format implies: whole blocks per row
+/// (`MatRef::new` checked the sizes), activations and outputs for every token in range.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn row_q4k_q5k(q5: bool, row: &[u8], act: &QuantAct, toks: std::ops::Range<usize>, out: &mut [f32]) {
     let (t0, n) = (toks.start, toks.len());
@@ -279,6 +349,12 @@ pub unsafe fn row_q4k_q5k(q5: bool, row: &[u8], act: &QuantAct, toks: std::ops::
 }
 
 /// One Q6_K row against tokens `toks`: codes 0..63, the −32 taken off through the 16-value sums.
+///
+/// # Safety
+///
+/// The CPU supports the features named in `target_feature` (AVX2; the dispatcher checks
+/// `cpu::isa()` first), and the slices hold what the format implies: whole blocks per row
+/// (`MatRef::new` checked the sizes), activations and outputs for every token in range.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn row_q6k(row: &[u8], act: &QuantAct, toks: std::ops::Range<usize>, out: &mut [f32]) {
     let (t0, n) = (toks.start, toks.len());
@@ -316,6 +392,12 @@ pub unsafe fn row_q6k(row: &[u8], act: &QuantAct, toks: std::ops::Range<usize>, 
 /// at once. Each block's integer sums stay in vector lanes until eight blocks are reduced
 /// together, the scale products are formed eight blocks at a time, and the per-block float
 /// additions of the R rows are R independent chains — the same operations as `accumulate`.
+///
+/// # Safety
+///
+/// The CPU supports the features named in `target_feature` (AVX2; the dispatcher checks
+/// `cpu::isa()` first), and the slices hold what the format implies: whole blocks per row
+/// (`MatRef::new` checked the sizes), activations and outputs for every token in range.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn rowsk_decode<const R: usize, const K: u32>(
     w: &[u8],
@@ -424,6 +506,11 @@ pub const fn dtype_const(id: u32) -> DType {
 }
 
 /// The codes of a 32-block, with AVX-512BW/VL's byte masks for the fifth bits when `VL`.
+///
+/// # Safety
+///
+/// The pointer must be valid for reading one block (or vector) of the format at hand; the CPU
+/// has the instruction set this is compiled for ({isa}, checked by `cpu::isa()`).
 #[inline(always)]
 unsafe fn codes32x<const VL: bool>(dtype: DType, w: *const u8) -> __m256i {
     if !VL {
@@ -443,6 +530,9 @@ unsafe fn codes32x<const VL: bool>(dtype: DType, w: *const u8) -> __m256i {
     }
 }
 
+/// # Safety
+///
+/// Needs only the instruction set it is compiled for (AVX-512), which the caller checked (`cpu::isa()`).
 #[target_feature(enable = "avx512bw,avx512vl")]
 #[inline]
 unsafe fn fifth_bits_vl(h: u32) -> __m256i {
@@ -453,6 +543,12 @@ macro_rules! rows32_decode_fn {
     ($name:ident, $feat:literal, $vl:expr) => {
         /// Decode (one token) over R rows of a 32-block format at once: the per-block float
         /// additions form one dependency chain per row, and R rows keep R chains in flight.
+        ///
+        /// # Safety
+        ///
+        /// The CPU supports the features named in `target_feature` (AVX2; the dispatcher checks
+        /// `cpu::isa()` first), and the slices hold what the format implies: whole blocks per row
+        /// (`MatRef::new` checked the sizes), activations and outputs for every token in range.
         #[target_feature(enable = $feat)]
         pub unsafe fn $name<const R: usize, const DT: u32>(
             w: &[u8],

@@ -76,16 +76,28 @@ impl Panel {
     }
 }
 
+/// # Safety
+///
+/// The pointer must be valid for reading one block (or vector) of the format at hand; the CPU
+/// has the instruction set this is compiled for ({isa}, checked by `cpu::isa()`).
 #[inline(always)]
 unsafe fn ld(p: *const u32) -> __m512i {
     _mm512_loadu_si512(p as *const _)
 }
 
+/// # Safety
+///
+/// The pointer must be valid for reading one block (or vector) of the format at hand; the CPU
+/// has the instruction set this is compiled for ({isa}, checked by `cpu::isa()`).
 #[inline(always)]
 unsafe fn ldf(p: *const f32) -> __m512 {
     _mm512_loadu_ps(p)
 }
 
+/// # Safety
+///
+/// The pointer must be valid for reading one block (or vector) of the format at hand; the CPU
+/// has the instruction set this is compiled for ({isa}, checked by `cpu::isa()`).
 #[inline(always)]
 unsafe fn bcast(p: *const u8) -> __m512i {
     _mm512_set1_epi32((p as *const i32).read_unaligned())
@@ -93,6 +105,12 @@ unsafe fn bcast(p: *const u8) -> __m512i {
 
 /// Rows `rows` (R of them) of `w` (rows of `row_bytes`) against a panel; `out[r][c]` receives
 /// the dot product of row r with panel token c.
+///
+/// # Safety
+///
+/// The CPU supports the features named in `target_feature` (AVX-512; the dispatcher checks
+/// `cpu::isa()` first), and the slices hold what the format implies: whole blocks per row
+/// (`MatRef::new` checked the sizes), activations and outputs for every token in range.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")]
 pub unsafe fn gemm<const R: usize>(dtype: DType, w: &[u8], row_bytes: usize, p: &Panel, out: &mut [[f32; TILE]; ROWS]) {
     match dtype {
@@ -102,6 +120,11 @@ pub unsafe fn gemm<const R: usize>(dtype: DType, w: &[u8], row_bytes: usize, p: 
     }
 }
 
+/// # Safety
+///
+/// The CPU supports the features named in `target_feature` (AVX-512; the dispatcher checks
+/// `cpu::isa()` first), and the slices hold what the format implies: whole blocks per row
+/// (`MatRef::new` checked the sizes), activations and outputs for every token in range.
 #[inline(always)]
 unsafe fn gemm32<const R: usize>(dtype: DType, w: &[u8], row_bytes: usize, p: &Panel, out: &mut [[f32; TILE]; ROWS]) {
     let bb = dtype.block_bytes();
@@ -156,6 +179,11 @@ unsafe fn gemm32<const R: usize>(dtype: DType, w: &[u8], row_bytes: usize, p: &P
     }
 }
 
+/// # Safety
+///
+/// The CPU supports the features named in `target_feature` (AVX-512; the dispatcher checks
+/// `cpu::isa()` first), and the slices hold what the format implies: whole blocks per row
+/// (`MatRef::new` checked the sizes), activations and outputs for every token in range.
 #[inline(always)]
 unsafe fn gemm_q4k<const R: usize>(q5: bool, w: &[u8], row_bytes: usize, p: &Panel, out: &mut [[f32; TILE]; ROWS]) {
     let dtype = if q5 { DType::Q5_K } else { DType::Q4_K };
@@ -215,6 +243,11 @@ unsafe fn gemm_q4k<const R: usize>(q5: bool, w: &[u8], row_bytes: usize, p: &Pan
     }
 }
 
+/// # Safety
+///
+/// The CPU supports the features named in `target_feature` (AVX-512; the dispatcher checks
+/// `cpu::isa()` first), and the slices hold what the format implies: whole blocks per row
+/// (`MatRef::new` checked the sizes), activations and outputs for every token in range.
 #[inline(always)]
 unsafe fn gemm_q6k<const R: usize>(w: &[u8], row_bytes: usize, p: &Panel, out: &mut [[f32; TILE]; ROWS]) {
     let bb = DType::Q6_K.block_bytes();

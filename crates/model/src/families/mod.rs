@@ -101,6 +101,8 @@ pub(crate) fn common(c: &JsonConfig, arch: Arch) -> Result<ModelConfig> {
     }
     let head_dim = c.opt_usize("head_dim")?.unwrap_or(hidden / n_head);
     let n_layer = c.usize("num_hidden_layers")?;
+    let vocab_size = c.usize("vocab_size")?;
+    crate::config::check_dims(hidden, n_layer, n_head, n_head_kv, head_dim, vocab_size).map_err(|e| c.error(e))?;
     let max_position = c.opt_usize("max_position_embeddings")?.unwrap_or(4096);
     match c.opt_str("hidden_act")?.unwrap_or("silu") {
         "silu" | "swish" => {}
@@ -112,7 +114,7 @@ pub(crate) fn common(c: &JsonConfig, arch: Arch) -> Result<ModelConfig> {
     let window = sliding_windows(c, n_layer)?;
     Ok(ModelConfig {
         arch,
-        vocab_size: c.usize("vocab_size")?,
+        vocab_size,
         hidden,
         n_layer,
         n_head,
