@@ -118,6 +118,34 @@ impl Model {
         KvCache::new(self.cfg.n_layer, self.cfg.kv_dim(), max_len)
     }
 
+    /// An upper bound on the working memory one forward pass of `n` tokens allocates beside
+    /// the weights, the expert cache and the KV cache (with `ctx` positions): the residual
+    /// stream and block buffers, projections, router logits and expert outputs, FFN
+    /// intermediates, quantized activations, attention scores and the logits. The memory
+    /// promise is: peak RSS ≤ dense weights + expert-cache quota + KV cache +
+    /// `scratch_bytes` + `FIXED_SLACK`.
+    pub fn scratch_bytes(&self, n: usize, ctx: usize) -> usize {
+        let c = &self.cfg;
+        let (ne, k, eff, sff) = c
+            .moe
+            .as_ref()
+            .map_or((0, 0, 0, 0), |m| (m.n_expert, m.n_expert_used, m.expert_ff, m.shared_expert_ff.unwrap_or(0)));
+        let ff = c.ff.max(eff).max(sff);
+        let widest = c.hidden.max(ff).max(c.q_dim());
+        let f32s = n * (3 * c.hidden          // x, h, y
+            + 2 * c.q_dim() + 2 * c.kv_dim()  // q, k, v, attention output
+            + ne + 2 * k * c.hidden           // router logits, expert outputs (and their gather)
+            + 2 * ff + c.hidden               // gate and up intermediates, shared expert output
+            + c.vocab_size)                   // logits
+            + self.pool.n_threads() * ctx;    // attention scores per worker
+        // Quantized activations: one byte per value plus per-block scales, of the widest input.
+        4 * f32s + 2 * n * widest
+    }
+
+    /// What the process holds beyond weights, caches and `scratch_bytes`: thread stacks,
+    /// allocator slack, the tokenizer's tables, code.
+    pub const FIXED_SLACK: usize = 8 << 20;
+
     /// Bytes of resident dense weights (everything but the routed experts).
     pub fn dense_bytes(&self) -> usize {
         let mut b = self.tok_embd.bytes();
