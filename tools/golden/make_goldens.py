@@ -111,6 +111,43 @@ FAMILIES = {
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         ),
     ),
+    # Every layer sparse: llama.cpp's converter and loader take neither Qwen3-MoE's
+    # `mlp_only_layers` nor Qwen2-MoE's dense layers, so the GGUF path is checked on these.
+    "qwen3_moe_sparse": (
+        "Qwen3MoeForCausalLM",
+        dict(
+            COMMON,
+            num_hidden_layers=3,
+            intermediate_size=80,
+            moe_intermediate_size=40,
+            num_experts=8,
+            num_experts_per_tok=3,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        ),
+    ),
+    "qwen2_moe_sparse": (
+        "Qwen2MoeForCausalLM",
+        dict(
+            COMMON,
+            head_dim=16,
+            num_hidden_layers=3,
+            intermediate_size=72,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=56,
+            num_experts=8,
+            num_experts_per_tok=3,
+            norm_topk_prob=False,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            use_sliding_window=False,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        ),
+    ),
     # Dense Qwen3 with YaRN RoPE scaling and tied embeddings.
     "qwen3": (
         "Qwen3ForCausalLM",
