@@ -148,6 +148,71 @@ FAMILIES = {
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         ),
     ),
+    # Qwen3-Next: Gated DeltaNet layers beside gated attention ones (layer 1 full attention),
+    # two value heads per key head (so the head order matters), fused per-group input
+    # projections, zero-centred norms, partial rotary (a quarter of head_dim), shared expert.
+    "qwen3_next": (
+        "Qwen3NextForCausalLM",
+        dict(
+            COMMON,
+            head_dim=32,
+            num_hidden_layers=4,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=40,
+            num_experts=8,
+            num_experts_per_tok=3,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_conv_kernel_dim=4,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        ),
+    ),
+    # Qwen3.5-MoE as released: an image-text checkpoint (a tiny vision tower that sluice must
+    # leave alone), the language model under `model.language_model.`, separate DeltaNet
+    # projections, a router that always renormalizes.
+    "qwen3_5_moe": (
+        "Qwen3_5MoeForConditionalGeneration",
+        dict(
+            text_config=dict(
+                COMMON,
+                head_dim=32,
+                num_hidden_layers=4,
+                layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+                moe_intermediate_size=32,
+                shared_expert_intermediate_size=40,
+                num_experts=8,
+                num_experts_per_tok=3,
+                linear_num_key_heads=2,
+                linear_num_value_heads=4,
+                linear_key_head_dim=16,
+                linear_value_head_dim=16,
+                linear_conv_kernel_dim=4,
+                tie_word_embeddings=False,
+                # Text positions are the same in every multimodal section: plain partial rotary.
+                rope_parameters={
+                    "rope_type": "default",
+                    "rope_theta": 10000.0,
+                    "partial_rotary_factor": 0.25,
+                    "mrope_section": [2, 1, 1],
+                    "mrope_interleaved": True,
+                },
+            ),
+            vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4),
+            image_token_id=380,
+            video_token_id=381,
+            vision_start_token_id=382,
+            vision_end_token_id=383,
+            tie_word_embeddings=False,
+        ),
+    ),
     # Dense Qwen3 with YaRN RoPE scaling and tied embeddings.
     "qwen3": (
         "Qwen3ForCausalLM",
@@ -196,6 +261,9 @@ FAMILIES = {
         ),
     ),
 }
+
+# Families whose every 1-D parameter is randomized (see build).
+HYBRID = {"qwen3_next", "qwen3_5_moe"}
 
 CORPUS = """\
 The river carries water from the mountains to the sea. Every spring the snow melts and
@@ -248,7 +316,14 @@ def build(family, out_dir, tok):
         if not cfg.get("tie_word_embeddings"):
             model.get_input_embeddings().weight.mul_(8.0)
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or "layernorm" in name or "_norm" in name:
+            if family in HYBRID:
+                # Every 1-D parameter off its init constant, so that no convention ((1 + w)
+                # norms, A_log, dt_bias, the gated norm's plain scale) can hide.
+                if name.endswith("A_log"):
+                    p.copy_(torch.log(torch.empty_like(p).uniform_(0.5, 6.0)))
+                elif p.dim() == 1:
+                    p.add_(0.3 * torch.randn_like(p))
+            elif name.endswith("norm.weight") or "layernorm" in name or "_norm" in name:
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             elif name.endswith(".bias"):
                 p.copy_(0.5 * torch.randn_like(p))

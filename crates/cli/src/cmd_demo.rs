@@ -46,7 +46,7 @@ struct Run {
 }
 
 fn generate(e: &Engine, prompt: &[u32], n: usize, mut each: impl FnMut(usize, u32)) -> Result<Run> {
-    let mut kv = e.new_cache();
+    let mut kv = e.new_state();
     let mut sampler = Sampler::new(SamplerConfig::default());
     let mut logits = e.model.forward(&mut kv, prompt, Logits::Last, None)?;
     let mut run = Run { tokens: Vec::new(), logits: Vec::new() };

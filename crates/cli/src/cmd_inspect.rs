@@ -75,7 +75,7 @@ pub fn main(a: Args) -> Result<()> {
         "experts": moe.map(|m| m.n_expert),
         "experts_per_token": moe.map(|m| m.n_expert_used),
         "expert_ffn": moe.map(|m| m.expert_ff),
-        "sparse_layers": c.sparse_layer.iter().filter(|s| **s).count(),
+        "sparse_layers": (0..c.n_layer).filter(|l| c.is_sparse(*l)).count(),
         "max_position": c.max_position,
         "tensors": count,
         "dense_bytes": dense,
@@ -100,7 +100,7 @@ pub fn main(a: Args) -> Result<()> {
             m.n_expert,
             m.n_expert_used,
             m.expert_ff,
-            c.sparse_layer.iter().filter(|s| **s).count(),
+            (0..c.n_layer).filter(|l| c.is_sparse(*l)).count(),
             c.n_layer,
             m.shared_expert_ff.map(|s| format!(", shared expert ffn {s}")).unwrap_or_default()
         );

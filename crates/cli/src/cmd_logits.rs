@@ -22,7 +22,7 @@ pub struct Args {
 pub fn main(a: Args) -> Result<()> {
     let tokens = parse_tokens(&a.tokens)?;
     let engine = a.model.load()?;
-    let mut kv = engine.new_cache();
+    let mut kv = engine.new_state();
     let chunk = if a.chunk == 0 { tokens.len() } else { a.chunk };
     let vocab = engine.model.cfg.vocab_size;
     let mut rows: Vec<f32> = Vec::with_capacity(tokens.len() * vocab);

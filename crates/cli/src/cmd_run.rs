@@ -54,7 +54,7 @@ pub fn main(a: Args) -> Result<()> {
         ignore_eos: a.ignore_eos,
         ..Default::default()
     };
-    let mut kv = engine.new_cache();
+    let mut kv = engine.new_state();
     let mut stream = TextStream::new();
     let tok = engine.tokenizer.as_ref();
     let stdout = std::io::stdout();

@@ -159,7 +159,7 @@ fn report_entropy(path: &std::path::Path, spec: &SynthSpec, n_tokens: usize, see
     let mut usage = Usage { counts: vec![vec![0; spec.n_expert]; spec.n_layer] };
     let mut rng = sluice_runtime::sampler::Rng::new(seed ^ 0xE17);
     let tokens: Vec<u32> = (0..n_tokens).map(|_| (rng.next_u64() % spec.vocab as u64) as u32).collect();
-    let mut kv = engine.new_cache();
+    let mut kv = engine.new_state();
     for chunk in tokens.chunks(64) {
         engine.model.forward(&mut kv, chunk, Logits::None, Some(&mut usage))?;
     }

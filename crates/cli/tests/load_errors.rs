@@ -229,5 +229,8 @@ fn a_huge_vocabulary_in_the_embedding_shape_is_refused() {
     assert!(w.write(&mut f, |_, _| Ok(())).is_err());
     drop(f);
     let e = fails(&p);
-    assert!(e.contains(".gguf") && (e.contains("vocabulary size is 17179869184") || e.contains("runs past the end")), "{e}");
+    assert!(
+        e.contains(".gguf") && (e.contains("vocabulary size is 17179869184") || e.contains("runs past the end")),
+        "{e}"
+    );
 }

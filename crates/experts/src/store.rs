@@ -1,7 +1,7 @@
 //! Expert stores: where a model's routed experts are read from. Each produces a `Layout`
 //! (file ranges per expert). A GGUF file is read directly (an expert is a slice of each
-//! stacked `ffn_*_exps` tensor), so are Hugging Face safetensors (per-expert tensors, across
-//! shards); a pack (see `pack`) is the read-optimised alternative.
+//! stacked `ffn_*_exps` tensor), so are Hugging Face safetensors (per-expert or fused tensors,
+//! across shards); a pack (see `pack`) is the read-optimised alternative.
 
 use crate::layout::{ExpertPlan, Layout, PartLoc};
 use crate::{ExpertError, Result};
@@ -37,24 +37,10 @@ pub fn layout_from_hf(ck: &HfCheckpoint) -> Result<Layout> {
     let files: Vec<PathBuf> = ck.st.files.iter().map(|f| f.path.clone()).collect();
     let experts = cfg.map_experts(|l, e| -> Result<ExpertPlan> {
         let part = |p: ExpertPart| -> Result<PartLoc> {
-            let name = sluice_model::families::hf_expert_name(cfg.arch, p, l, e);
-            let t = ck.st.tensor(&name).map_err(|err| ExpertError::Model(err.to_string()))?;
-            let info = ck.st.info(&name).expect("tensor() found it");
-            let path = ck.st.file_of(&name).expect("tensor() found it");
-            let file = files.iter().position(|f| f == path).expect("shard listed");
-            let [rows, cols] = match t.shape.as_slice() {
-                [r, c] => [*r, *c],
-                s => return Err(ExpertError::Model(format!("{}: `{name}` has shape {s:?}", path.display()))),
-            };
-            check_shape(cfg, p, rows, cols, path)?;
-            Ok(PartLoc {
-                file,
-                offset: info.start as u64,
-                len: (info.end - info.start) as u64,
-                dtype: t.dtype,
-                rows,
-                cols,
-            })
+            let loc = ck.expert_location(p, l, e).map_err(|err| ExpertError::Model(err.to_string()))?;
+            let file = files.iter().position(|f| *f == loc.file).expect("shard listed");
+            check_shape(cfg, p, loc.rows, loc.cols, &loc.file)?;
+            Ok(PartLoc { file, offset: loc.offset, len: loc.len, dtype: loc.dtype, rows: loc.rows, cols: loc.cols })
         };
         Ok(ExpertPlan::from_parts([part(ExpertPart::Gate)?, part(ExpertPart::Up)?, part(ExpertPart::Down)?]))
     })?;

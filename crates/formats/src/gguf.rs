@@ -483,13 +483,10 @@ impl GgufFile {
 /// Writes a copy of `f` to `out` after `edit` has changed its metadata and tensor list (a
 /// tensor kept under its name keeps its data; one added or resized gets zeros). For tools
 /// that rename or patch keys, and for tests that make broken files.
-pub fn rewrite(
-    f: &GgufFile,
-    out: &std::path::Path,
-    edit: impl FnOnce(&mut GgufWriter),
-) -> std::io::Result<()> {
+pub fn rewrite(f: &GgufFile, out: &std::path::Path, edit: impl FnOnce(&mut GgufWriter)) -> std::io::Result<()> {
     let mut w = GgufWriter { alignment: f.alignment, ..Default::default() };
-    w.metadata = f.metadata.iter().filter(|(k, _)| *k != "general.alignment").map(|(k, v)| (k.clone(), v.clone())).collect();
+    w.metadata =
+        f.metadata.iter().filter(|(k, _)| *k != "general.alignment").map(|(k, v)| (k.clone(), v.clone())).collect();
     w.tensors = f.tensors.iter().map(|t| (t.name.clone(), t.dims.clone(), t.dtype)).collect();
     edit(&mut w);
     let mut file = std::io::BufWriter::new(std::fs::File::create(out)?);

@@ -9,6 +9,7 @@ pub mod matmul;
 pub mod ops;
 pub mod pool;
 pub mod quant;
+pub mod recurrent;
 
 pub use dtype::DType;
 pub use matmul::{matmul, matmul_ref, MatRef, SendPtr};

@@ -14,6 +14,9 @@ pub enum Arch {
     Qwen3Moe,
     Olmoe,
     Gemma3,
+    Qwen3Next,
+    Qwen35,
+    Qwen35Moe,
 }
 
 impl Arch {
@@ -27,6 +30,9 @@ impl Arch {
             Arch::Qwen3Moe => "qwen3_moe",
             Arch::Olmoe => "olmoe",
             Arch::Gemma3 => "gemma3",
+            Arch::Qwen3Next => "qwen3_next",
+            Arch::Qwen35 => "qwen3_5",
+            Arch::Qwen35Moe => "qwen3_5_moe",
         }
     }
 }
@@ -59,6 +65,98 @@ pub struct MoeConfig {
     pub shared_expert_ff: Option<usize>,
 }
 
+/// What a layer mixes tokens with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MixerKind {
+    /// Softmax attention over the KV cache (the model's `n_head`, `head_dim` ...), with a
+    /// sliding window if given.
+    Attention { window: Option<usize> },
+    /// Gated DeltaNet: linear attention with a recurrent state (`ModelConfig::delta_net`).
+    GatedDeltaNet,
+}
+
+/// What a layer's feed-forward block is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FfnKind {
+    /// A gated MLP of width `ModelConfig::ff`.
+    Dense,
+    /// Routed experts (`ModelConfig::moe`).
+    Moe,
+}
+
+/// One decoder layer: a mixer and a feed-forward block, each a variant with its own file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LayerSpec {
+    pub mixer: MixerKind,
+    pub ffn: FfnKind,
+}
+
+/// Which key (and query) head a value head of a Gated DeltaNet reads, when there are fewer
+/// key heads than value heads (`r` = value heads per key head).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HeadOrder {
+    /// Value head `h` uses key head `h / r` (consecutive value heads share a key head): the
+    /// Hugging Face layout and llama.cpp's `qwen3next` files.
+    Grouped,
+    /// Value head `h` uses key head `h % n_k_heads`: llama.cpp's `qwen35`/`qwen35moe` files,
+    /// whose converter reorders the value side so that broadcasting tiles.
+    Tiled,
+}
+
+/// How a Gated DeltaNet's input projections are stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeltaNetProj {
+    /// Qwen3-Next (Hugging Face): `in_proj_qkvz` and `in_proj_ba`, each interleaved per key
+    /// head: `[q | k | v (r heads) | z (r heads)]` and `[b (r) | a (r)]` per group.
+    FusedPerGroup,
+    /// llama.cpp's `qwen3next`: `attn_qkv` ([q | k | v]) and `attn_gate` (z), with `ssm_ba`
+    /// still interleaved per group.
+    QkvGateBa,
+    /// Qwen3.5: four separate projections, qkv, z, b, a.
+    Separate,
+}
+
+/// Dimensions of the Gated DeltaNet layers.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DeltaNetConfig {
+    pub n_k_heads: usize,
+    pub n_v_heads: usize,
+    pub d_k: usize,
+    pub d_v: usize,
+    /// Causal depthwise convolution length over the q, k, v channels.
+    pub conv_kernel: usize,
+    pub head_order: HeadOrder,
+    pub proj: DeltaNetProj,
+}
+
+impl DeltaNetConfig {
+    pub fn key_dim(&self) -> usize {
+        self.n_k_heads * self.d_k
+    }
+    pub fn value_dim(&self) -> usize {
+        self.n_v_heads * self.d_v
+    }
+    /// Channels of the convolution: q, k and v.
+    pub fn conv_dim(&self) -> usize {
+        2 * self.key_dim() + self.value_dim()
+    }
+    /// The key head value head `h` reads.
+    pub fn k_head(&self, h: usize) -> usize {
+        match self.head_order {
+            HeadOrder::Grouped => h / (self.n_v_heads / self.n_k_heads),
+            HeadOrder::Tiled => h % self.n_k_heads,
+        }
+    }
+}
+
+/// A multi-token-prediction head shipped with the checkpoint: one extra decoder layer (full
+/// attention, the model's FFN kind) fed by the next token's embedding and the last hidden state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MtpConfig {
+    pub n_layer: usize,
+    pub ffn: FfnKind,
+}
+
 /// Activation of the gated FFN.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Activation {
@@ -89,12 +187,19 @@ pub struct ModelConfig {
     pub clip_qkv: Option<f32>,
     pub activation: Activation,
     pub moe: Option<MoeConfig>,
-    /// Per layer: routed experts (true) or a dense FFN (false).
-    pub sparse_layer: Vec<bool>,
-    /// Per layer: sliding-window size of the attention, if any.
-    pub window: Vec<Option<usize>>,
+    /// The Gated DeltaNet layers' dimensions (hybrid models).
+    pub delta_net: Option<DeltaNetConfig>,
+    /// Per layer: its mixer and its FFN.
+    pub layers: Vec<LayerSpec>,
     /// Attention score scale (1/sqrt(head_dim) unless the family says otherwise).
     pub attn_scale: f32,
+    /// The attention's query projection carries a per-head output gate (`[q | gate]` per
+    /// head); the output is multiplied by its sigmoid before the output projection.
+    pub attn_output_gate: bool,
+    /// The checkpoint stores RMSNorm weights as offsets from 1 (`(1 + w) · x̂`); the loader
+    /// adds the 1. GGUF conversions store the sum already.
+    pub norm_plus_one: bool,
+    pub mtp: Option<MtpConfig>,
     /// Gemma: embeddings multiplied by sqrt(hidden), extra post-norms (GGUF stores its norm
     /// weights with Gemma's +1 already added).
     pub gemma: bool,
@@ -148,8 +253,43 @@ impl ModelConfig {
     pub fn map_experts<T, E>(&self, mut f: impl FnMut(usize, usize) -> Result<T, E>) -> Result<Vec<Vec<T>>, E> {
         let n_expert = self.moe.as_ref().map_or(0, |m| m.n_expert);
         (0..self.n_layer)
-            .map(|l| if self.sparse_layer[l] { (0..n_expert).map(|e| f(l, e)).collect() } else { Ok(Vec::new()) })
+            .map(|l| if self.is_sparse(l) { (0..n_expert).map(|e| f(l, e)).collect() } else { Ok(Vec::new()) })
             .collect()
+    }
+
+    /// Whether layer `l`'s FFN is routed experts.
+    pub fn is_sparse(&self, l: usize) -> bool {
+        self.layers.get(l).is_some_and(|s| s.ffn == FfnKind::Moe)
+    }
+
+    /// Layer `l`'s sliding window, if it is an attention layer with one.
+    pub fn window(&self, l: usize) -> Option<usize> {
+        match self.layers.get(l)?.mixer {
+            MixerKind::Attention { window } => window,
+            MixerKind::GatedDeltaNet => None,
+        }
+    }
+
+    /// Layers whose mixer is attention (they keep a KV cache).
+    pub fn attention_layers(&self) -> usize {
+        self.layers.iter().filter(|s| matches!(s.mixer, MixerKind::Attention { .. })).count()
+    }
+
+    /// Bytes of a sequence's state at `ctx` positions: keys and values (f32) of the attention
+    /// layers, and the fixed-size state of the recurrent ones (double-buffered).
+    pub fn state_bytes(&self, ctx: usize) -> u64 {
+        let kv = self.attention_layers() as u64 * self.kv_dim() as u64 * 2 * 4 * ctx as u64;
+        let rec = self.delta_net.map_or(0, |d| {
+            let layers = self.layers.iter().filter(|s| s.mixer == MixerKind::GatedDeltaNet).count() as u64;
+            let per = (d.conv_kernel as u64 - 1) * d.conv_dim() as u64 + (d.n_v_heads * d.d_k * d.d_v) as u64;
+            layers * per * 4 * 2
+        });
+        kv + rec
+    }
+
+    /// `layers` for `n` layers of one mixer and FFN, with the same window everywhere.
+    pub fn uniform_layers(n: usize, mixer: MixerKind, ffn: FfnKind) -> Vec<LayerSpec> {
+        vec![LayerSpec { mixer, ffn }; n]
     }
 
     pub fn q_dim(&self) -> usize {
@@ -168,19 +308,40 @@ impl ModelConfig {
     pub fn validate(&self) -> Result<(), String> {
         let must = |ok: bool, msg: String| if ok { Ok(()) } else { Err(msg) };
         check_dims(self.hidden, self.n_layer, self.n_head, self.n_head_kv, self.head_dim, self.vocab_size)?;
+        must(self.ff <= limits::FF, format!("the feed-forward width {} is beyond {}", self.ff, limits::FF))?;
         must(
-            self.ff <= limits::FF,
-            format!("the feed-forward width {} is beyond {}", self.ff, limits::FF),
+            self.ff > 0 || !self.layers.iter().any(|s| s.ffn == FfnKind::Dense),
+            "dense feed-forward layers without a width (intermediate_size / feed_forward_length)".into(),
         )?;
         must(
             self.max_position > 0 && self.max_position <= limits::CONTEXT,
             format!("the context length {} must be between 1 and {}", self.max_position, limits::CONTEXT),
         )?;
         must(
-            self.window.len() == self.n_layer && self.window.iter().flatten().all(|w| *w > 0),
-            "per-layer sliding windows have the wrong length or a zero window".into(),
+            self.layers.len() == self.n_layer,
+            format!("{} layer kinds for {} layers", self.layers.len(), self.n_layer),
         )?;
-        must(self.rms_eps.is_finite() && self.rms_eps >= 0.0, format!("rms_norm_eps {} is not a number >= 0", self.rms_eps))?;
+        must((0..self.n_layer).all(|l| self.window(l) != Some(0)), "a sliding window of zero positions".into())?;
+        let has_delta = self.layers.iter().any(|s| s.mixer == MixerKind::GatedDeltaNet);
+        match (&self.delta_net, has_delta) {
+            (None, true) => return Err("Gated DeltaNet layers without their dimensions".into()),
+            (Some(d), _) => {
+                let dims = [d.n_k_heads, d.n_v_heads, d.d_k, d.d_v, d.conv_kernel];
+                must(
+                    dims.iter().all(|v| *v > 0 && *v <= limits::HEAD_DIM * 4),
+                    format!("Gated DeltaNet dimensions {dims:?} (key heads, value heads, key dim, value dim, conv kernel) out of range"),
+                )?;
+                must(
+                    d.n_v_heads.is_multiple_of(d.n_k_heads),
+                    format!("{} value heads are not a multiple of {} key heads", d.n_v_heads, d.n_k_heads),
+                )?;
+            }
+            _ => {}
+        }
+        must(
+            self.rms_eps.is_finite() && self.rms_eps >= 0.0,
+            format!("rms_norm_eps {} is not a number >= 0", self.rms_eps),
+        )?;
         must(
             self.n_head.is_multiple_of(self.n_head_kv),
             format!("{} attention heads are not a multiple of {} key/value heads", self.n_head, self.n_head_kv),
@@ -189,18 +350,20 @@ impl ModelConfig {
             self.rope.dim <= self.head_dim && self.rope.dim.is_multiple_of(2),
             format!("rotary dimension {} does not fit head_dim {}", self.rope.dim, self.head_dim),
         )?;
-        must(self.sparse_layer.len() == self.n_layer, "per-layer sparsity has the wrong length".into())?;
+
         if let Some(m) = &self.moe {
             must(
                 m.n_expert_used >= 1 && m.n_expert_used <= m.n_expert && m.n_expert <= limits::EXPERTS,
                 format!("{} experts per token out of {} experts", m.n_expert_used, m.n_expert),
             )?;
             must(
-                m.expert_ff > 0 && m.expert_ff <= limits::FF && m.shared_expert_ff.is_none_or(|f| f > 0 && f <= limits::FF),
+                m.expert_ff > 0
+                    && m.expert_ff <= limits::FF
+                    && m.shared_expert_ff.is_none_or(|f| f > 0 && f <= limits::FF),
                 format!("expert feed-forward width {} (shared {:?}) out of range", m.expert_ff, m.shared_expert_ff),
             )?;
         } else {
-            must(!self.sparse_layer.iter().any(|s| *s), "sparse layers without an MoE config".into())?;
+            must(!(0..self.n_layer).any(|l| self.is_sparse(l)), "sparse layers without an MoE config".into())?;
         }
         Ok(())
     }

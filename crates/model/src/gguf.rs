@@ -2,7 +2,10 @@
 //! tensors by GGUF name, and each routed expert as a slice of the stacked `ffn_*_exps`
 //! tensors (expert `e` is rows `e·rows..(e+1)·rows` of a 3-D tensor, one contiguous range).
 
-use crate::config::{Activation, Arch, Gating, ModelConfig, MoeConfig, QkNorm};
+use crate::config::{
+    Activation, Arch, DeltaNetConfig, DeltaNetProj, FfnKind, Gating, HeadOrder, MixerKind, ModelConfig, MoeConfig,
+    MtpConfig, QkNorm,
+};
 use crate::error::{ModelError, Result};
 use crate::families::gguf_names;
 use crate::rope::{Rope, RopeConfig, RopeScaling, RopeStyle};
@@ -66,11 +69,11 @@ impl TensorSource for GgufCheckpoint {
     }
 
     fn get(&self, key: Key, layer: Option<usize>) -> Result<Option<TensorData>> {
-        Ok(self.file.tensor(&gguf_names::name(key, layer)))
+        Ok(self.file.tensor(&gguf_names::name(self.config.arch, key, layer)))
     }
 
     fn require(&self, key: Key, layer: Option<usize>) -> Result<TensorData> {
-        let name = gguf_names::name(key, layer);
+        let name = gguf_names::name(self.config.arch, key, layer);
         self.file.tensor(&name).ok_or_else(|| self.err(format!("missing tensor `{name}`")))
     }
 
@@ -107,16 +110,25 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig> {
         "qwen3moe" => Arch::Qwen3Moe,
         "olmoe" => Arch::Olmoe,
         "gemma3" => Arch::Gemma3,
+        "qwen3next" => Arch::Qwen3Next,
+        "qwen35" => Arch::Qwen35,
+        "qwen35moe" => Arch::Qwen35Moe,
         other => {
             return Err(f
                 .error(format!(
-                    "unsupported architecture `{other}` (general.architecture); supported: llama, qwen2, qwen3, qwen2moe, qwen3moe, olmoe, gemma3"
+                    "unsupported architecture `{other}` (general.architecture); supported: llama, qwen2, qwen3, qwen2moe, qwen3moe, olmoe, gemma3, qwen3next, qwen35, qwen35moe"
                 ))
                 .into())
         }
     };
     let hidden = u("embedding_length")?;
-    let n_layer = u("block_count")?;
+    let blocks = u("block_count")?;
+    // Multi-token-prediction blocks are counted in block_count, after the trunk's.
+    let n_mtp = ou("nextn_predict_layers")?.unwrap_or(0);
+    if n_mtp >= blocks {
+        return Err(f.error(format!("nextn_predict_layers {n_mtp} leaves no trunk layers of {blocks} blocks")).into());
+    }
+    let n_layer = blocks - n_mtp;
     let n_head = u("attention.head_count")?;
     if n_head == 0 || n_layer == 0 || hidden == 0 {
         return Err(f.error("block_count, embedding_length and attention.head_count must be positive").into());
@@ -169,12 +181,17 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig> {
     let moe = if n_expert > 0 {
         let used = u("expert_used_count")?;
         let expert_ff = match arch {
-            Arch::Qwen2Moe | Arch::Qwen3Moe => u("expert_feed_forward_length")?,
+            Arch::Qwen2Moe | Arch::Qwen3Moe | Arch::Qwen3Next | Arch::Qwen35Moe => u("expert_feed_forward_length")?,
             _ => ou("expert_feed_forward_length")?.unwrap_or(ff),
         };
-        let norm_topk = matches!(arch, Arch::Mixtral | Arch::Qwen3Moe);
-        let shared =
-            if arch == Arch::Qwen2Moe { Some(ou("expert_shared_feed_forward_length")?.unwrap_or(ff)) } else { None };
+        // llama.cpp renormalizes the top k of these architectures whatever the source config
+        // said (GGUF records no norm_topk_prob); sluice reads the files the same way.
+        let norm_topk = matches!(arch, Arch::Mixtral | Arch::Qwen3Moe | Arch::Qwen3Next | Arch::Qwen35Moe);
+        let shared = match arch {
+            Arch::Qwen2Moe => Some(ou("expert_shared_feed_forward_length")?.unwrap_or(ff)),
+            Arch::Qwen3Next | Arch::Qwen35Moe => ou("expert_shared_feed_forward_length")?.filter(|s| *s > 0),
+            _ => None,
+        };
         Some(MoeConfig {
             n_expert,
             n_expert_used: used,
@@ -183,7 +200,7 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig> {
             shared_expert_ff: shared,
         })
     } else {
-        if matches!(arch, Arch::Qwen2Moe | Arch::Qwen3Moe | Arch::Olmoe) {
+        if matches!(arch, Arch::Qwen2Moe | Arch::Qwen3Moe | Arch::Olmoe | Arch::Qwen3Next | Arch::Qwen35Moe) {
             return Err(f.error(format!("missing metadata key `{}`", key("expert_count"))).into());
         }
         None
@@ -203,14 +220,21 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig> {
         rope_local: None,
         max_position: ou("context_length")?.unwrap_or(4096),
         tie_embeddings: f.tensor_info("output.weight").is_none(),
-        qkv_bias: f.tensor_info("blk.0.attn_q.bias").is_some(),
+        qkv_bias: false,
         qk_norm: QkNorm::None,
         clip_qkv: None,
         activation: Activation::Silu,
-        sparse_layer: vec![moe.is_some(); n_layer],
+        layers: ModelConfig::uniform_layers(
+            n_layer,
+            MixerKind::Attention { window: None },
+            if moe.is_some() { FfnKind::Moe } else { FfnKind::Dense },
+        ),
         moe,
-        window: vec![None; n_layer],
+        delta_net: None,
         attn_scale: 1.0 / (head_dim as f32).sqrt(),
+        attn_output_gate: false,
+        norm_plus_one: false,
+        mtp: None,
         gemma: false,
         final_logit_softcap: None,
         bos_token: f.meta_opt_u64("tokenizer.ggml.bos_token_id")?.map(|v| v as u32),
@@ -229,7 +253,9 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig> {
             cfg.final_logit_softcap = of("final_logit_softcapping")?.map(|v| v as f32).filter(|v| *v > 0.0);
             if let Some(w) = ou("attention.sliding_window")?.filter(|w| *w > 0) {
                 let pattern = ou("attention.sliding_window_pattern")?.unwrap_or(6).max(1);
-                cfg.window = (0..n_layer).map(|l| (l % pattern < pattern - 1).then_some(w)).collect();
+                for (l, spec) in cfg.layers.iter_mut().enumerate() {
+                    spec.mixer = MixerKind::Attention { window: (l % pattern < pattern - 1).then_some(w) };
+                }
                 cfg.rope_local = Some(RopeConfig {
                     theta: of("rope.freq_base_swa")?.unwrap_or(10000.0),
                     dim: rope_dim,
@@ -238,8 +264,75 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig> {
                 });
             }
         }
+        Arch::Qwen3Next | Arch::Qwen35 | Arch::Qwen35Moe => hybrid(f, &key, &mut cfg, n_mtp)?,
         _ => {}
+    }
+    // Attention bias, as the first attention layer has it.
+    if let Some(l) = (0..n_layer).find(|l| matches!(cfg.layers[*l].mixer, MixerKind::Attention { .. })) {
+        cfg.qkv_bias = f.tensor_info(&format!("blk.{l}.attn_q.bias")).is_some();
     }
     cfg.validate().map_err(|e| f.error(e))?;
     Ok(cfg)
+}
+
+/// The Qwen hybrids (`qwen3next`, `qwen35`, `qwen35moe`): Gated DeltaNet layers among gated
+/// attention ones, from llama.cpp's keys (`ssm.*`, `attention.recurrent_layers` or
+/// `full_attention_interval`) and its tensor layout.
+fn hybrid(f: &GgufFile, key: &dyn Fn(&str) -> String, cfg: &mut ModelConfig, n_mtp: usize) -> Result<()> {
+    let need = |k: &str| -> Result<usize> { Ok(f.meta_u64(&key(k))? as usize) };
+    let n_layer = cfg.n_layer;
+    let d_k = need("ssm.state_size")?;
+    let n_k_heads = need("ssm.group_count")?;
+    let n_v_heads = need("ssm.time_step_rank")?;
+    let inner = need("ssm.inner_size")?;
+    if n_v_heads == 0 || inner % n_v_heads != 0 {
+        return Err(f.error(format!("ssm.inner_size {inner} is not a whole number of {n_v_heads} value heads")).into());
+    }
+    let recurrent: Vec<bool> = match f.meta_array(&key("attention.recurrent_layers")) {
+        Some(sluice_formats::gguf::Array::Bool(v)) => {
+            if v.len() < n_layer {
+                return Err(f
+                    .error(format!("attention.recurrent_layers has {} entries for {n_layer} layers", v.len()))
+                    .into());
+            }
+            v[..n_layer].to_vec()
+        }
+        Some(_) => {
+            return Err(f
+                .error(format!("metadata key `{}` must be an array of booleans", key("attention.recurrent_layers")))
+                .into())
+        }
+        None => {
+            let every = f.meta_opt_u64(&key("full_attention_interval"))?.unwrap_or(4) as usize;
+            if every == 0 {
+                return Err(f.error("full_attention_interval must be at least 1").into());
+            }
+            (0..n_layer).map(|l| (l + 1) % every != 0).collect()
+        }
+    };
+    for (spec, rec) in cfg.layers.iter_mut().zip(&recurrent) {
+        if *rec {
+            spec.mixer = MixerKind::GatedDeltaNet;
+        }
+    }
+    let next = cfg.arch == Arch::Qwen3Next;
+    if next && f.tensor_info("blk.0.ssm_in.weight").is_some() {
+        return Err(f.error("this qwen3next file stores the DeltaNet input projection fused (`ssm_in`, an early converter's layout); reconvert it with a current convert_hf_to_gguf.py").into());
+    }
+    cfg.delta_net = Some(DeltaNetConfig {
+        n_k_heads,
+        n_v_heads,
+        d_k,
+        d_v: inner / n_v_heads,
+        conv_kernel: need("ssm.conv_kernel")?,
+        // llama.cpp's converter reorders Qwen3.5's value heads so that broadcasting tiles.
+        head_order: if next { HeadOrder::Grouped } else { HeadOrder::Tiled },
+        proj: if next { DeltaNetProj::QkvGateBa } else { DeltaNetProj::Separate },
+    });
+    cfg.qk_norm = QkNorm::PerHead;
+    cfg.attn_output_gate = true;
+    if n_mtp > 0 {
+        cfg.mtp = Some(MtpConfig { n_layer: n_mtp, ffn: cfg.layers[0].ffn });
+    }
+    Ok(())
 }

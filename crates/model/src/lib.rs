@@ -1,7 +1,7 @@
-//! Models: configs, the forward pass of each family, the KV cache, and the `ExpertSource`
-//! trait through which the MoE block reaches its experts.
+//! Models: configs, the forward pass as a stack of layers (a token mixer and a feed-forward
+//! block each, chosen per layer), the per-sequence state, and the `ExpertSource` trait through
+//! which the MoE block reaches its experts.
 
-pub mod attention;
 pub mod config;
 pub mod error;
 pub mod expert;
@@ -9,9 +9,10 @@ pub mod families;
 pub mod ffn;
 pub mod gguf;
 pub mod hf;
-pub mod kv_cache;
+pub mod mixer;
 pub mod model;
 pub mod rope;
+pub mod state;
 pub mod synth;
 pub mod trace;
 pub mod weights;
@@ -19,6 +20,6 @@ pub mod weights;
 pub use config::{Arch, ModelConfig};
 pub use error::{ModelError, Result};
 pub use expert::{ExpertSource, ResidentExperts};
-pub use kv_cache::KvCache;
 pub use model::{Logits, Model};
+pub use state::{SeqState, Snapshot};
 pub use weights::TensorSource;

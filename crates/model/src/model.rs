@@ -1,34 +1,38 @@
 //! The model: resident weights and the forward pass, top to bottom.
 //!
-//! Every family sluice supports is a pre-norm decoder:
+//! Every family sluice supports is a pre-norm decoder whose layers are each a token mixer
+//! and a feed-forward block, chosen per layer from the config:
 //!
 //! ```text
 //! x = embed(tokens)                                  // (n, hidden)
 //! for each layer:
-//!     x = x + attention(rms_norm(x))                 // GQA, RoPE, optional QK-norm and bias
-//!     x = x + ffn(rms_norm(x))                       // dense SwiGLU, or routed experts
+//!     x = x + mixer(rms_norm(x))                     // attention (mixer/attention.rs) or
+//!                                                    // Gated DeltaNet (mixer/delta_net.rs)
+//!     x = x + ffn(rms_norm(x))                       // dense MLP or routed experts (ffn/)
 //! logits = rms_norm(x) · outputᵀ                     // (n, vocab)
 //! ```
 //!
-//! Family files decide the details (config dialects, tensor names, router gating); Gemma's
-//! extra post-norms and embedding scale are switches in the same flow.
+//! Family files map a checkpoint onto these blocks; Gemma's extra post-norms and embedding
+//! scale are its own switches here.
 
-use crate::attention::{attention, AttentionWeights};
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::expert::ExpertSource;
-use crate::ffn::{dense_ffn, moe_ffn, FfnWeights};
-use crate::kv_cache::KvCache;
+use crate::ffn::{dense_ffn, moe::moe_ffn, FfnWeights};
+use crate::mixer::Mixer;
 use crate::rope::Rope;
+use crate::state::SeqState;
 use crate::trace::Observer;
-use crate::weights::{embedding_row, vector, Key, TensorSource, Weight};
+use crate::weights::{embedding_row, norm, Key, TensorSource, Weight};
 use sluice_kernels::{matmul, ops, ThreadPool};
 use std::sync::Arc;
 
-pub struct LayerWeights {
+pub struct Layer {
+    /// (hidden) the norm before the mixer.
     pub attn_norm: Vec<f32>,
-    pub attn: AttentionWeights,
+    pub mixer: Mixer,
     pub attn_post_norm: Option<Vec<f32>>,
+    /// (hidden) the norm before the FFN.
     pub ffn_norm: Vec<f32>,
     pub ffn: FfnWeights,
     pub ffn_post_norm: Option<Vec<f32>>,
@@ -38,7 +42,7 @@ pub struct Model {
     pub cfg: ModelConfig,
     /// (vocab, hidden)
     pub tok_embd: Weight,
-    pub layers: Vec<LayerWeights>,
+    pub layers: Vec<Layer>,
     /// (hidden)
     pub output_norm: Vec<f32>,
     /// (vocab, hidden); the embedding table itself when tied.
@@ -68,54 +72,54 @@ impl Model {
         pool: Arc<ThreadPool>,
     ) -> Result<Model> {
         cfg.validate().map_err(|e| ModelError::Invalid(format!("{}: {e}", src.describe())))?;
-        crate::attention::check_bias(src, &cfg)?;
+        crate::mixer::attention::check_bias(src, &cfg)?;
         let origin = src.describe();
         let h = cfg.hidden;
         let mat = |key, layer, rows, cols| Weight::from_tensor(src.require(key, layer)?, rows, cols);
-        let vec_of = |key, layer, len| vector(src.require(key, layer)?, len);
-        let opt_vec = |key, layer: Option<usize>, len| -> Result<Option<Vec<f32>>> {
-            src.get(key, layer)?.map(|t| vector(t, len)).transpose()
+        let norm_of = |key, layer| norm(src, &cfg, key, layer, h);
+        let opt_norm = |key, layer: Option<usize>| -> Result<Option<Vec<f32>>> {
+            if src.get(key, layer)?.is_none() {
+                return Ok(None);
+            }
+            norm(src, &cfg, key, layer, h).map(Some)
         };
 
         let tok_embd = mat(Key::TokEmbd, None, cfg.vocab_size, h)?;
         let output = match src.get(Key::Output, None)? {
-            Some(t) if !cfg.tie_embeddings => Weight::from_tensor(t, cfg.vocab_size, h)?,
             Some(t) => Weight::from_tensor(t, cfg.vocab_size, h)?,
             None if cfg.tie_embeddings => tok_embd.clone(),
             None => return Err(ModelError::Invalid(format!("{origin}: missing output (lm_head) tensor"))),
         };
         let mut layers = Vec::with_capacity(cfg.n_layer);
         for l in 0..cfg.n_layer {
-            let attn = AttentionWeights::load(src, &cfg, l)?;
-            let ffn = FfnWeights::load(src, &cfg, l)?;
             let gemma = cfg.gemma;
-            layers.push(LayerWeights {
-                attn_norm: vec_of(Key::AttnNorm, Some(l), h)?,
-                attn,
+            layers.push(Layer {
+                attn_norm: norm_of(Key::AttnNorm, Some(l))?,
+                mixer: Mixer::load(src, &cfg, l)?,
                 attn_post_norm: if gemma {
-                    Some(vec_of(Key::AttnPostNorm, Some(l), h)?)
+                    Some(norm_of(Key::AttnPostNorm, Some(l))?)
                 } else {
-                    opt_vec(Key::AttnPostNorm, Some(l), h)?
+                    opt_norm(Key::AttnPostNorm, Some(l))?
                 },
-                ffn_norm: vec_of(Key::FfnNorm, Some(l), h)?,
-                ffn,
+                ffn_norm: norm_of(Key::FfnNorm, Some(l))?,
+                ffn: FfnWeights::load(src, &cfg, l)?,
                 ffn_post_norm: if gemma {
-                    Some(vec_of(Key::FfnPostNorm, Some(l), h)?)
+                    Some(norm_of(Key::FfnPostNorm, Some(l))?)
                 } else {
-                    opt_vec(Key::FfnPostNorm, Some(l), h)?
+                    opt_norm(Key::FfnPostNorm, Some(l))?
                 },
             });
         }
-        let output_norm = vec_of(Key::OutputNorm, None, h)?;
+        let output_norm = norm_of(Key::OutputNorm, None)?;
         let rope = Rope::new(cfg.rope.clone());
         let rope_local = cfg.rope_local.clone().map(Rope::new);
         Ok(Model { cfg, tok_embd, layers, output_norm, output, rope, rope_local, experts, pool })
     }
 
-    /// A KV cache for up to `max_len` positions (the model's own maximum if 0).
-    pub fn new_cache(&self, max_len: usize) -> KvCache {
+    /// A fresh sequence state for up to `max_len` positions (the model's own maximum if 0).
+    pub fn new_state(&self, max_len: usize) -> SeqState {
         let max_len = if max_len == 0 { self.cfg.max_position } else { max_len };
-        KvCache::new(self.cfg.n_layer, self.cfg.kv_dim(), max_len)
+        SeqState::new(&self.cfg, max_len)
     }
 
     /// An upper bound on the working memory one forward pass of `n` tokens allocates beside
@@ -137,8 +141,8 @@ impl Model {
             + ne + 2 * k * c.hidden           // router logits, expert outputs (and their gather)
             + 2 * ff + c.hidden               // gate and up intermediates, shared expert output
             + c.vocab_size)                   // logits
-            + self.pool.n_threads() * ctx;    // attention scores per worker
-        // Quantized activations: one byte per value plus per-block scales, of the widest input.
+            + self.pool.n_threads() * ctx; // attention scores per worker
+                                           // Quantized activations: one byte per value plus per-block scales, of the widest input.
         4 * f32s + 2 * n * widest
     }
 
@@ -153,18 +157,18 @@ impl Model {
             b += self.output.bytes();
         }
         for l in &self.layers {
-            b += l.attn.bytes() + l.ffn.dense_bytes();
+            b += l.mixer.bytes() + l.ffn.dense_bytes();
         }
         b
     }
 
-    /// Runs `tokens` at the next positions of `kv` and returns the requested logits
+    /// Runs `tokens` at the next positions of `state` and returns the requested logits
     /// (`n × vocab` for `All`, `vocab` for `Last`).
     ///
-    /// On error the cache is left as it was before the call.
+    /// On error the state is left as it was before the call.
     pub fn forward(
         &self,
-        kv: &mut KvCache,
+        kv: &mut SeqState,
         tokens: &[u32],
         want: Logits,
         mut obs: Option<&mut dyn Observer>,
@@ -188,14 +192,14 @@ impl Model {
         }
         let r = self.forward_layers(kv, tokens, want, &mut obs);
         if r.is_err() {
-            kv.truncate(pos0);
+            kv.abort();
         }
         r
     }
 
     fn forward_layers(
         &self,
-        kv: &mut KvCache,
+        kv: &mut SeqState,
         tokens: &[u32],
         want: Logits,
         obs: &mut Option<&mut dyn Observer>,
@@ -219,7 +223,7 @@ impl Model {
         for (l, lw) in self.layers.iter().enumerate() {
             rms_norm_rows(&x, &lw.attn_norm, cfg.rms_eps, &mut h);
             observe(obs, "attn_norm", Some(l), &h, n);
-            attention(self, l, &lw.attn, &h, n, pos0, kv, &mut y, obs);
+            lw.mixer.forward(self, l, &h, n, kv, &mut y, obs);
             if let Some(w) = &lw.attn_post_norm {
                 rms_norm_rows_inplace(&mut y, w, cfg.rms_eps);
             }

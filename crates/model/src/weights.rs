@@ -36,6 +36,40 @@ pub enum Key {
     ShexpDown,
     /// The shared expert's sigmoid gate: 1 × hidden.
     ShexpGateInp,
+    // Gated DeltaNet (the checkpoint's own vocabulary in comments: HF `linear_attn.*`, GGUF).
+    /// HF Qwen3-Next `in_proj_qkvz`: q, k, v, z interleaved per key head.
+    SsmQkvz,
+    /// `in_proj_qkv` / `attn_qkv`: [q | k | v].
+    SsmQkv,
+    /// `in_proj_z` / `attn_gate`: the output gate z.
+    SsmZ,
+    /// `in_proj_ba` / `ssm_ba`: b and a interleaved per key head.
+    SsmBa,
+    /// `in_proj_b` / `ssm_beta`.
+    SsmBeta,
+    /// `in_proj_a` / `ssm_alpha`.
+    SsmAlpha,
+    /// `conv1d.weight` / `ssm_conv1d`: (conv_dim, kernel).
+    SsmConv1d,
+    /// `dt_bias` / `ssm_dt.bias`.
+    SsmDtBias,
+    /// HF `A_log` (the decay's log-magnitude).
+    SsmALog,
+    /// GGUF `ssm_a` = −exp(A_log).
+    SsmA,
+    /// `norm.weight` / `ssm_norm`: the gated RMSNorm's scale (d_v), never offset by 1.
+    SsmNorm,
+    /// `out_proj` / `ssm_out`: (hidden, value_dim).
+    SsmOut,
+    // Multi-token prediction head (its decoder layer uses the per-layer keys at layer n_layer).
+    /// Projection of [embedding | hidden] to hidden: (hidden, 2·hidden).
+    MtpEhProj,
+    /// Norm of the next token's embedding.
+    MtpEnorm,
+    /// Norm of the hidden state.
+    MtpHnorm,
+    /// Final norm before the shared output head.
+    MtpNorm,
 }
 
 /// One of an expert's three matrices.
@@ -65,6 +99,39 @@ pub trait TensorSource {
             ModelError::Invalid(format!("{}: missing tensor {key:?}{at}", self.describe()))
         })
     }
+}
+
+/// A projection with an optional bias.
+pub struct Linear {
+    pub w: Weight,
+    pub b: Option<Vec<f32>>,
+}
+
+impl Linear {
+    pub fn forward(&self, pool: &sluice_kernels::ThreadPool, x: &[f32], n: usize, out: &mut [f32]) {
+        sluice_kernels::matmul(pool, self.w.mat(), x, n, out);
+        if let Some(b) = &self.b {
+            for row in out.chunks_exact_mut(b.len()) {
+                sluice_kernels::ops::add_inplace(row, b);
+            }
+        }
+    }
+}
+
+/// An RMSNorm weight as the forward pass uses it: `1 + w` when the checkpoint stores norms
+/// zero-centred (`ModelConfig::norm_plus_one`), `w` otherwise.
+pub fn norm(
+    src: &dyn TensorSource,
+    cfg: &crate::config::ModelConfig,
+    key: Key,
+    layer: Option<usize>,
+    len: usize,
+) -> Result<Vec<f32>> {
+    let mut w = vector(src.require(key, layer)?, len)?;
+    if cfg.norm_plus_one {
+        w.iter_mut().for_each(|v| *v += 1.0);
+    }
+    Ok(w)
 }
 
 /// A resident weight matrix in its stored format.

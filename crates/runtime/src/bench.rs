@@ -91,20 +91,20 @@ pub fn bench(engine: &Engine, o: &BenchOptions) -> Result<BenchResult> {
     let vocab = engine.model.cfg.vocab_size as u64;
     let mut rng = Rng::new(o.seed);
     let mut random = |n: usize| -> Vec<u32> { (0..n).map(|_| (rng.next_u64() % vocab) as u32).collect() };
-    let mut kv = engine.model.new_cache(o.prompt.max(o.gen).max(16) + 1);
+    let mut kv = engine.model.new_state(o.prompt.max(o.gen).max(16) + 1);
     // Warm-up, as llama-bench does it: one full prefill batch (when there is a prefill test),
     // then one decode step.
     if o.prompt > 0 {
         for part in random(o.prompt).chunks(o.ubatch.max(1)) {
             engine.model.forward(&mut kv, part, Logits::Last, None)?;
         }
-        kv.truncate(0);
+        kv.reset();
     }
     engine.model.forward(&mut kv, &random(1), Logits::Last, None)?;
     let mut r = BenchResult::default();
     for _ in 0..o.reps {
         if o.prompt > 0 {
-            kv.truncate(0);
+            kv.reset();
             let toks = random(o.prompt);
             let before = engine.model.experts.stats();
             let t0 = Instant::now();
@@ -115,7 +115,7 @@ pub fn bench(engine: &Engine, o: &BenchOptions) -> Result<BenchResult> {
             r.prefill_experts.push(engine.model.experts.stats().since(&before));
         }
         if o.gen > 0 {
-            kv.truncate(0);
+            kv.reset();
             let toks = random(o.gen);
             let before = engine.model.experts.stats();
             let t0 = Instant::now();

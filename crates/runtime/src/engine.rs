@@ -121,7 +121,7 @@ impl Engine {
         };
         let cfg = ckpt.config().clone();
         let ctx = if options.max_context == 0 { cfg.max_position.min(8192) } else { options.max_context };
-        let kv_bytes = (cfg.n_layer * cfg.kv_dim() * 2 * 4 * ctx) as u64;
+        let kv_bytes = cfg.state_bytes(ctx);
         let src = ckpt.source();
         let layout = || ckpt.layout(options.experts.pack.as_deref()).map_err(expert_err);
         let Placement { experts, copy_dense, reason, streaming, monitor } =
@@ -200,8 +200,8 @@ impl Engine {
         }
     }
 
-    pub fn new_cache(&self) -> sluice_model::KvCache {
-        self.model.new_cache(self.options.max_context)
+    pub fn new_state(&self) -> sluice_model::SeqState {
+        self.model.new_state(self.options.max_context)
     }
 }
 

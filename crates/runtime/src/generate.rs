@@ -5,7 +5,7 @@ use crate::engine::Engine;
 use crate::error::{Result, RuntimeError};
 use crate::sampler::{Sampler, SamplerConfig};
 use sluice_model::trace::Observer;
-use sluice_model::{KvCache, Logits};
+use sluice_model::{Logits, SeqState};
 use std::time::Instant;
 
 #[derive(Clone, Debug)]
@@ -79,7 +79,7 @@ fn reborrow<'a>(o: &'a mut Option<&mut dyn Observer>) -> Option<&'a mut dyn Obse
 /// Runs `prompt` through the model at the start of `kv` and returns the last position's logits.
 pub fn prefill(
     engine: &Engine,
-    kv: &mut KvCache,
+    kv: &mut SeqState,
     prompt: &[u32],
     chunk: usize,
     mut obs: Option<&mut dyn Observer>,
@@ -100,14 +100,14 @@ pub fn prefill(
 /// returns false to stop; `obs`, if given, sees every intermediate and routing decision.
 pub fn generate(
     engine: &Engine,
-    kv: &mut KvCache,
+    kv: &mut SeqState,
     prompt: &[u32],
     opts: &GenerateOptions,
     on_token: &mut dyn FnMut(u32) -> bool,
     mut obs: Option<&mut dyn Observer>,
 ) -> Result<Generation> {
     opts.sampler.validate().map_err(RuntimeError::Input)?;
-    kv.truncate(0);
+    kv.reset();
     let t0 = Instant::now();
     let mut logits = prefill(engine, kv, prompt, opts.prefill_chunk, reborrow(&mut obs))?;
     let prefill_secs = t0.elapsed().as_secs_f64();

@@ -51,13 +51,13 @@ pub fn perplexity(
     let first = ctx / 2;
     let t0 = std::time::Instant::now();
     let (mut nll, mut nll2, mut count) = (0f64, 0f64, 0usize);
-    let mut kv = engine.model.new_cache(ctx);
+    let mut kv = engine.model.new_state(ctx);
     for c in 0..n_chunk {
         let mut chunk = tokens[c * ctx..(c + 1) * ctx].to_vec();
         if let Some(b) = bos {
             chunk[0] = b;
         }
-        kv.truncate(0);
+        kv.reset();
         // Only the scored half needs logits.
         let mut logits = Vec::with_capacity((ctx - first) * vocab);
         let batch = batch.max(1);

@@ -92,7 +92,7 @@ pub fn mem_available() -> Option<u64> {
 pub fn expert_bytes(src: &dyn TensorSource, cfg: &ModelConfig) -> Result<u64> {
     let Some(moe) = &cfg.moe else { return Ok(0) };
     let mut total = 0u64;
-    for l in (0..cfg.n_layer).filter(|l| cfg.sparse_layer[*l]) {
+    for l in (0..cfg.n_layer).filter(|l| cfg.is_sparse(*l)) {
         let per: u64 = ExpertPart::ALL
             .iter()
             .map(|p| src.expert(*p, l, 0).map(|t| t.data.len() as u64))

@@ -12,7 +12,7 @@ fn golden(fam: &str) -> PathBuf {
 
 fn logits(dir: &Path) -> Vec<f32> {
     let e = Engine::load(dir, EngineOptions { threads: 1, ..Default::default() }).unwrap();
-    let mut kv = e.new_cache();
+    let mut kv = e.new_state();
     e.model.forward(&mut kv, &[5, 17, 100, 3, 250, 42, 7], Logits::All, None).unwrap()
 }
 

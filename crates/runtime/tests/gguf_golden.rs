@@ -37,7 +37,7 @@ fn bf16_gguf_logits_match_transformers() {
     for fam in ["llama", "qwen2", "qwen3", "olmoe", "mixtral", "qwen2_moe_sparse", "qwen3_moe_sparse"] {
         let e = load(root().join("golden/gguf").join(format!("{fam}-bf16.gguf")));
         let (tokens, want) = golden(fam);
-        let mut kv = e.new_cache();
+        let mut kv = e.new_state();
         let got = e.model.forward(&mut kv, &tokens, Logits::All, None).unwrap();
         let vocab = e.model.cfg.vocab_size;
         assert_eq!(got.len(), want.len() * vocab, "{fam}: number of logits");

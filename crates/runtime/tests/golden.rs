@@ -45,7 +45,7 @@ fn load(fam: &str, threads: usize) -> Engine {
 }
 
 fn logits_in_chunks(e: &Engine, tokens: &[u32], chunk: usize) -> Vec<f32> {
-    let mut kv = e.new_cache();
+    let mut kv = e.new_state();
     let mut out = Vec::new();
     for c in tokens.chunks(chunk) {
         out.extend(e.model.forward(&mut kv, c, Logits::All, None).unwrap());
@@ -82,7 +82,7 @@ fn greedy_continuations_match_transformers() {
     for fam in FAMILIES {
         let g = golden(fam);
         let e = load(fam, 2);
-        let mut kv = e.new_cache();
+        let mut kv = e.new_state();
         let opts = GenerateOptions { max_new_tokens: g.greedy.len(), ignore_eos: true, ..Default::default() };
         let out = generate(&e, &mut kv, &g.prompt, &opts, &mut |_| true, None).unwrap();
         assert_eq!(out.tokens, g.greedy, "{fam}: greedy continuation differs");

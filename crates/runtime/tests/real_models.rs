@@ -48,7 +48,7 @@ fn check(stem: &str) {
     // 2. Greedy continuation: equal to llama.cpp's, or diverging only where llama.cpp itself
     //    saw a near-tie between the two tokens.
     let want = ids(&rec["greedy"]);
-    let mut kv = e.new_cache();
+    let mut kv = e.new_state();
     let mut logits = e.model.forward(&mut kv, &prompt, Logits::Last, None).unwrap();
     for (i, w) in want.iter().enumerate() {
         let got = sluice_kernels::ops::argmax(&logits) as u32;

@@ -34,7 +34,7 @@ fn check_fault(model: &Path, pack: Option<std::path::PathBuf>, fault: Fault, exp
     plan.lock().unwrap().faults.push_back((7, fault));
     let vocab = e.model.cfg.vocab_size as u32;
     let toks: Vec<u32> = (0..22u32).map(|i| (i * 37 + 11) % vocab).collect();
-    let mut kv = e.new_cache();
+    let mut kv = e.new_state();
     // Run until the fault hits: it must surface as an error, with the cache left as it was.
     let mut hit = None;
     for t in &toks {

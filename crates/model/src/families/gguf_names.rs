@@ -1,8 +1,9 @@
 //! GGUF's tensor names (`blk.N.attn_q.weight` ...), shared by every architecture.
 
+use crate::config::Arch;
 use crate::weights::{ExpertPart, Key};
 
-pub fn name(key: Key, layer: Option<usize>) -> String {
+pub fn name(arch: Arch, key: Key, layer: Option<usize>) -> String {
     let l = layer.unwrap_or(0);
     let b = |s: &str| format!("blk.{l}.{s}");
     match key {
@@ -21,6 +22,10 @@ pub fn name(key: Key, layer: Option<usize>) -> String {
         Key::AttnQNorm => b("attn_q_norm.weight"),
         Key::AttnKNorm => b("attn_k_norm.weight"),
         Key::AttnPostNorm => b("post_attention_norm.weight"),
+        // The hybrid Qwen conversions file the pre-FFN norm under its HF name's kind.
+        Key::FfnNorm if matches!(arch, Arch::Qwen3Next | Arch::Qwen35 | Arch::Qwen35Moe) => {
+            b("post_attention_norm.weight")
+        }
         Key::FfnNorm => b("ffn_norm.weight"),
         Key::FfnPostNorm => b("post_ffw_norm.weight"),
         Key::FfnGate => b("ffn_gate.weight"),
@@ -31,6 +36,23 @@ pub fn name(key: Key, layer: Option<usize>) -> String {
         Key::ShexpUp => b("ffn_up_shexp.weight"),
         Key::ShexpDown => b("ffn_down_shexp.weight"),
         Key::ShexpGateInp => b("ffn_gate_inp_shexp.weight"),
+        Key::SsmQkvz => b("ssm_in.weight"),
+        Key::SsmQkv => b("attn_qkv.weight"),
+        Key::SsmZ => b("attn_gate.weight"),
+        Key::SsmBa => b("ssm_ba.weight"),
+        Key::SsmBeta => b("ssm_beta.weight"),
+        Key::SsmAlpha => b("ssm_alpha.weight"),
+        Key::SsmConv1d => b("ssm_conv1d.weight"),
+        Key::SsmDtBias => b("ssm_dt.bias"),
+        // GGUF stores A = −exp(A_log) under `ssm_a` (no `.weight`); it has no A_log.
+        Key::SsmA => b("ssm_a"),
+        Key::SsmALog => b("ssm_a_log"),
+        Key::SsmNorm => b("ssm_norm.weight"),
+        Key::SsmOut => b("ssm_out.weight"),
+        Key::MtpEhProj => b("nextn.eh_proj.weight"),
+        Key::MtpEnorm => b("nextn.enorm.weight"),
+        Key::MtpHnorm => b("nextn.hnorm.weight"),
+        Key::MtpNorm => b("nextn.shared_head_norm.weight"),
     }
 }
 

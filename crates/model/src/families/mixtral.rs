@@ -8,13 +8,14 @@ use sluice_formats::JsonConfig;
 
 pub(crate) const ROUTER: &str = "{p}.block_sparse_moe.gate.weight";
 
-pub fn expert_name(part: ExpertPart, l: usize, e: usize) -> String {
+/// Expert `e`'s matrix under layer prefix `p` (`model.layers.N`).
+pub fn expert_name(p: &str, part: ExpertPart, e: usize) -> String {
     let w = match part {
         ExpertPart::Gate => "w1",
         ExpertPart::Down => "w2",
         ExpertPart::Up => "w3",
     };
-    format!("model.layers.{l}.block_sparse_moe.experts.{e}.{w}.weight")
+    format!("{p}.block_sparse_moe.experts.{e}.{w}.weight")
 }
 
 pub fn config(c: &JsonConfig) -> Result<ModelConfig> {
@@ -26,6 +27,7 @@ pub fn config(c: &JsonConfig) -> Result<ModelConfig> {
         gating: Gating::SoftmaxTopK { norm_topk: true },
         shared_expert_ff: None,
     });
-    cfg.sparse_layer = vec![true; cfg.n_layer];
+    let all = vec![true; cfg.n_layer];
+    super::set_sparse(&mut cfg, &all);
     Ok(cfg)
 }

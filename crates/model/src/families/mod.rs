@@ -9,85 +9,151 @@ pub mod olmoe;
 pub mod qwen2;
 pub mod qwen2_moe;
 pub mod qwen3;
+pub mod qwen3_5;
 pub mod qwen3_moe;
+pub mod qwen3_next;
 
-use crate::config::{Activation, Arch, ModelConfig, QkNorm};
+use crate::config::{Activation, Arch, FfnKind, LayerSpec, MixerKind, ModelConfig, QkNorm};
 use crate::error::{ModelError, Result};
 use crate::rope::{Rope, RopeConfig, RopeScaling, RopeStyle};
 use crate::weights::{ExpertPart, Key};
 use sluice_formats::JsonConfig;
 
+/// A Hugging Face checkpoint's config read into a `ModelConfig`, with how its tensors are
+/// named.
+pub struct HfModel {
+    pub config: ModelConfig,
+    pub names: HfNames,
+    /// What of the checkpoint is not used, for `inspect` (e.g. a vision tower).
+    pub notes: Vec<String>,
+}
+
 /// Reads a Hugging Face `config.json` into a `ModelConfig`, by `model_type`.
 pub fn from_hf_config(c: &JsonConfig) -> Result<ModelConfig> {
+    Ok(hf_model(c)?.config)
+}
+
+/// Reads a Hugging Face `config.json`: the model's config and its tensor names.
+pub fn hf_model(c: &JsonConfig) -> Result<HfModel> {
     let model_type = c.str("model_type")?;
-    let cfg = match model_type {
-        "llama" => llama::config(c)?,
-        "qwen2" => qwen2::config(c)?,
-        "qwen3" => qwen3::config(c)?,
-        "mixtral" => mixtral::config(c)?,
-        "qwen2_moe" => qwen2_moe::config(c)?,
-        "qwen3_moe" => qwen3_moe::config(c)?,
-        "olmoe" => olmoe::config(c)?,
+    let plain = |config: ModelConfig| HfModel { names: HfNames::new(&config, "model."), config, notes: Vec::new() };
+    let m = match model_type {
+        "llama" => plain(llama::config(c)?),
+        "qwen2" => plain(qwen2::config(c)?),
+        "qwen3" => plain(qwen3::config(c)?),
+        "mixtral" => plain(mixtral::config(c)?),
+        "qwen2_moe" => plain(qwen2_moe::config(c)?),
+        "qwen3_moe" => plain(qwen3_moe::config(c)?),
+        "olmoe" => plain(olmoe::config(c)?),
+        "qwen3_next" => plain(qwen3_next::config(c)?),
+        "qwen3_5" | "qwen3_5_moe" | "qwen3_5_text" | "qwen3_5_moe_text" => qwen3_5::model(c)?,
         other => {
             return Err(ModelError::Invalid(format!(
-                "{}: unsupported architecture: model_type `{other}` (supported: llama, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe, olmoe)",
+                "{}: unsupported architecture: model_type `{other}` (supported: llama, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe, olmoe, qwen3_next, qwen3_5, qwen3_5_moe)",
                 c.path.display()
             )))
         }
     };
-    cfg.validate().map_err(|e| ModelError::Invalid(format!("{}: {e}", c.path.display())))?;
-    Ok(cfg)
+    m.config.validate().map_err(|e| ModelError::Invalid(format!("{}: {e}", c.path.display())))?;
+    Ok(m)
 }
 
-/// Hugging Face tensor name of `key`, llama-style (all families here share it but for the
-/// MoE parts, which each family names itself).
-pub fn hf_name(arch: Arch, key: Key, layer: Option<usize>) -> String {
-    let l = layer.unwrap_or(0);
-    let p = format!("model.layers.{l}");
-    match key {
-        Key::TokEmbd => "model.embed_tokens.weight".into(),
-        Key::OutputNorm => "model.norm.weight".into(),
-        Key::Output => "lm_head.weight".into(),
-        Key::AttnNorm => format!("{p}.input_layernorm.weight"),
-        Key::AttnQ => format!("{p}.self_attn.q_proj.weight"),
-        Key::AttnK => format!("{p}.self_attn.k_proj.weight"),
-        Key::AttnV => format!("{p}.self_attn.v_proj.weight"),
-        Key::AttnO => format!("{p}.self_attn.o_proj.weight"),
-        Key::AttnQBias => format!("{p}.self_attn.q_proj.bias"),
-        Key::AttnKBias => format!("{p}.self_attn.k_proj.bias"),
-        Key::AttnVBias => format!("{p}.self_attn.v_proj.bias"),
-        Key::AttnOBias => format!("{p}.self_attn.o_proj.bias"),
-        Key::AttnQNorm => format!("{p}.self_attn.q_norm.weight"),
-        Key::AttnKNorm => format!("{p}.self_attn.k_norm.weight"),
-        Key::AttnPostNorm => format!("{p}.post_attention_norm.weight"),
-        Key::FfnNorm => format!("{p}.post_attention_layernorm.weight"),
-        Key::FfnPostNorm => format!("{p}.post_feedforward_layernorm.weight"),
-        Key::FfnGate => format!("{p}.mlp.gate_proj.weight"),
-        Key::FfnUp => format!("{p}.mlp.up_proj.weight"),
-        Key::FfnDown => format!("{p}.mlp.down_proj.weight"),
-        Key::FfnGateInp => match arch {
-            Arch::Mixtral => mixtral::ROUTER.replace("{p}", &p),
-            _ => format!("{p}.mlp.gate.weight"),
-        },
-        Key::ShexpGate => format!("{p}.mlp.shared_expert.gate_proj.weight"),
-        Key::ShexpUp => format!("{p}.mlp.shared_expert.up_proj.weight"),
-        Key::ShexpDown => format!("{p}.mlp.shared_expert.down_proj.weight"),
-        Key::ShexpGateInp => format!("{p}.mlp.shared_expert_gate.weight"),
+/// How a Hugging Face checkpoint names its tensors: llama-style names under a prefix (`model.`,
+/// or `model.language_model.` in an image-text checkpoint), the MoE parts each family names
+/// itself, and a multi-token-prediction layer (`mtp.layers.0.*`) as layer `n_layer`.
+#[derive(Clone, Debug)]
+pub struct HfNames {
+    pub arch: Arch,
+    pub prefix: String,
+    pub n_layer: usize,
+}
+
+impl HfNames {
+    pub fn new(cfg: &ModelConfig, prefix: &str) -> HfNames {
+        HfNames { arch: cfg.arch, prefix: prefix.to_string(), n_layer: cfg.n_layer }
     }
-}
 
-/// Hugging Face name of one expert's matrix.
-pub fn hf_expert_name(arch: Arch, part: ExpertPart, l: usize, e: usize) -> String {
-    match arch {
-        Arch::Mixtral => mixtral::expert_name(part, l, e),
-        _ => {
-            let m = match part {
-                ExpertPart::Gate => "gate_proj",
-                ExpertPart::Up => "up_proj",
-                ExpertPart::Down => "down_proj",
-            };
-            format!("model.layers.{l}.mlp.experts.{e}.{m}.weight")
+    fn layer(&self, l: usize) -> String {
+        if l >= self.n_layer {
+            format!("mtp.layers.{}", l - self.n_layer)
+        } else {
+            format!("{}layers.{l}", self.prefix)
         }
+    }
+
+    /// The tensor name of `key` (of `layer` for per-layer keys).
+    pub fn name(&self, key: Key, layer: Option<usize>) -> String {
+        let p = self.layer(layer.unwrap_or(0));
+        let pre = &self.prefix;
+        match key {
+            Key::TokEmbd => format!("{pre}embed_tokens.weight"),
+            Key::OutputNorm => format!("{pre}norm.weight"),
+            Key::Output => "lm_head.weight".into(),
+            Key::AttnNorm => format!("{p}.input_layernorm.weight"),
+            Key::AttnQ => format!("{p}.self_attn.q_proj.weight"),
+            Key::AttnK => format!("{p}.self_attn.k_proj.weight"),
+            Key::AttnV => format!("{p}.self_attn.v_proj.weight"),
+            Key::AttnO => format!("{p}.self_attn.o_proj.weight"),
+            Key::AttnQBias => format!("{p}.self_attn.q_proj.bias"),
+            Key::AttnKBias => format!("{p}.self_attn.k_proj.bias"),
+            Key::AttnVBias => format!("{p}.self_attn.v_proj.bias"),
+            Key::AttnOBias => format!("{p}.self_attn.o_proj.bias"),
+            Key::AttnQNorm => format!("{p}.self_attn.q_norm.weight"),
+            Key::AttnKNorm => format!("{p}.self_attn.k_norm.weight"),
+            Key::AttnPostNorm => format!("{p}.post_attention_norm.weight"),
+            Key::FfnNorm => format!("{p}.post_attention_layernorm.weight"),
+            Key::FfnPostNorm => format!("{p}.post_feedforward_layernorm.weight"),
+            Key::FfnGate => format!("{p}.mlp.gate_proj.weight"),
+            Key::FfnUp => format!("{p}.mlp.up_proj.weight"),
+            Key::FfnDown => format!("{p}.mlp.down_proj.weight"),
+            Key::FfnGateInp => match self.arch {
+                Arch::Mixtral => mixtral::ROUTER.replace("{p}", &p),
+                _ => format!("{p}.mlp.gate.weight"),
+            },
+            Key::ShexpGate => format!("{p}.mlp.shared_expert.gate_proj.weight"),
+            Key::ShexpUp => format!("{p}.mlp.shared_expert.up_proj.weight"),
+            Key::ShexpDown => format!("{p}.mlp.shared_expert.down_proj.weight"),
+            Key::ShexpGateInp => format!("{p}.mlp.shared_expert_gate.weight"),
+            Key::SsmQkvz => format!("{p}.linear_attn.in_proj_qkvz.weight"),
+            Key::SsmQkv => format!("{p}.linear_attn.in_proj_qkv.weight"),
+            Key::SsmZ => format!("{p}.linear_attn.in_proj_z.weight"),
+            Key::SsmBa => format!("{p}.linear_attn.in_proj_ba.weight"),
+            Key::SsmBeta => format!("{p}.linear_attn.in_proj_b.weight"),
+            Key::SsmAlpha => format!("{p}.linear_attn.in_proj_a.weight"),
+            Key::SsmConv1d => format!("{p}.linear_attn.conv1d.weight"),
+            Key::SsmDtBias => format!("{p}.linear_attn.dt_bias"),
+            Key::SsmALog => format!("{p}.linear_attn.A_log"),
+            Key::SsmA => format!("{p}.linear_attn.A"),
+            Key::SsmNorm => format!("{p}.linear_attn.norm.weight"),
+            Key::SsmOut => format!("{p}.linear_attn.out_proj.weight"),
+            Key::MtpEhProj => "mtp.fc.weight".into(),
+            Key::MtpEnorm => "mtp.pre_fc_norm_embedding.weight".into(),
+            Key::MtpHnorm => "mtp.pre_fc_norm_hidden.weight".into(),
+            Key::MtpNorm => "mtp.norm.weight".into(),
+        }
+    }
+
+    /// One expert's matrix, as a tensor of its own (the hub's per-expert layout).
+    pub fn expert(&self, part: ExpertPart, l: usize, e: usize) -> String {
+        let p = self.layer(l);
+        match self.arch {
+            Arch::Mixtral => mixtral::expert_name(&p, part, e),
+            _ => {
+                let m = match part {
+                    ExpertPart::Gate => "gate_proj",
+                    ExpertPart::Up => "up_proj",
+                    ExpertPart::Down => "down_proj",
+                };
+                format!("{p}.mlp.experts.{e}.{m}.weight")
+            }
+        }
+    }
+
+    /// The fused tensors some checkpoints keep every expert of a layer in: `gate_up_proj`
+    /// (n_expert, 2·ff, hidden), gate rows first, and `down_proj` (n_expert, hidden, ff).
+    pub fn fused_experts(&self, l: usize) -> (String, String) {
+        let p = self.layer(l);
+        (format!("{p}.mlp.experts.gate_up_proj"), format!("{p}.mlp.experts.down_proj"))
     }
 }
 
@@ -120,7 +186,7 @@ pub(crate) fn common(c: &JsonConfig, arch: Arch) -> Result<ModelConfig> {
         n_head,
         n_head_kv,
         head_dim,
-        ff: c.usize("intermediate_size")?,
+        ff: c.opt_usize("intermediate_size")?.unwrap_or(0),
         rms_eps: c.opt_f64("rms_norm_eps")?.unwrap_or(1e-6) as f32,
         rope,
         rope_local: None,
@@ -131,9 +197,15 @@ pub(crate) fn common(c: &JsonConfig, arch: Arch) -> Result<ModelConfig> {
         clip_qkv: None,
         activation: Activation::Silu,
         moe: None,
-        sparse_layer: vec![false; n_layer],
-        window,
+        delta_net: None,
+        layers: window
+            .into_iter()
+            .map(|window| LayerSpec { mixer: MixerKind::Attention { window }, ffn: FfnKind::Dense })
+            .collect(),
         attn_scale: 1.0 / (head_dim as f32).sqrt(),
+        attn_output_gate: false,
+        norm_plus_one: false,
+        mtp: None,
         gemma: false,
         final_logit_softcap: None,
         bos_token: c.opt_usize("bos_token_id")?.map(|v| v as u32),
@@ -235,6 +307,72 @@ pub(crate) fn rope_from_hf(c: &JsonConfig, head_dim: usize, style: RopeStyle) ->
 /// Routed-expert count under either dialect's key.
 pub(crate) fn n_expert(c: &JsonConfig) -> Result<usize> {
     Ok(c.usize_any(&["num_experts", "num_local_experts"])?)
+}
+
+/// The hybrid layer design of Qwen3-Next and Qwen3.5: Gated DeltaNet dimensions from the
+/// `linear_*` keys, layer kinds from `layer_types` (or every `full_attention_interval`-th
+/// layer full attention, 4 by default), zero-centred norms, and the attention output gate.
+pub(crate) fn hybrid(c: &JsonConfig, cfg: &mut ModelConfig, proj: crate::config::DeltaNetProj) -> Result<()> {
+    let n_layer = cfg.n_layer;
+    let full: Vec<bool> = match c.get("layer_types").and_then(|v| v.as_array()) {
+        Some(types) => {
+            if types.len() != n_layer {
+                return Err(c
+                    .error(format!("key `layer_types` has {} entries for {n_layer} layers", types.len()))
+                    .into());
+            }
+            types
+                .iter()
+                .map(|t| match t.as_str() {
+                    Some("full_attention") => Ok(true),
+                    Some("linear_attention") => Ok(false),
+                    _ => Err(c.error(format!(
+                        "unknown layer type {t} in `layer_types` (expected \"linear_attention\" or \"full_attention\")"
+                    ))),
+                })
+                .collect::<std::result::Result<_, _>>()?
+        }
+        None => {
+            let every = c.opt_usize("full_attention_interval")?.unwrap_or(4);
+            if every == 0 {
+                return Err(c.error("key `full_attention_interval` must be at least 1").into());
+            }
+            (0..n_layer).map(|l| (l + 1) % every == 0).collect()
+        }
+    };
+    for (spec, f) in cfg.layers.iter_mut().zip(full) {
+        if !f {
+            spec.mixer = MixerKind::GatedDeltaNet;
+        }
+    }
+    let d = crate::config::DeltaNetConfig {
+        n_k_heads: c.usize("linear_num_key_heads")?,
+        n_v_heads: c.usize("linear_num_value_heads")?,
+        d_k: c.usize("linear_key_head_dim")?,
+        d_v: c.usize("linear_value_head_dim")?,
+        conv_kernel: c.opt_usize("linear_conv_kernel_dim")?.unwrap_or(4),
+        head_order: crate::config::HeadOrder::Grouped,
+        proj,
+    };
+    if d.n_k_heads == 0 || d.n_v_heads % d.n_k_heads != 0 {
+        return Err(c
+            .error(format!(
+                "linear_num_value_heads {} is not a multiple of linear_num_key_heads {}",
+                d.n_v_heads, d.n_k_heads
+            ))
+            .into());
+    }
+    cfg.delta_net = Some(d);
+    cfg.norm_plus_one = true;
+    cfg.attn_output_gate = c.opt_bool("attn_output_gate")?.unwrap_or(true);
+    Ok(())
+}
+
+/// Sets each layer's FFN: routed experts where `sparse[l]`, dense elsewhere.
+pub(crate) fn set_sparse(cfg: &mut ModelConfig, sparse: &[bool]) {
+    for (spec, s) in cfg.layers.iter_mut().zip(sparse) {
+        spec.ffn = if *s { FfnKind::Moe } else { FfnKind::Dense };
+    }
 }
 
 /// Layers that are sparse under Qwen's rule: not in `mlp_only_layers`, and every

@@ -20,6 +20,7 @@ pub fn config(c: &JsonConfig) -> Result<ModelConfig> {
         gating: Gating::SoftmaxTopK { norm_topk: c.opt_bool("norm_topk_prob")?.unwrap_or(false) },
         shared_expert_ff: None,
     });
-    cfg.sparse_layer = vec![true; cfg.n_layer];
+    let all = vec![true; cfg.n_layer];
+    super::set_sparse(&mut cfg, &all);
     Ok(cfg)
 }

@@ -102,7 +102,7 @@ pub fn load(model: &Path, p: &Place, slot_bytes: usize) -> Engine {
 pub fn run(e: &Engine) -> Vec<f32> {
     let vocab = e.model.cfg.vocab_size as u32;
     let toks: Vec<u32> = (0..22u32).map(|i| (i * 37 + 11) % vocab).collect();
-    let mut kv = e.new_cache();
+    let mut kv = e.new_state();
     let mut out = e.model.forward(&mut kv, &toks[..16], Logits::All, None).unwrap();
     for t in &toks[16..] {
         out.extend(e.model.forward(&mut kv, &[*t], Logits::All, None).unwrap());

@@ -1,21 +1,15 @@
-//! Feed-forward blocks: the dense gated FFN and the routed mixture of experts.
+//! The routed mixture of experts: the router picks each token's experts, the expert source
+//! delivers them (resident or streamed), outputs are combined in rank order; plus an optional
+//! shared expert behind a sigmoid gate.
 
-use crate::config::{Activation, Gating, ModelConfig};
+use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
+use crate::ffn::router::route;
+use crate::ffn::{gated_ffn, DenseFfnWeights, FfnWeights};
 use crate::model::{observe, Model};
 use crate::trace::Observer;
 use crate::weights::{Key, TensorSource, Weight};
-use sluice_kernels::{matmul, ops, MatRef, ThreadPool};
-
-/// A gated FFN: down(act(gate(x)) * up(x)).
-pub struct DenseFfnWeights {
-    /// (ff, hidden)
-    pub gate: Weight,
-    /// (ff, hidden)
-    pub up: Weight,
-    /// (hidden, ff)
-    pub down: Weight,
-}
+use sluice_kernels::{matmul, ops};
 
 pub struct SharedExpert {
     pub ffn: DenseFfnWeights,
@@ -29,22 +23,10 @@ pub struct MoeWeights {
     pub shared: Option<SharedExpert>,
 }
 
-pub enum FfnWeights {
-    Dense(DenseFfnWeights),
-    Moe(MoeWeights),
-}
-
-impl FfnWeights {
-    pub fn load(src: &dyn TensorSource, cfg: &ModelConfig, l: usize) -> Result<FfnWeights> {
+impl MoeWeights {
+    pub fn load(src: &dyn TensorSource, cfg: &ModelConfig, l: usize) -> Result<MoeWeights> {
         let h = cfg.hidden;
         let mat = |key, rows, cols| Weight::from_tensor(src.require(key, Some(l))?, rows, cols);
-        if !cfg.sparse_layer[l] {
-            return Ok(FfnWeights::Dense(DenseFfnWeights {
-                gate: mat(Key::FfnGate, cfg.ff, h)?,
-                up: mat(Key::FfnUp, cfg.ff, h)?,
-                down: mat(Key::FfnDown, h, cfg.ff)?,
-            }));
-        }
         let moe = cfg.moe.as_ref().ok_or_else(|| ModelError::Invalid("sparse layer without MoE config".into()))?;
         let shared = match moe.shared_expert_ff {
             None => None,
@@ -57,73 +39,12 @@ impl FfnWeights {
                 gate_inp: mat(Key::ShexpGateInp, 1, h)?,
             }),
         };
-        Ok(FfnWeights::Moe(MoeWeights { router: mat(Key::FfnGateInp, moe.n_expert, h)?, shared }))
+        Ok(MoeWeights { router: mat(Key::FfnGateInp, moe.n_expert, h)?, shared })
     }
 
-    /// Bytes of the resident part (router and shared expert for MoE layers).
+    /// Bytes of the resident part: router and shared expert.
     pub fn dense_bytes(&self) -> usize {
-        match self {
-            FfnWeights::Dense(f) => f.gate.bytes() + f.up.bytes() + f.down.bytes(),
-            FfnWeights::Moe(m) => {
-                m.router.bytes()
-                    + m.shared
-                        .as_ref()
-                        .map_or(0, |s| s.ffn.gate.bytes() + s.ffn.up.bytes() + s.ffn.down.bytes() + s.gate_inp.bytes())
-            }
-        }
-    }
-}
-
-fn activation(a: Activation) -> fn(f32) -> f32 {
-    match a {
-        Activation::Silu => ops::silu,
-        Activation::GeluTanh => ops::gelu_tanh,
-    }
-}
-
-/// down(act(gate·x) ⊙ up·x) for `n` rows of `x`, written to `out` (n, hidden).
-#[allow(clippy::too_many_arguments)]
-fn gated_ffn(
-    pool: &ThreadPool,
-    act: Activation,
-    gate: MatRef<'_>,
-    up: MatRef<'_>,
-    down: MatRef<'_>,
-    x: &[f32],
-    n: usize,
-    out: &mut [f32],
-) {
-    let ff = gate.rows;
-    let mut g = vec![0f32; n * ff]; // (n, ff)
-    let mut u = vec![0f32; n * ff]; // (n, ff)
-    matmul(pool, gate, x, n, &mut g);
-    matmul(pool, up, x, n, &mut u);
-    ops::glu(&mut g, &u, activation(act));
-    matmul(pool, down, &g, n, out);
-}
-
-pub fn dense_ffn(pool: &ThreadPool, cfg: &ModelConfig, f: &DenseFfnWeights, x: &[f32], n: usize, out: &mut [f32]) {
-    gated_ffn(pool, cfg.activation, f.gate.mat(), f.up.mat(), f.down.mat(), x, n, out);
-}
-
-/// The router's choice for one token: expert ids in rank order and their weights.
-pub fn route(gating: Gating, logits: &[f32], k: usize, experts: &mut Vec<u32>, weights: &mut Vec<f32>) {
-    match gating {
-        Gating::SoftmaxTopK { norm_topk } => {
-            let mut p = logits.to_vec();
-            ops::softmax(&mut p);
-            let mut idx: Vec<u32> = (0..p.len() as u32).collect();
-            // Highest probability first; the lower id wins a tie.
-            idx.sort_by(|a, b| p[*b as usize].total_cmp(&p[*a as usize]).then(a.cmp(b)));
-            experts.clear();
-            experts.extend_from_slice(&idx[..k]);
-            weights.clear();
-            weights.extend(experts.iter().map(|e| p[*e as usize]));
-            if norm_topk {
-                let s: f32 = weights.iter().sum();
-                weights.iter_mut().for_each(|w| *w /= s);
-            }
-        }
+        self.router.bytes() + self.shared.as_ref().map_or(0, |s| s.ffn.bytes() + s.gate_inp.bytes())
     }
 }
 
@@ -220,7 +141,7 @@ pub fn moe_ffn(
 /// Predicts the experts of the next sparse layer after `l` from `x` (this layer's normed
 /// FFN input) and hands them to the expert source as a prefetch hint.
 fn prefetch_next(m: &Model, l: usize, x: &[f32], n: usize) {
-    let Some(next) = (l + 1..m.cfg.n_layer).find(|&j| m.cfg.sparse_layer[j]) else { return };
+    let Some(next) = (l + 1..m.cfg.n_layer).find(|&j| m.cfg.is_sparse(j)) else { return };
     if !m.experts.wants_prefetch(next) {
         return;
     }

@@ -1,32 +1,26 @@
-//! Grouped-query self-attention with RoPE, optional QK-norm, bias and sliding window.
+//! Grouped-query self-attention: RoPE (full or partial), optional QK-norm (per head or over
+//! the whole projection), bias, Q/K/V clamp, sliding window, and an output gate.
+//!
+//! ```text
+//! q = x·Wqᵀ (+b)   (n, n_head·head_dim)      with an output gate: (n, n_head·2·head_dim),
+//! k = x·Wkᵀ (+b)   (n, n_head_kv·head_dim)     each head [q | gate]
+//! v = x·Wvᵀ (+b)   (n, n_head_kv·head_dim)
+//! q, k ← rms_norm (per head or whole row), then RoPE at each token's position
+//! o_h  = softmax(q_h·K_gᵀ · scale over visible positions) · V_g      g = h / (n_head / n_head_kv)
+//! o    ← o ⊙ σ(gate)                          (output gate)
+//! out  = o·Woᵀ (+b)
+//! ```
 
 use crate::config::{ModelConfig, QkNorm};
 use crate::error::{ModelError, Result};
-use crate::kv_cache::KvCache;
 use crate::model::{observe, Model};
+use crate::state::SeqState;
 use crate::trace::Observer;
-use crate::weights::{vector, Key, TensorSource, Weight};
-use sluice_kernels::{float::dots_f32, matmul, ops, SendPtr, ThreadPool};
-
-/// A projection with an optional bias.
-pub struct Linear {
-    pub w: Weight,
-    pub b: Option<Vec<f32>>,
-}
-
-impl Linear {
-    pub fn forward(&self, pool: &ThreadPool, x: &[f32], n: usize, out: &mut [f32]) {
-        matmul(pool, self.w.mat(), x, n, out);
-        if let Some(b) = &self.b {
-            for row in out.chunks_exact_mut(b.len()) {
-                ops::add_inplace(row, b);
-            }
-        }
-    }
-}
+use crate::weights::{vector, Key, Linear, TensorSource, Weight};
+use sluice_kernels::{float::dots_f32, ops, SendPtr};
 
 pub struct AttentionWeights {
-    /// (n_head·head_dim, hidden)
+    /// (n_head·head_dim, hidden), or (n_head·2·head_dim, hidden) with the output gate.
     pub q: Linear,
     /// (n_head_kv·head_dim, hidden)
     pub k: Linear,
@@ -42,6 +36,7 @@ pub struct AttentionWeights {
 impl AttentionWeights {
     pub fn load(src: &dyn TensorSource, cfg: &ModelConfig, l: usize) -> Result<AttentionWeights> {
         let (h, qd, kvd) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim());
+        let q_rows = if cfg.attn_output_gate { 2 * qd } else { qd };
         let lin = |wk: Key, bk: Key, rows: usize, cols: usize, bias: bool| -> Result<Linear> {
             let w = Weight::from_tensor(src.require(wk, Some(l))?, rows, cols)?;
             let b = if bias { Some(vector(src.require(bk, Some(l))?, rows)?) } else { None };
@@ -50,7 +45,7 @@ impl AttentionWeights {
         let norm = |key: Key, len: usize| -> Result<Option<Vec<f32>>> {
             match cfg.qk_norm {
                 QkNorm::None => Ok(None),
-                _ => Ok(Some(vector(src.require(key, Some(l))?, len)?)),
+                _ => Ok(Some(crate::weights::norm(src, cfg, key, Some(l), len)?)),
             }
         };
         let (qn, kn) = match cfg.qk_norm {
@@ -58,7 +53,7 @@ impl AttentionWeights {
             _ => (cfg.head_dim, cfg.head_dim),
         };
         Ok(AttentionWeights {
-            q: lin(Key::AttnQ, Key::AttnQBias, qd, h, cfg.qkv_bias)?,
+            q: lin(Key::AttnQ, Key::AttnQBias, q_rows, h, cfg.qkv_bias)?,
             k: lin(Key::AttnK, Key::AttnKBias, kvd, h, cfg.qkv_bias)?,
             v: lin(Key::AttnV, Key::AttnVBias, kvd, h, cfg.qkv_bias)?,
             o: Linear {
@@ -76,27 +71,42 @@ impl AttentionWeights {
 }
 
 /// Self-attention of `n` tokens at positions `pos0..pos0 + n` of layer `l`; appends their keys
-/// and values to the cache and writes the output projection to `out` (n, hidden).
+/// and values to the state and writes the output projection to `out` (n, hidden).
 #[allow(clippy::too_many_arguments)]
-pub fn attention(
+pub fn forward(
     m: &Model,
     l: usize,
     w: &AttentionWeights,
     h: &[f32],
     n: usize,
-    pos0: usize,
-    kv: &mut KvCache,
+    state: &mut SeqState,
     out: &mut [f32],
     obs: &mut Option<&mut dyn Observer>,
 ) {
     let cfg = &m.cfg;
     let pool = &*m.pool;
+    let pos0 = state.len();
     let (hd, nh, nkv) = (cfg.head_dim, cfg.n_head, cfg.n_head_kv);
     let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
     let mut q = vec![0f32; n * qd]; // (n, n_head·head_dim)
+    let mut gate = Vec::new(); // (n, n_head·head_dim) with an output gate
     let mut k = vec![0f32; n * kvd]; // (n, n_head_kv·head_dim)
     let mut v = vec![0f32; n * kvd];
-    w.q.forward(pool, h, n, &mut q);
+    if cfg.attn_output_gate {
+        // Each head's projection is [q | gate]: split them apart.
+        let mut qg = vec![0f32; n * 2 * qd];
+        w.q.forward(pool, h, n, &mut qg);
+        gate = vec![0f32; n * qd];
+        for (t, row) in qg.chunks_exact(2 * qd).enumerate() {
+            for (head, pair) in row.chunks_exact(2 * hd).enumerate() {
+                let at = t * qd + head * hd;
+                q[at..at + hd].copy_from_slice(&pair[..hd]);
+                gate[at..at + hd].copy_from_slice(&pair[hd..]);
+            }
+        }
+    } else {
+        w.q.forward(pool, h, n, &mut q);
+    }
     w.k.forward(pool, h, n, &mut k);
     w.v.forward(pool, h, n, &mut v);
     if let Some(c) = cfg.clip_qkv {
@@ -104,16 +114,12 @@ pub fn attention(
             *x = x.clamp(-c, c);
         }
     }
-    match cfg.qk_norm {
-        QkNorm::None => {}
-        QkNorm::PerHead | QkNorm::Full => {
-            let (qn, kn) = (w.q_norm.as_ref().expect("loaded"), w.k_norm.as_ref().expect("loaded"));
-            for r in q.chunks_exact_mut(qn.len()) {
-                ops::rms_norm_inplace(r, qn, cfg.rms_eps);
-            }
-            for r in k.chunks_exact_mut(kn.len()) {
-                ops::rms_norm_inplace(r, kn, cfg.rms_eps);
-            }
+    if let (Some(qn), Some(kn)) = (&w.q_norm, &w.k_norm) {
+        for r in q.chunks_exact_mut(qn.len()) {
+            ops::rms_norm_inplace(r, qn, cfg.rms_eps);
+        }
+        for r in k.chunks_exact_mut(kn.len()) {
+            ops::rms_norm_inplace(r, kn, cfg.rms_eps);
         }
     }
     observe(obs, "q", Some(l), &q, n);
@@ -121,7 +127,7 @@ pub fn attention(
     observe(obs, "v", Some(l), &v, n);
 
     // Rotate every head of q and k at its token's position.
-    let window = cfg.window[l];
+    let window = cfg.window(l);
     let rope = match (&m.rope_local, window) {
         (Some(local), Some(_)) => local,
         _ => &m.rope,
@@ -137,8 +143,8 @@ pub fn attention(
             rope.apply(head, &cos, &sin);
         }
     }
-    kv.append(l, &k, &v);
-    let (kc, vc) = kv.layer(l);
+    state.append_kv(l, &k, &v);
+    let (kc, vc) = state.kv(l);
 
     // Each (token, head) is one independent task: scores over its visible positions,
     // softmax, weighted sum of values. Its arithmetic never depends on the other tasks.
@@ -167,14 +173,24 @@ pub fn attention(
             }
         }
     });
+    if cfg.attn_output_gate {
+        for (o, g) in att.iter_mut().zip(&gate) {
+            *o *= ops::sigmoid(*g);
+        }
+    }
     observe(obs, "kqv_out", Some(l), &att, n);
     w.o.forward(pool, &att, n, out);
     observe(obs, "attn_out", Some(l), out, n);
 }
 
-/// Checks that a family's attention switches agree with the tensors present.
+/// Checks that a family's attention switches agree with the tensors present (in the first
+/// attention layer).
 pub fn check_bias(src: &dyn TensorSource, cfg: &ModelConfig) -> Result<()> {
-    let has = src.get(Key::AttnQBias, Some(0))?.is_some();
+    let Some(l) = (0..cfg.n_layer).find(|l| matches!(cfg.layers[*l].mixer, crate::config::MixerKind::Attention { .. }))
+    else {
+        return Ok(());
+    };
+    let has = src.get(Key::AttnQBias, Some(l))?.is_some();
     if has != cfg.qkv_bias {
         return Err(ModelError::Invalid(format!(
             "{}: the config says attention bias is {}, but the checkpoint {} a q_proj bias",

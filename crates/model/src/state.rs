@@ -1,0 +1,283 @@
+//! A sequence's state, per layer: keys and values for attention layers, the convolution tail
+//! and the recurrent matrix for Gated DeltaNet layers.
+//!
+//! Invariants:
+//! * every layer holds exactly `len` positions' worth of state once a forward pass returns;
+//! * a forward pass is all or nothing: attention layers append past `len` and recurrent
+//!   layers write their next state into a second buffer; `commit` makes both current, and a
+//!   failed pass leaves the state exactly as it was (`abort`);
+//! * keys and values are stored in f32, so prefill and decode read back exactly what they
+//!   wrote; a recurrent state is the same bits however the tokens that built it were chunked.
+//!
+//! Rewinding: attention state can be cut to any earlier length (`truncate`); a recurrent
+//! state cannot, so speculative decoding and prefix reuse take a `snapshot` where they may
+//! want to return, and `restore` it.
+
+use crate::config::{MixerKind, ModelConfig};
+use crate::error::{ModelError, Result};
+
+/// Keys and values of one attention layer, `len × kv_dim` each.
+#[derive(Clone, Debug, Default)]
+pub struct KvLayer {
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+}
+
+/// A Gated DeltaNet layer's state, double-buffered: `cur` is committed, the other buffer
+/// receives the state a forward pass computes.
+#[derive(Clone, Debug)]
+pub struct RecurrentLayer {
+    /// The last `conv_kernel − 1` inputs of the convolution, oldest first (`(K−1) × conv_dim`).
+    conv: [Vec<f32>; 2],
+    /// Per value head, the `d_k × d_v` state, stored one value column after another
+    /// (`[head][j][i]` = S[i, j]) so the update walks contiguous key-sized rows.
+    s: [Vec<f32>; 2],
+    cur: usize,
+    /// The pending buffer holds this pass's result.
+    written: bool,
+}
+
+impl RecurrentLayer {
+    fn new(conv_len: usize, s_len: usize) -> RecurrentLayer {
+        RecurrentLayer {
+            conv: [vec![0.0; conv_len], vec![0.0; conv_len]],
+            s: [vec![0.0; s_len], vec![0.0; s_len]],
+            cur: 0,
+            written: false,
+        }
+    }
+
+    /// The committed state (read) and the buffer for the next one (written): conv, then s.
+    pub fn split(&mut self) -> (&[f32], &[f32], &mut [f32], &mut [f32]) {
+        self.written = true;
+        let (c0, c1) = self.conv.split_at_mut(1);
+        let (s0, s1) = self.s.split_at_mut(1);
+        if self.cur == 0 {
+            (&c0[0], &s0[0], &mut c1[0], &mut s1[0])
+        } else {
+            (&c1[0], &s1[0], &mut c0[0], &mut s0[0])
+        }
+    }
+
+    pub fn committed(&self) -> (&[f32], &[f32]) {
+        (&self.conv[self.cur], &self.s[self.cur])
+    }
+
+    fn reset(&mut self) {
+        for b in self.conv.iter_mut().chain(self.s.iter_mut()) {
+            b.fill(0.0);
+        }
+        self.written = false;
+    }
+}
+
+#[derive(Clone, Debug)]
+pub enum LayerState {
+    Kv(KvLayer),
+    Recurrent(RecurrentLayer),
+}
+
+pub struct SeqState {
+    kv_dim: usize,
+    layers: Vec<LayerState>,
+    len: usize,
+    max_len: usize,
+}
+
+/// A copy of a sequence's state at one length, to return to later.
+#[derive(Clone, Debug)]
+pub struct Snapshot {
+    len: usize,
+    /// Per layer: the committed (conv, s) of recurrent layers.
+    recurrent: Vec<Option<(Vec<f32>, Vec<f32>)>>,
+}
+
+impl Snapshot {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Bytes of recurrent state it holds (attention state is not copied).
+    pub fn bytes(&self) -> usize {
+        self.recurrent.iter().flatten().map(|(c, s)| 4 * (c.len() + s.len())).sum()
+    }
+}
+
+impl SeqState {
+    /// An empty state for `cfg`'s layers, holding up to `max_len` positions.
+    pub fn new(cfg: &ModelConfig, max_len: usize) -> SeqState {
+        let layers = cfg
+            .layers
+            .iter()
+            .map(|spec| match spec.mixer {
+                MixerKind::Attention { .. } => LayerState::Kv(KvLayer::default()),
+                MixerKind::GatedDeltaNet => {
+                    let d = cfg.delta_net.expect("validated: DeltaNet layers have dimensions");
+                    let conv = (d.conv_kernel - 1) * d.conv_dim();
+                    LayerState::Recurrent(RecurrentLayer::new(conv, d.n_v_heads * d.d_k * d.d_v))
+                }
+            })
+            .collect();
+        SeqState { kv_dim: cfg.kv_dim(), layers, len: 0, max_len }
+    }
+
+    /// Positions stored.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn max_len(&self) -> usize {
+        self.max_len
+    }
+
+    /// Whether any layer keeps a recurrent state (which cannot be cut back by `truncate`).
+    pub fn has_recurrent(&self) -> bool {
+        self.layers.iter().any(|l| matches!(l, LayerState::Recurrent(_)))
+    }
+
+    /// Forgets every position from `len` on. Always possible for attention state, and for
+    /// `len` 0 (a fresh sequence); a recurrent state cannot be rewound to any other length:
+    /// restore a snapshot taken there instead.
+    pub fn truncate(&mut self, len: usize) -> Result<()> {
+        if len >= self.len {
+            return Ok(());
+        }
+        if len > 0 && self.has_recurrent() {
+            return Err(ModelError::Input(format!(
+                "a recurrent (Gated DeltaNet) state cannot be rewound from {} to {len} positions; restore a snapshot taken at {len}",
+                self.len
+            )));
+        }
+        self.cut_kv(len);
+        if len == 0 {
+            for l in &mut self.layers {
+                if let LayerState::Recurrent(r) = l {
+                    r.reset();
+                }
+            }
+        }
+        self.len = len;
+        Ok(())
+    }
+
+    /// A fresh sequence.
+    pub fn reset(&mut self) {
+        self.truncate(0).expect("truncating to 0 always works");
+    }
+
+    fn cut_kv(&mut self, len: usize) {
+        for l in &mut self.layers {
+            if let LayerState::Kv(kv) = l {
+                kv.k.truncate(len * self.kv_dim);
+                kv.v.truncate(len * self.kv_dim);
+            }
+        }
+    }
+
+    /// Copies what is needed to come back to this length later.
+    pub fn snapshot(&self) -> Snapshot {
+        let recurrent = self
+            .layers
+            .iter()
+            .map(|l| match l {
+                LayerState::Recurrent(r) => {
+                    let (c, s) = r.committed();
+                    Some((c.to_vec(), s.to_vec()))
+                }
+                LayerState::Kv(_) => None,
+            })
+            .collect();
+        Snapshot { len: self.len, recurrent }
+    }
+
+    /// Returns to a snapshot taken from this sequence at a length it has not gone below since.
+    pub fn restore(&mut self, snap: &Snapshot) -> Result<()> {
+        if snap.len > self.len || snap.recurrent.len() != self.layers.len() {
+            return Err(ModelError::Input(format!(
+                "cannot restore a snapshot of {} positions into a state of {} positions",
+                snap.len, self.len
+            )));
+        }
+        self.cut_kv(snap.len);
+        for (l, saved) in self.layers.iter_mut().zip(&snap.recurrent) {
+            if let (LayerState::Recurrent(r), Some((c, s))) = (l, saved) {
+                let cur = r.cur;
+                r.conv[cur].copy_from_slice(c);
+                r.s[cur].copy_from_slice(s);
+                r.written = false;
+            }
+        }
+        self.len = snap.len;
+        Ok(())
+    }
+
+    /// Layer `l`'s state.
+    pub fn layer(&self, l: usize) -> &LayerState {
+        &self.layers[l]
+    }
+
+    /// Appends `n` positions of keys and values to attention layer `l` (rows `k` and `v`,
+    /// `n × kv_dim`). Every attention layer must be appended the same `n` before `commit(n)`.
+    pub fn append_kv(&mut self, l: usize, k: &[f32], v: &[f32]) {
+        let len = self.len * self.kv_dim;
+        let LayerState::Kv(kv) = &mut self.layers[l] else { panic!("layer {l} has no KV cache") };
+        debug_assert_eq!(kv.k.len(), len, "layer {l} appended twice");
+        kv.k.extend_from_slice(k);
+        kv.v.extend_from_slice(v);
+    }
+
+    /// Keys and values of attention layer `l`, including positions appended but not yet
+    /// committed.
+    pub fn kv(&self, l: usize) -> (&[f32], &[f32]) {
+        let LayerState::Kv(kv) = &self.layers[l] else { panic!("layer {l} has no KV cache") };
+        (&kv.k, &kv.v)
+    }
+
+    /// Recurrent layer `l`'s committed state and the buffer for its next one.
+    pub fn recurrent(&mut self, l: usize) -> &mut RecurrentLayer {
+        let LayerState::Recurrent(r) = &mut self.layers[l] else { panic!("layer {l} has no recurrent state") };
+        r
+    }
+
+    /// Makes the `n` positions a forward pass added current, in every layer.
+    pub fn commit(&mut self, n: usize) {
+        for l in &mut self.layers {
+            if let LayerState::Recurrent(r) = l {
+                if r.written {
+                    r.cur = 1 - r.cur;
+                    r.written = false;
+                }
+            }
+        }
+        self.len += n;
+    }
+
+    /// Drops what a failed forward pass wrote: the state is as it was before it.
+    pub fn abort(&mut self) {
+        self.cut_kv(self.len);
+        for l in &mut self.layers {
+            if let LayerState::Recurrent(r) = l {
+                r.written = false;
+            }
+        }
+    }
+
+    /// Bytes held: KV capacity and both buffers of every recurrent state.
+    pub fn bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .map(|l| match l {
+                LayerState::Kv(kv) => 4 * (kv.k.capacity() + kv.v.capacity()),
+                LayerState::Recurrent(r) => 4 * (r.conv.iter().chain(&r.s).map(|b| b.capacity()).sum::<usize>()),
+            })
+            .sum()
+    }
+}
