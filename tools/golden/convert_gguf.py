@@ -22,6 +22,11 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--family", action="append", required=True)
     ap.add_argument("--outtype", action="append", required=True, help="bf16, f32, q8_0 ...")
+    ap.add_argument(
+        "--no-mtp",
+        action="store_true",
+        help="pass --no-mtp (checkpoints written by transformers carry no MTP layer, which the hybrid Qwen converters otherwise require)",
+    )
     args = ap.parse_args()
 
     sys.path.insert(0, args.llama_src)
@@ -38,6 +43,8 @@ def main():
         for ot in args.outtype:
             out = os.path.join(args.out, f"{fam}-{ot}.gguf")
             sys.argv = ["convert_hf_to_gguf.py", os.path.join(args.golden, fam), "--outfile", out, "--outtype", ot]
+            if args.no_mtp:
+                sys.argv.append("--no-mtp")
             conv.main()
             print(f"wrote {out} ({os.path.getsize(out)} bytes)")
 

@@ -69,11 +69,13 @@ impl TensorSource for GgufCheckpoint {
     }
 
     fn get(&self, key: Key, layer: Option<usize>) -> Result<Option<TensorData>> {
-        Ok(self.file.tensor(&gguf_names::name(self.config.arch, key, layer)))
+        Ok(gguf_names::name(self.config.arch, key, layer).and_then(|n| self.file.tensor(&n)))
     }
 
     fn require(&self, key: Key, layer: Option<usize>) -> Result<TensorData> {
-        let name = gguf_names::name(self.config.arch, key, layer);
+        let Some(name) = gguf_names::name(self.config.arch, key, layer) else {
+            return Err(self.err(format!("a {} file has no {key:?} tensor", self.config.arch.name())));
+        };
         self.file.tensor(&name).ok_or_else(|| self.err(format!("missing tensor `{name}`")))
     }
 

@@ -34,7 +34,17 @@ fn bf16_gguf_logits_match_transformers() {
     // llama (permuted Q/K, interleaved RoPE, Llama-3 scaling as rope_freqs), qwen2 (bias),
     // qwen3 (QK-norm, YaRN, tied embeddings), and four MoE families (the Qwen ones with every
     // layer sparse: llama.cpp converts neither dense layers of Qwen3-MoE nor of Qwen2-MoE).
-    for fam in ["llama", "qwen2", "qwen3", "olmoe", "mixtral", "qwen2_moe_sparse", "qwen3_moe_sparse"] {
+    for fam in [
+        "llama",
+        "qwen2",
+        "qwen3",
+        "olmoe",
+        "mixtral",
+        "qwen2_moe_sparse",
+        "qwen3_moe_sparse",
+        "qwen3_next",
+        "qwen3_5_moe",
+    ] {
         let e = load(root().join("golden/gguf").join(format!("{fam}-bf16.gguf")));
         let (tokens, want) = golden(fam);
         let mut kv = e.new_state();

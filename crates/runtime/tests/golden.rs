@@ -7,8 +7,19 @@ use sluice_model::Logits;
 use sluice_runtime::{generate, Engine, EngineOptions, GenerateOptions};
 use std::path::PathBuf;
 
-const FAMILIES: [&str; 9] =
-    ["qwen3_moe", "qwen3_moe_sparse", "olmoe", "mixtral", "qwen2_moe", "qwen2_moe_sparse", "qwen3", "qwen2", "llama"];
+const FAMILIES: [&str; 11] = [
+    "qwen3_next",
+    "qwen3_5_moe",
+    "qwen3_moe",
+    "qwen3_moe_sparse",
+    "olmoe",
+    "mixtral",
+    "qwen2_moe",
+    "qwen2_moe_sparse",
+    "qwen3",
+    "qwen2",
+    "llama",
+];
 
 fn golden_dir(fam: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/golden").join(fam)

@@ -3,7 +3,17 @@
 use crate::config::Arch;
 use crate::weights::{ExpertPart, Key};
 
-pub fn name(arch: Arch, key: Key, layer: Option<usize>) -> String {
+/// The GGUF name of `key`, or `None` where the architecture has no such tensor.
+pub fn name(arch: Arch, key: Key, layer: Option<usize>) -> Option<String> {
+    let hybrid = matches!(arch, Arch::Qwen3Next | Arch::Qwen35 | Arch::Qwen35Moe);
+    if hybrid && key == Key::AttnPostNorm {
+        // These files keep the pre-FFN norm under `post_attention_norm` (below).
+        return None;
+    }
+    Some(name_of(hybrid, key, layer))
+}
+
+fn name_of(hybrid: bool, key: Key, layer: Option<usize>) -> String {
     let l = layer.unwrap_or(0);
     let b = |s: &str| format!("blk.{l}.{s}");
     match key {
@@ -23,9 +33,7 @@ pub fn name(arch: Arch, key: Key, layer: Option<usize>) -> String {
         Key::AttnKNorm => b("attn_k_norm.weight"),
         Key::AttnPostNorm => b("post_attention_norm.weight"),
         // The hybrid Qwen conversions file the pre-FFN norm under its HF name's kind.
-        Key::FfnNorm if matches!(arch, Arch::Qwen3Next | Arch::Qwen35 | Arch::Qwen35Moe) => {
-            b("post_attention_norm.weight")
-        }
+        Key::FfnNorm if hybrid => b("post_attention_norm.weight"),
         Key::FfnNorm => b("ffn_norm.weight"),
         Key::FfnPostNorm => b("post_ffw_norm.weight"),
         Key::FfnGate => b("ffn_gate.weight"),
