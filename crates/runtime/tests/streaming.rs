@@ -36,6 +36,11 @@ fn models() -> Vec<PathBuf> {
         t.join("golden/mixtral"),
         t.join("golden/gguf/olmoe-q8_0.gguf"),
         t.join("golden/gguf/mixtral-bf16.gguf"),
+        // The hybrids: Gated DeltaNet layers' recurrent state beside streamed experts.
+        t.join("golden/qwen3_next"),
+        t.join("golden/qwen3_5_moe"),
+        t.join("golden/gguf/qwen3_next-q8_0.gguf"),
+        t.join("golden/gguf/qwen3_5_moe-bf16.gguf"),
     ]
 }
 
