@@ -1,4 +1,5 @@
 use anyhow::{bail, Result};
+use sluice_model::config::{MixerKind, QkNorm};
 use sluice_model::gguf::GgufCheckpoint;
 use sluice_model::hf::HfCheckpoint;
 use sluice_model::ModelConfig;
@@ -19,13 +20,54 @@ fn is_routed_expert(name: &str) -> bool {
     name.contains(".experts.") || name.contains("_exps.")
 }
 
+/// Whether a tensor belongs to a part of the checkpoint the language model does not use.
+fn is_unused(name: &str) -> bool {
+    name.starts_with("model.visual.") || name.starts_with("visual.")
+}
+
+/// Whether a tensor belongs to the multi-token-prediction head.
+fn is_mtp(c: &ModelConfig, name: &str) -> bool {
+    name.starts_with("mtp.") || name.contains(".nextn.") || {
+        // GGUF keeps the MTP layer as the blocks after the trunk's.
+        name.strip_prefix("blk.")
+            .and_then(|r| r.split('.').next())
+            .and_then(|n| n.parse::<usize>().ok())
+            .is_some_and(|l| l >= c.n_layer)
+    }
+}
+
+/// "3× Gated DeltaNet + 1× attention (layers 3)": how the layers are composed.
+fn composition(c: &ModelConfig) -> String {
+    let attn: Vec<usize> =
+        (0..c.n_layer).filter(|l| matches!(c.layers[*l].mixer, MixerKind::Attention { .. })).collect();
+    let delta = c.n_layer - attn.len();
+    let windows = (0..c.n_layer).filter(|l| c.window(*l).is_some()).count();
+    let mut parts = Vec::new();
+    if delta > 0 {
+        let list = if attn.len() <= 16 {
+            format!(" (layers {})", attn.iter().map(|l| l.to_string()).collect::<Vec<_>>().join(", "))
+        } else {
+            String::new()
+        };
+        parts.push(format!("{delta}× Gated DeltaNet + {}× attention{list}", attn.len()));
+    } else {
+        parts.push(format!("{}× attention", attn.len()));
+    }
+    if windows > 0 {
+        parts.push(format!("{windows} with a sliding window"));
+    }
+    parts.join(", ")
+}
+
 pub fn main(a: Args) -> Result<()> {
     if !a.path.exists() {
         bail!("{}: no such file or directory", a.path.display());
     }
     // (name, dtype, bytes) of every tensor, and the config.
+    let mut notes = Vec::new();
     let (format, c, tensors): (&str, ModelConfig, Vec<(String, String, usize)>) = if a.path.is_dir() {
         let ck = HfCheckpoint::open(&a.path)?;
+        notes.extend(ck.notes.iter().cloned());
         let t = ck
             .st
             .names()
@@ -43,10 +85,14 @@ pub fn main(a: Args) -> Result<()> {
         bail!("{}: expected a Hugging Face model directory or a GGUF file", a.path.display());
     };
     let mut dtypes: BTreeMap<String, usize> = BTreeMap::new();
-    let (mut dense, mut experts, mut embd) = (0usize, 0usize, 0usize);
+    let (mut dense, mut experts, mut embd, mut unused, mut mtp) = (0usize, 0usize, 0usize, 0usize, 0usize);
     for (name, dtype, bytes) in &tensors {
         *dtypes.entry(dtype.clone()).or_default() += bytes;
-        if is_routed_expert(name) {
+        if is_unused(name) {
+            unused += bytes;
+        } else if is_mtp(&c, name) {
+            mtp += bytes;
+        } else if is_routed_expert(name) {
             experts += bytes;
         } else {
             dense += bytes;
@@ -83,6 +129,21 @@ pub fn main(a: Args) -> Result<()> {
         "embedding_bytes": embd,
         "decode_bytes_per_token": active,
         "dtype_bytes": dtypes,
+        "composition": composition(&c),
+        "attention": {
+            "rotary_dims": c.rope.dim,
+            "qk_norm": format!("{:?}", c.qk_norm),
+            "output_gate": c.attn_output_gate,
+        },
+        "delta_net": c.delta_net.map(|d| serde_json::json!({
+            "key_heads": d.n_k_heads, "value_heads": d.n_v_heads, "key_dim": d.d_k, "value_dim": d.d_v,
+            "conv_kernel": d.conv_kernel, "head_order": format!("{:?}", d.head_order), "projections": format!("{:?}", d.proj),
+        })),
+        "state_bytes_per_token": c.state_bytes(1) - c.state_bytes(0),
+        "state_bytes_fixed": c.state_bytes(0),
+        "mtp": c.mtp.map(|m| serde_json::json!({"layers": m.n_layer, "bytes": mtp})),
+        "unused_bytes": unused,
+        "notes": notes,
     });
     if a.json {
         println!("{v}");
@@ -104,6 +165,39 @@ pub fn main(a: Args) -> Result<()> {
             c.n_layer,
             m.shared_expert_ff.map(|s| format!(", shared expert ffn {s}")).unwrap_or_default()
         );
+    }
+    println!("  layers: {}", composition(&c));
+    println!(
+        "  attention: rotary {} of {} dims{}{}",
+        c.rope.dim,
+        c.head_dim,
+        match c.qk_norm {
+            QkNorm::None => "",
+            QkNorm::PerHead => ", QK-norm per head",
+            QkNorm::Full => ", QK-norm over the projection",
+        },
+        if c.attn_output_gate { ", output gate" } else { "" }
+    );
+    if let Some(d) = c.delta_net {
+        println!(
+            "  Gated DeltaNet: {} key heads × {}, {} value heads × {}, conv kernel {}, head order {:?}, projections {:?}",
+            d.n_k_heads, d.d_k, d.n_v_heads, d.d_v, d.conv_kernel, d.head_order, d.proj
+        );
+    }
+    println!(
+        "  sequence state: {:.1} KiB per token (KV of the attention layers) + {:.2} MiB fixed (recurrent)",
+        (c.state_bytes(1) - c.state_bytes(0)) as f64 / 1024.0,
+        mib(c.state_bytes(0) as usize)
+    );
+    if let Some(m) = c.mtp {
+        println!(
+            "  multi-token prediction: {} layer(s), {:.2} MiB (loaded for speculative decoding)",
+            m.n_layer,
+            mib(mtp)
+        );
+    }
+    for n in &notes {
+        println!("  note: {n}{}", if unused > 0 { format!(" ({:.2} MiB unused)", mib(unused)) } else { String::new() });
     }
     println!("  tensors: {count}");
     println!("  dense weights: {:.2} MiB   routed experts: {:.2} MiB", mib(dense), mib(experts));

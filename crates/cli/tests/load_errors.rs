@@ -242,7 +242,10 @@ fn inconsistent_deltanet_head_counts_are_named() {
         c.insert("linear_num_value_heads".into(), 3.into());
     });
     let e = fails(&d);
-    assert!(e.contains("config.json") && e.contains("linear_num_value_heads 3") && e.contains("linear_num_key_heads 2"), "{e}");
+    assert!(
+        e.contains("config.json") && e.contains("linear_num_value_heads 3") && e.contains("linear_num_key_heads 2"),
+        "{e}"
+    );
     // Consistent counts that disagree with the tensors: the projection is named.
     let d = copy_model("qwen3_next", "dn-heads2");
     edit_config(&d, |c| {
@@ -256,7 +259,10 @@ fn inconsistent_deltanet_head_counts_are_named() {
 fn missing_deltanet_tensors_are_named() {
     for (tensor, expect) in [
         ("model.layers.2.linear_attn.conv1d.weight", "missing tensor `model.layers.2.linear_attn.conv1d.weight`"),
-        ("model.layers.0.linear_attn.A_log", "layer 0 is a Gated DeltaNet layer but its decay (A_log / ssm_a) is missing"),
+        (
+            "model.layers.0.linear_attn.A_log",
+            "layer 0 is a Gated DeltaNet layer but its decay (A_log / ssm_a) is missing",
+        ),
         ("model.layers.3.linear_attn.dt_bias", "missing tensor `model.layers.3.linear_attn.dt_bias`"),
     ] {
         let d = copy_model("qwen3_next", &format!("dn-missing-{}", tensor.len()));
@@ -272,18 +278,28 @@ fn missing_deltanet_tensors_are_named() {
 fn unknown_layer_type_is_named() {
     let d = copy_model("qwen3_next", "dn-type");
     edit_config(&d, |c| {
-        c.insert("layer_types".into(), serde_json::json!(["linear_attention", "mamba", "linear_attention", "full_attention"]));
+        c.insert(
+            "layer_types".into(),
+            serde_json::json!(["linear_attention", "mamba", "linear_attention", "full_attention"]),
+        );
     });
     let e = fails(&d);
-    assert!(e.contains("config.json") && e.contains("unknown layer type \"mamba\"") && e.contains("layer_types"), "{e}");
+    assert!(
+        e.contains("config.json") && e.contains("unknown layer type \"mamba\"") && e.contains("layer_types"),
+        "{e}"
+    );
 }
 
 #[test]
 fn missing_deltanet_tensor_in_gguf_is_named() {
-    let p = edited_gguf("qwen3_5_moe-bf16.gguf", "gguf-dn-conv", |w| w.tensors.retain(|t| t.0 != "blk.1.ssm_conv1d.weight"));
+    let p = edited_gguf("qwen3_5_moe-bf16.gguf", "gguf-dn-conv", |w| {
+        w.tensors.retain(|t| t.0 != "blk.1.ssm_conv1d.weight")
+    });
     let e = fails(&p);
     assert!(e.contains("missing tensor `blk.1.ssm_conv1d.weight`"), "{e}");
-    let p = edited_gguf("qwen3_next-bf16.gguf", "gguf-dn-rank", |w| set_meta(w, "qwen3next.ssm.time_step_rank", sluice_formats::gguf::Value::U32(3)));
+    let p = edited_gguf("qwen3_next-bf16.gguf", "gguf-dn-rank", |w| {
+        set_meta(w, "qwen3next.ssm.time_step_rank", sluice_formats::gguf::Value::U32(3))
+    });
     let e = fails(&p);
     assert!(e.contains("value heads") || e.contains("ssm.inner_size"), "{e}");
 }

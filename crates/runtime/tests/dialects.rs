@@ -92,12 +92,17 @@ fn fused_experts(fam: &str) -> PathBuf {
         match name.split_once(".mlp.experts.") {
             Some((layer, rest)) => {
                 let (e, part) = rest.split_once('.').unwrap();
-                fused.entry(layer.to_string()).or_default().push((e.parse().unwrap(), part.to_string(), t.data.to_vec()));
+                fused.entry(layer.to_string()).or_default().push((
+                    e.parse().unwrap(),
+                    part.to_string(),
+                    t.data.to_vec(),
+                ));
             }
             None => out.push((name.clone(), dtype, t.shape.clone(), t.data.to_vec())),
         }
     }
-    let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
     let tc = &cfg["text_config"];
     let (ne, ff, h) = (
         tc["num_experts"].as_u64().unwrap() as usize,
@@ -136,13 +141,21 @@ fn fused_expert_tensors_give_the_same_bits_resident_and_streamed() {
     // The smallest cache that holds one expert.
     let probe = Engine::load(
         &dir,
-        EngineOptions { threads: 1, experts: sluice_runtime::placement::ExpertOptions { cache_bytes: Some(1 << 30), ..experts.clone() }, ..Default::default() },
+        EngineOptions {
+            threads: 1,
+            experts: sluice_runtime::placement::ExpertOptions { cache_bytes: Some(1 << 30), ..experts.clone() },
+            ..Default::default()
+        },
     )
     .unwrap();
     let slot = probe.streaming.as_ref().unwrap().slot_bytes() as u64;
     let e = Engine::load(
         &dir,
-        EngineOptions { threads: 1, experts: sluice_runtime::placement::ExpertOptions { cache_bytes: Some(slot), ..experts }, ..Default::default() },
+        EngineOptions {
+            threads: 1,
+            experts: sluice_runtime::placement::ExpertOptions { cache_bytes: Some(slot), ..experts },
+            ..Default::default()
+        },
     )
     .unwrap();
     let mut kv = e.new_state();
