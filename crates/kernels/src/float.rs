@@ -53,18 +53,29 @@ pub fn dot_ref(dtype: DType, row: &[u8], x: &[f32]) -> f32 {
 /// f32 · f32 in the contract's order (attention scores use it).
 #[inline]
 pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    dot_f32_isa(crate::cpu::isa(), a, b)
+}
+
+/// `dot_f32` at a chosen ISA level.
+#[inline]
+pub fn dot_f32_isa(isa: crate::cpu::Isa, a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
     // SAFETY: lengths are equal; the pointers cover `a.len()` f32 each.
     let bytes = unsafe { std::slice::from_raw_parts(a.as_ptr() as *const u8, a.len() * 4) };
     let mut out = [0f32; 1];
-    tile(crate::cpu::isa(), DType::F32, &[bytes], &[b], &mut out, 1);
+    tile(isa, DType::F32, &[bytes], &[b], &mut out, 1);
     out[0]
 }
 
 /// `acc[i] = fma(s, x[i], acc[i])`, element by element (the same bits at every ISA level).
 pub fn axpy(acc: &mut [f32], s: f32, x: &[f32]) {
+    axpy_isa(crate::cpu::isa(), acc, s, x)
+}
+
+/// `axpy` at a chosen ISA level (the kernel lab and tests compare the levels).
+pub fn axpy_isa(isa: crate::cpu::Isa, acc: &mut [f32], s: f32, x: &[f32]) {
     assert_eq!(acc.len(), x.len());
-    match crate::cpu::isa() {
+    match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the ISA level was detected on this CPU; slices have equal lengths.
         crate::cpu::Isa::Avx512 | crate::cpu::Isa::Avx2 => unsafe { x86::axpy_fma(acc, s, x) },

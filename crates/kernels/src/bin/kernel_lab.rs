@@ -1,8 +1,9 @@
-//! Kernel lab: checks every SIMD variant of every matmul kernel against its scalar reference,
-//! then times decode-time matrix-vector products and prints the achieved bandwidth next to
-//! this machine's memory bandwidth, measured in the same run.
+//! Kernel lab: checks every SIMD variant of every matmul kernel and of the Gated DeltaNet
+//! ops against its scalar reference, then times decode-time matrix-vector products (achieved
+//! bandwidth next to this machine's memory bandwidth, measured in the same run), prefill
+//! matmuls (GMAC/s) and the DeltaNet recurrence at Qwen3-Next's dimensions.
 //!
-//! `kernel-lab [--quick] [--json]`
+//! `kernel-lab [--quick] [--json] [--dtype NAME]`
 
 use sluice_kernels::cpu::Isa;
 use sluice_kernels::{matmul_ref, DType, MatRef, ThreadPool};
@@ -134,6 +135,16 @@ fn main() {
         }
     }
 
+    // 1b. The Gated DeltaNet ops: every ISA level to the bit.
+    for &isa in &isas {
+        let (pass, what) = check_recurrent(isa);
+        ok &= pass;
+        if !json {
+            println!("check recurrent {:7} {what} {}", isa.name(), if pass { "ok" } else { "FAIL" });
+        }
+    }
+    time_recurrent(json, quick);
+
     // 2. Decode matvec bandwidth, 1 and 2 threads, best ISA.
     let (rows, cols) = if quick { (2048, 2048) } else { (8192, 4096) };
     let mut results = Vec::new();
@@ -204,6 +215,86 @@ fn main() {
     if !ok {
         eprintln!("some kernel variants disagree with the reference");
         std::process::exit(1);
+    }
+}
+
+/// The conv, the delta rule and the gated norm at `isa` against their scalar references.
+fn check_recurrent(isa: Isa) -> (bool, String) {
+    use sluice_kernels::recurrent as rec;
+    let mut r = rng(7);
+    let (c, kernel, n) = (200, 4, 9);
+    let x: Vec<f32> = (0..(kernel - 1 + n) * c).map(|_| r()).collect();
+    let w: Vec<f32> = (0..c * kernel).map(|_| r()).collect();
+    let (mut a, mut b) = (vec![0f32; n * c], vec![0f32; n * c]);
+    rec::conv1d_silu_ref(&x, &w, kernel, n, &mut a);
+    rec::conv1d_silu_isa(isa, &x, &w, kernel, n, &mut b);
+    let conv = sluice_kernels::compare::same_bits(&a, &b);
+    let (dk, dv) = (128, 96);
+    let s0: Vec<f32> = (0..dk * dv).map(|_| 0.1 * r()).collect();
+    let mut unit = |len: usize| -> Vec<f32> {
+        let mut v: Vec<f32> = (0..len).map(|_| r()).collect();
+        for row in v.chunks_mut(dk) {
+            rec::l2_normalize(row, 1e-6);
+        }
+        v
+    };
+    let (q, k) = (unit(n * dk), unit(n * dk));
+    let v: Vec<f32> = (0..n * dv).map(|_| r()).collect();
+    let beta: Vec<f32> = (0..n).map(|_| 0.5 + 0.4 * r()).collect();
+    let decay: Vec<f32> = (0..n).map(|_| 0.9 + 0.09 * r()).collect();
+    let (mut s1, mut s2) = (vec![0f32; dk * dv], vec![0f32; dk * dv]);
+    let (mut o1, mut o2) = (vec![0f32; n * dv], vec![0f32; n * dv]);
+    rec::delta_rule_ref(&s0, &mut s1, dk, &q, &k, &v, &beta, &decay, &mut o1);
+    rec::delta_rule_isa(isa, &s0, &mut s2, dk, &q, &k, &v, &beta, &decay, &mut o2);
+    let delta = sluice_kernels::compare::same_bits(&s1, &s2) && sluice_kernels::compare::same_bits(&o1, &o2);
+    (
+        conv && delta,
+        format!(
+            "conv {} delta rule {}",
+            if conv { "same bits" } else { "DIFFER" },
+            if delta { "same bits" } else { "DIFFER" }
+        ),
+    )
+}
+
+/// One decode step of the delta rule over 32 value heads of 128 × 128 (Qwen3-Next's), one
+/// thread: time per layer and the state traffic it achieves (the state is read and written).
+fn time_recurrent(json: bool, quick: bool) {
+    use sluice_kernels::recurrent as rec;
+    let (heads, dk, dv) = (32, 128, 128);
+    let mut r = rng(9);
+    let s0: Vec<f32> = (0..heads * dk * dv).map(|_| 0.01 * r()).collect();
+    let mut s1 = vec![0f32; heads * dk * dv];
+    let q: Vec<f32> = (0..dk).map(|_| 0.05 * r()).collect();
+    let k = q.clone();
+    let v: Vec<f32> = (0..dv).map(|_| r()).collect();
+    let mut o = vec![0f32; dv];
+    let iters = if quick { 20 } else { 100 };
+    let mut best = f64::MAX;
+    for _ in 0..3 {
+        let t0 = Instant::now();
+        for _ in 0..iters {
+            for h in 0..heads {
+                let (a, b) = (&s0[h * dk * dv..(h + 1) * dk * dv], &mut s1[h * dk * dv..(h + 1) * dk * dv]);
+                rec::delta_rule(a, b, dk, &q, &k, &v, &[0.5], &[0.95], &mut o);
+            }
+        }
+        best = best.min(t0.elapsed().as_secs_f64() / iters as f64);
+    }
+    let bytes = 2.0 * (heads * dk * dv * 4) as f64;
+    if json {
+        println!(
+            "{{\"kernel\":\"delta_rule\",\"isa\":\"{}\",\"heads\":{heads},\"d_k\":{dk},\"d_v\":{dv},\"us_per_token_layer\":{:.1},\"state_gb_s\":{:.2}}}",
+            sluice_kernels::cpu::isa().name(),
+            best * 1e6,
+            bytes / best / 1e9
+        );
+    } else {
+        println!(
+            "delta rule {heads} heads x {dk}x{dv}, 1 token, 1 thread: {:7.1} us per layer ({:.1} GB/s of state read and written)",
+            best * 1e6,
+            bytes / best / 1e9
+        );
     }
 }
 
