@@ -92,6 +92,7 @@ pub fn main(a: Args) -> Result<()> {
         threads: a.threads,
         max_context: 1024,
         experts: ExpertOptions { mode, cache_bytes: cache, ..Default::default() },
+        mtp: false,
     };
     let streamed = Engine::load(&path, opts(ExpertMode::Stream, Some(quota)))?;
     eprintln!("sluice: {}", streamed.placement);

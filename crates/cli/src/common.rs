@@ -105,7 +105,8 @@ impl ModelArgs {
 
 impl ModelArgs {
     pub fn load(&self) -> Result<Engine> {
-        let opts = EngineOptions { threads: self.threads, max_context: self.ctx, experts: self.expert_options()? };
+        let opts =
+            EngineOptions { threads: self.threads, max_context: self.ctx, experts: self.expert_options()?, mtp: false };
         let e = Engine::load(&self.model, opts).with_context(|| format!("loading {}", self.model.display()))?;
         if e.model.cfg.is_moe() {
             eprintln!("sluice: {}", e.placement);

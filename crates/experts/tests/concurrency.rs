@@ -131,7 +131,7 @@ fn stress(io: IoKind) {
                     }
                     want.truncate(1 + rng.next() % 4);
                     want.sort();
-                    if rng.next() % 3 == 0 {
+                    if rng.next().is_multiple_of(3) {
                         src.prefetch((l + 1) % LAYERS, &[(rng.next() % EXPERTS) as u32]);
                     }
                     let mut fetch = src.fetch(l, &want).unwrap();

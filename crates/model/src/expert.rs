@@ -191,6 +191,40 @@ impl ResidentExperts {
     }
 }
 
+impl ResidentExperts {
+    /// No experts (for a head whose FFN is dense).
+    pub fn empty() -> ResidentExperts {
+        ResidentExperts { experts: Vec::new(), bytes: 0 }
+    }
+
+    /// The experts of `layers` only (indexing by layer as the model does; other layers empty).
+    pub fn load_layers(
+        src: &dyn TensorSource,
+        cfg: &crate::config::ModelConfig,
+        layers: &[usize],
+        copy: bool,
+    ) -> Result<ResidentExperts> {
+        let moe = cfg.moe.as_ref().ok_or_else(|| ModelError::Invalid("not an MoE model".into()))?;
+        let mut bytes = 0;
+        let mut experts: Vec<Vec<[Weight; 3]>> = vec![Vec::new(); cfg.n_layer];
+        for &l in layers {
+            experts[l] = (0..moe.n_expert)
+                .map(|e| {
+                    let mut w = load_expert(src, cfg, l, e)?;
+                    if copy {
+                        for m in &mut w {
+                            m.data = m.data.to_owned_releasing();
+                        }
+                    }
+                    bytes += w.iter().map(|w| w.bytes()).sum::<usize>();
+                    Ok(w)
+                })
+                .collect::<Result<_>>()?;
+        }
+        Ok(ResidentExperts { experts, bytes })
+    }
+}
+
 /// One expert's three matrices from a tensor source, shape-checked.
 pub fn load_expert(
     src: &dyn TensorSource,

@@ -11,6 +11,7 @@ pub mod gguf;
 pub mod hf;
 pub mod mixer;
 pub mod model;
+pub mod mtp;
 pub mod rope;
 pub mod state;
 pub mod synth;

@@ -51,6 +51,8 @@ pub struct Model {
     pub rope_local: Option<Rope>,
     pub experts: Arc<dyn ExpertSource>,
     pub pool: Arc<ThreadPool>,
+    /// The multi-token-prediction head, once loaded (`load_mtp`).
+    pub mtp: Option<crate::mtp::MtpHead>,
 }
 
 /// Which rows of logits a forward pass returns.
@@ -113,7 +115,7 @@ impl Model {
         let output_norm = norm_of(Key::OutputNorm, None)?;
         let rope = Rope::new(cfg.rope.clone());
         let rope_local = cfg.rope_local.clone().map(Rope::new);
-        Ok(Model { cfg, tok_embd, layers, output_norm, output, rope, rope_local, experts, pool })
+        Ok(Model { cfg, tok_embd, layers, output_norm, output, rope, rope_local, experts, pool, mtp: None })
     }
 
     /// A fresh sequence state for up to `max_len` positions (the model's own maximum if 0).
@@ -171,8 +173,20 @@ impl Model {
         kv: &mut SeqState,
         tokens: &[u32],
         want: Logits,
-        mut obs: Option<&mut dyn Observer>,
+        obs: Option<&mut dyn Observer>,
     ) -> Result<Vec<f32>> {
+        self.forward_hidden(kv, tokens, want, obs).map(|(logits, _)| logits)
+    }
+
+    /// `forward`, also returning the final-normed hidden state of the same rows (`rows ×
+    /// hidden`): what a multi-token-prediction head reads.
+    pub fn forward_hidden(
+        &self,
+        kv: &mut SeqState,
+        tokens: &[u32],
+        want: Logits,
+        mut obs: Option<&mut dyn Observer>,
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
         let n = tokens.len();
         let pos0 = kv.len();
         if n == 0 {
@@ -184,17 +198,22 @@ impl Model {
                 kv.max_len()
             )));
         }
+        self.check_tokens(tokens)?;
+        let r = self.forward_layers(kv, tokens, want, &mut obs);
+        if r.is_err() {
+            kv.abort();
+        }
+        r
+    }
+
+    pub(crate) fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
         if let Some(t) = tokens.iter().find(|t| **t as usize >= self.cfg.vocab_size) {
             return Err(ModelError::Input(format!(
                 "token id {t} is outside the vocabulary of {}",
                 self.cfg.vocab_size
             )));
         }
-        let r = self.forward_layers(kv, tokens, want, &mut obs);
-        if r.is_err() {
-            kv.abort();
-        }
-        r
+        Ok(())
     }
 
     fn forward_layers(
@@ -203,7 +222,7 @@ impl Model {
         tokens: &[u32],
         want: Logits,
         obs: &mut Option<&mut dyn Observer>,
-    ) -> Result<Vec<f32>> {
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
         let cfg = &self.cfg;
         let (n, hd) = (tokens.len(), cfg.hidden);
         let pos0 = kv.len();
@@ -218,35 +237,28 @@ impl Model {
         }
         observe(obs, "inp_embd", None, &x, n);
 
-        let mut h = vec![0f32; n * hd]; // (n, hidden) normed input of a block
-        let mut y = vec![0f32; n * hd]; // (n, hidden) output of a block
+        let mut scratch = LayerScratch::new(n, hd);
         for (l, lw) in self.layers.iter().enumerate() {
-            rms_norm_rows(&x, &lw.attn_norm, cfg.rms_eps, &mut h);
-            observe(obs, "attn_norm", Some(l), &h, n);
-            lw.mixer.forward(self, l, &h, n, kv, &mut y, obs);
-            if let Some(w) = &lw.attn_post_norm {
-                rms_norm_rows_inplace(&mut y, w, cfg.rms_eps);
-            }
-            ops::add_inplace(&mut x, &y);
-            observe(obs, "ffn_inp", Some(l), &x, n);
-
-            rms_norm_rows(&x, &lw.ffn_norm, cfg.rms_eps, &mut h);
-            observe(obs, "ffn_norm", Some(l), &h, n);
-            match &lw.ffn {
-                FfnWeights::Dense(f) => dense_ffn(&self.pool, cfg, f, &h, n, &mut y),
-                FfnWeights::Moe(m) => moe_ffn(self, l, m, &h, n, pos0, &mut y, obs)?,
-            }
-            if let Some(w) = &lw.ffn_post_norm {
-                rms_norm_rows_inplace(&mut y, w, cfg.rms_eps);
-            }
-            observe(obs, "ffn_out", Some(l), &y, n);
-            ops::add_inplace(&mut x, &y);
-            observe(obs, "l_out", Some(l), &x, n);
+            lw.forward(self, l, &mut x, n, pos0, kv, &*self.experts, &mut scratch, obs)?;
         }
         kv.commit(n);
 
+        self.head(&x, n, want, obs)
+    }
+
+    /// The final norm and the output projection of the requested rows of `x` (the residual
+    /// stream after the last layer): (logits, normed hidden rows).
+    fn head(
+        &self,
+        x: &[f32],
+        n: usize,
+        want: Logits,
+        obs: &mut Option<&mut dyn Observer>,
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
+        let cfg = &self.cfg;
+        let hd = cfg.hidden;
         let rows = match want {
-            Logits::None => return Ok(Vec::new()),
+            Logits::None => return Ok((Vec::new(), Vec::new())),
             Logits::All => 0..n,
             Logits::Last => n - 1..n,
             Logits::From(f) => f.min(n)..n,
@@ -261,7 +273,64 @@ impl Model {
             logits.iter_mut().for_each(|v| *v = (*v / cap).tanh() * cap);
         }
         observe(obs, "result_output", None, &logits, m);
-        Ok(logits)
+        Ok((logits, hn))
+    }
+}
+
+/// Buffers a layer's forward pass reuses: the normed input of a block and its output.
+pub(crate) struct LayerScratch {
+    /// (n, hidden)
+    h: Vec<f32>,
+    /// (n, hidden)
+    y: Vec<f32>,
+}
+
+impl LayerScratch {
+    pub(crate) fn new(n: usize, hidden: usize) -> LayerScratch {
+        LayerScratch { h: vec![0f32; n * hidden], y: vec![0f32; n * hidden] }
+    }
+}
+
+impl Layer {
+    /// One decoder layer on the residual stream `x` (n, hidden), in place:
+    /// `x += mixer(norm(x)); x += ffn(norm(x))`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn forward(
+        &self,
+        m: &Model,
+        l: usize,
+        x: &mut [f32],
+        n: usize,
+        pos0: usize,
+        state: &mut SeqState,
+        experts: &dyn ExpertSource,
+        s: &mut LayerScratch,
+        obs: &mut Option<&mut dyn Observer>,
+    ) -> Result<()> {
+        let cfg = &m.cfg;
+        let (h, y) = (&mut s.h, &mut s.y);
+        rms_norm_rows(x, &self.attn_norm, cfg.rms_eps, h);
+        observe(obs, "attn_norm", Some(l), h, n);
+        self.mixer.forward(m, l, h, n, state, y, obs);
+        if let Some(w) = &self.attn_post_norm {
+            rms_norm_rows_inplace(y, w, cfg.rms_eps);
+        }
+        ops::add_inplace(x, y);
+        observe(obs, "ffn_inp", Some(l), x, n);
+
+        rms_norm_rows(x, &self.ffn_norm, cfg.rms_eps, h);
+        observe(obs, "ffn_norm", Some(l), h, n);
+        match &self.ffn {
+            FfnWeights::Dense(f) => dense_ffn(&m.pool, cfg, f, h, n, y),
+            FfnWeights::Moe(w) => moe_ffn(m, experts, l, w, h, n, pos0, y, obs)?,
+        }
+        if let Some(w) = &self.ffn_post_norm {
+            rms_norm_rows_inplace(y, w, cfg.rms_eps);
+        }
+        observe(obs, "ffn_out", Some(l), y, n);
+        ops::add_inplace(x, y);
+        observe(obs, "l_out", Some(l), x, n);
+        Ok(())
     }
 }
 

@@ -23,6 +23,8 @@ pub struct EngineOptions {
     /// Maximum context in tokens (0: the model's own maximum).
     pub max_context: usize,
     pub experts: ExpertOptions,
+    /// Load the checkpoint's multi-token-prediction head (speculative decoding drafts with it).
+    pub mtp: bool,
 }
 
 /// Which file format a model came from.
@@ -126,11 +128,14 @@ impl Engine {
         let layout = || ckpt.layout(options.experts.pack.as_deref()).map_err(expert_err);
         let Placement { experts, copy_dense, reason, streaming, monitor } =
             place(src, &cfg, &options.experts, ckpt.file_bytes(), kv_bytes, &layout)?;
-        let model = if copy_dense {
+        let mut model = if copy_dense {
             Model::load(cfg, &OwnedSource(src), experts, pool)?
         } else {
             Model::load(cfg, src, experts, pool)?
         };
+        if options.mtp {
+            model.load_mtp(src)?;
+        }
         let synthetic_routing = match &ckpt {
             Checkpoint::Gguf(c) => synthetic_routing(&c.file),
             Checkpoint::Hf(_) => None,

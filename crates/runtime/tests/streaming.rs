@@ -136,11 +136,13 @@ fn a_quota_below_one_expert_is_refused_with_the_minimum() {
         pressure: false,
         ..Default::default()
     };
-    let err =
-        sluice_runtime::Engine::load(&m, sluice_runtime::EngineOptions { threads: 1, max_context: 64, experts: o })
-            .err()
-            .unwrap()
-            .to_string();
+    let err = sluice_runtime::Engine::load(
+        &m,
+        sluice_runtime::EngineOptions { threads: 1, max_context: 64, experts: o, mtp: false },
+    )
+    .err()
+    .unwrap()
+    .to_string();
     assert!(err.contains("smaller than one expert") && err.contains(&format!("{slot} bytes")), "{err}");
 }
 
@@ -157,11 +159,13 @@ fn a_pack_of_another_model_is_refused() {
         pressure: false,
         ..Default::default()
     };
-    let err =
-        sluice_runtime::Engine::load(&a, sluice_runtime::EngineOptions { threads: 1, max_context: 64, experts: o })
-            .err()
-            .unwrap()
-            .to_string();
+    let err = sluice_runtime::Engine::load(
+        &a,
+        sluice_runtime::EngineOptions { threads: 1, max_context: 64, experts: o, mtp: false },
+    )
+    .err()
+    .unwrap()
+    .to_string();
     assert!(err.contains("made from a different model"), "{err}");
 }
 

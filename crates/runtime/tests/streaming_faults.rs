@@ -24,7 +24,7 @@ fn engine(model: &Path, slots: usize, pack: Option<std::path::PathBuf>, plan: Ar
         faults: Some(plan),
         ..Default::default()
     };
-    Engine::load(model, EngineOptions { threads: 2, max_context: 256, experts }).unwrap()
+    Engine::load(model, EngineOptions { threads: 2, max_context: 256, experts, mtp: false }).unwrap()
 }
 
 fn check_fault(model: &Path, pack: Option<std::path::PathBuf>, fault: Fault, expect: &str) {
@@ -129,7 +129,10 @@ fn a_damaged_pack_index_is_refused_by_name() {
             pressure: false,
             ..Default::default()
         };
-        let err = Engine::load(&m, EngineOptions { threads: 1, max_context: 64, experts }).err().unwrap().to_string();
+        let err = Engine::load(&m, EngineOptions { threads: 1, max_context: 64, experts, mtp: false })
+            .err()
+            .unwrap()
+            .to_string();
         assert!(err.contains(expect) && err.contains(&pack.display().to_string()), "{name}: {err}");
     }
 }

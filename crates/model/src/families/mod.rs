@@ -354,7 +354,7 @@ pub(crate) fn hybrid(c: &JsonConfig, cfg: &mut ModelConfig, proj: crate::config:
         head_order: crate::config::HeadOrder::Grouped,
         proj,
     };
-    if d.n_k_heads == 0 || d.n_v_heads % d.n_k_heads != 0 {
+    if d.n_k_heads == 0 || !d.n_v_heads.is_multiple_of(d.n_k_heads) {
         return Err(c
             .error(format!(
                 "linear_num_value_heads {} is not a multiple of linear_num_key_heads {}",

@@ -4,6 +4,7 @@
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
+use crate::expert::ExpertSource;
 use crate::ffn::router::route;
 use crate::ffn::{gated_ffn, DenseFfnWeights, FfnWeights};
 use crate::model::{observe, Model};
@@ -58,6 +59,7 @@ impl MoeWeights {
 #[allow(clippy::too_many_arguments)]
 pub fn moe_ffn(
     m: &Model,
+    experts: &dyn ExpertSource,
     l: usize,
     w: &MoeWeights,
     x: &[f32],
@@ -94,7 +96,7 @@ pub fn moe_ffn(
     let wanted: Vec<u32> = (0..ne as u32).filter(|e| !users[*e as usize].is_empty()).collect();
 
     let mut y = vec![0f32; n * k * hd]; // (n·k, hidden) one output row per (token, rank)
-    let mut fetch = m.experts.fetch(l, &wanted)?;
+    let mut fetch = experts.fetch(l, &wanted)?;
     // This layer's misses are on their way; now ask for the next sparse layer's likely
     // experts, so their reads queue behind them and overlap this layer's compute: the next
     // router applied to this layer's input predicts them.
@@ -141,6 +143,9 @@ pub fn moe_ffn(
 /// Predicts the experts of the next sparse layer after `l` from `x` (this layer's normed
 /// FFN input) and hands them to the expert source as a prefetch hint.
 fn prefetch_next(m: &Model, l: usize, x: &[f32], n: usize) {
+    if l >= m.cfg.n_layer {
+        return; // the multi-token-prediction layer: nothing follows it
+    }
     let Some(next) = (l + 1..m.cfg.n_layer).find(|&j| m.cfg.is_sparse(j)) else { return };
     if !m.experts.wants_prefetch(next) {
         return;

@@ -95,7 +95,7 @@ pub fn load(model: &Path, p: &Place, slot_bytes: usize) -> Engine {
         pressure: false,
         ..Default::default()
     };
-    Engine::load(model, EngineOptions { threads: 2, max_context: 256, experts }).unwrap()
+    Engine::load(model, EngineOptions { threads: 2, max_context: 256, experts, mtp: false }).unwrap()
 }
 
 /// Logits of a 16-token prefill then 6 single-token decode steps (all positions).

@@ -1,0 +1,69 @@
+//! The multi-token-prediction head of the Qwen3-Next golden against an independent PyTorch
+//! implementation (tools/golden/make_mtp_golden.py, on transformers' own modules): its
+//! logits for every position within 1e-3, and the same bits whether the head runs over the
+//! whole sequence at once or position by position.
+
+use sluice_kernels::compare::{max_abs_diff, same_bits};
+use sluice_model::Logits;
+use sluice_runtime::{Engine, EngineOptions};
+use std::path::PathBuf;
+
+fn golden() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/golden/qwen3_next")
+}
+
+fn engine(threads: usize) -> Engine {
+    Engine::load(&golden(), EngineOptions { threads, mtp: true, ..Default::default() }).unwrap()
+}
+
+#[test]
+fn mtp_head_matches_an_independent_implementation() {
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(golden().join("mtp_golden.json")).unwrap()).unwrap();
+    let tokens: Vec<u32> = v["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect();
+    let want: Vec<Vec<f32>> = v["mtp_logits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect())
+        .collect();
+    let e = engine(2);
+    assert!(e.model.cfg.mtp.is_some(), "the golden's head is found");
+    let (vocab, h) = (e.model.cfg.vocab_size, e.model.cfg.hidden);
+    let mut s = e.new_state();
+    let (_, hidden) = e.model.forward_hidden(&mut s, &tokens, Logits::All, None).unwrap();
+    let t = tokens.len();
+    let mut ms = e.model.new_mtp_state(0);
+    let (got, _) = e.model.mtp_forward(&mut ms, &hidden[..(t - 1) * h], &tokens[1..], Logits::All, None).unwrap();
+    assert_eq!(got.len(), want.len() * vocab);
+    let mut worst = 0f32;
+    for (p, w) in want.iter().enumerate() {
+        worst = worst.max(max_abs_diff(&got[p * vocab..(p + 1) * vocab], w).unwrap());
+    }
+    eprintln!("MTP head: max |logit difference| {worst:e} over {} positions", want.len());
+    assert!(worst <= 1e-3, "MTP logits differ from the reference by {worst}");
+
+    // Position by position: the same bits.
+    let mut ms = e.model.new_mtp_state(0);
+    let mut steps = Vec::new();
+    for p in 0..t - 1 {
+        let (l, _) = e
+            .model
+            .mtp_forward(&mut ms, &hidden[p * h..(p + 1) * h], &tokens[p + 1..p + 2], Logits::All, None)
+            .unwrap();
+        steps.extend(l);
+    }
+    assert!(same_bits(&got, &steps), "the head gives other bits position by position");
+    // Other thread counts: the same bits.
+    let e3 = engine(3);
+    let mut ms = e3.model.new_mtp_state(0);
+    let (three, _) = e3.model.mtp_forward(&mut ms, &hidden[..(t - 1) * h], &tokens[1..], Logits::All, None).unwrap();
+    assert!(same_bits(&got, &three));
+}
+
+#[test]
+fn mtp_head_is_an_error_where_there_is_none() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/golden/qwen3_5_moe");
+    let err = Engine::load(&dir, EngineOptions { threads: 1, mtp: true, ..Default::default() }).err().unwrap();
+    assert!(err.to_string().contains("no multi-token-prediction head"), "{err}");
+}
