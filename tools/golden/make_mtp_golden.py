@@ -12,7 +12,7 @@ llama.cpp agree on it), with transformers' own Qwen3-Next modules for the pieces
     logits = lm_head(norm(x))                                          (the model's lm_head)
 
 The head's weights are random (bf16 on disk, every 1-D parameter off its init constant) and
-saved as `mtp.safetensors` beside the golden's weights, in the hub's per-expert names; the
+saved as `model-mtp.safetensors` beside the golden's weights, in the hub's per-expert names; the
 reference logits go to `mtp_golden.json`.
 
     python3 tools/golden/make_mtp_golden.py --golden tests/golden/qwen3_next
@@ -72,7 +72,7 @@ def main():
                 tensors[f"mtp.layers.0.mlp.experts.{e}.down_proj.weight"] = p[e]
         else:
             tensors[f"mtp.layers.0.{name}"] = p
-    save_file({k: v.detach().to(torch.bfloat16).contiguous() for k, v in tensors.items()}, os.path.join(args.golden, "mtp.safetensors"))
+    save_file({k: v.detach().to(torch.bfloat16).contiguous() for k, v in tensors.items()}, os.path.join(args.golden, "model-mtp.safetensors"))
 
     g = json.load(open(os.path.join(args.golden, "golden.json")))
     tokens = g["tokens"]

@@ -67,3 +67,28 @@ fn mtp_head_is_an_error_where_there_is_none() {
     let err = Engine::load(&dir, EngineOptions { threads: 1, mtp: true, ..Default::default() }).err().unwrap();
     assert!(err.to_string().contains("no multi-token-prediction head"), "{err}");
 }
+
+#[test]
+fn mtp_head_from_llama_cpp_conversion_matches_too() {
+    // tests/golden/gguf/qwen3_next_mtp-bf16.gguf: the same checkpoint converted with its head
+    // (blk.4.nextn.*, nextn_predict_layers 1).
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(golden().join("mtp_golden.json")).unwrap()).unwrap();
+    let tokens: Vec<u32> = v["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect();
+    let want: Vec<f32> = v["mtp_logits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|r| r.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32))
+        .collect();
+    let path = golden().join("../gguf/qwen3_next_mtp-bf16.gguf");
+    let e = Engine::load(&path, EngineOptions { threads: 2, mtp: true, ..Default::default() }).unwrap();
+    let h = e.model.cfg.hidden;
+    let mut s = e.new_state();
+    let (_, hidden) = e.model.forward_hidden(&mut s, &tokens, Logits::All, None).unwrap();
+    let t = tokens.len();
+    let mut ms = e.model.new_mtp_state(0);
+    let (got, _) = e.model.mtp_forward(&mut ms, &hidden[..(t - 1) * h], &tokens[1..], Logits::All, None).unwrap();
+    let d = max_abs_diff(&got, &want).unwrap();
+    assert!(d <= 1e-3, "GGUF MTP head differs by {d}");
+}
