@@ -10,10 +10,12 @@ use std::path::PathBuf;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// A named real shape: qwen3-30b-a3b, olmoe-1b-7b, tiny-moe.
+    /// A named real shape: qwen3-30b-a3b, olmoe-1b-7b, qwen3-next-80b-a3b, qwen3.5-35b-a3b,
+    /// tiny-moe, demo-moe. The dimension flags below shrink or change it (e.g. `--layers 12
+    /// --experts 128` for a benchmark that must fit in memory).
     #[arg(long)]
     shape: Option<String>,
-    /// Architecture for explicit dims: qwen3moe or olmoe.
+    /// Architecture for explicit dims: qwen3moe, olmoe, qwen3next or qwen35moe.
     #[arg(long)]
     arch: Option<String>,
     #[arg(long)]
@@ -55,12 +57,17 @@ fn spec_from(a: &Args) -> Result<SynthSpec> {
         (Some(n), _) => SynthSpec::named(n)
             .with_context(|| format!("unknown shape `{n}` (known: {})", SynthSpec::NAMES.join(", ")))?,
         (None, Some(arch)) => {
-            let mut s = SynthSpec::named("tiny-moe").expect("built in");
+            let mut s = match arch.as_str() {
+                "qwen3next" | "qwen35moe" => SynthSpec::named("qwen3-next-80b-a3b").expect("built in"),
+                _ => SynthSpec::named("tiny-moe").expect("built in"),
+            };
             s.name = "custom".into();
             s.arch = match arch.as_str() {
                 "qwen3moe" => SynthArch::Qwen3Moe,
                 "olmoe" => SynthArch::Olmoe,
-                o => bail!("unknown --arch `{o}` (qwen3moe or olmoe)"),
+                "qwen3next" => SynthArch::Qwen3Next,
+                "qwen35moe" => SynthArch::Qwen35Moe,
+                o => bail!("unknown --arch `{o}` (qwen3moe, olmoe, qwen3next or qwen35moe)"),
             };
             s
         }

@@ -32,6 +32,10 @@ pub fn routing_caveat(routing: &str) -> String {
 pub enum SynthArch {
     Qwen3Moe,
     Olmoe,
+    /// Qwen3-Next: Gated DeltaNet layers and gated attention, MoE with a shared expert.
+    Qwen3Next,
+    /// Qwen3.5-MoE: as Qwen3-Next, with separate DeltaNet projections (llama.cpp's layout).
+    Qwen35Moe,
 }
 
 impl SynthArch {
@@ -39,8 +43,30 @@ impl SynthArch {
         match self {
             SynthArch::Qwen3Moe => "qwen3moe",
             SynthArch::Olmoe => "olmoe",
+            SynthArch::Qwen3Next => "qwen3next",
+            SynthArch::Qwen35Moe => "qwen35moe",
         }
     }
+
+    pub fn is_hybrid(self) -> bool {
+        matches!(self, SynthArch::Qwen3Next | SynthArch::Qwen35Moe)
+    }
+}
+
+/// The Gated DeltaNet part of a hybrid shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SynthDelta {
+    pub n_k_heads: usize,
+    pub n_v_heads: usize,
+    /// Key and value head size (llama.cpp's hybrids need them equal).
+    pub head_dim: usize,
+    pub conv_kernel: usize,
+    /// Every this many layers one is full attention (the last of each group).
+    pub full_every: usize,
+    /// Rotated dimensions of the attention heads.
+    pub rotary_dim: usize,
+    /// Width of the shared expert.
+    pub shared_ff: usize,
 }
 
 /// How tensors are quantized.
@@ -86,6 +112,8 @@ pub struct SynthSpec {
     pub rope_theta: f32,
     pub quant: QuantMix,
     pub seed: u64,
+    /// Hybrid shapes: the DeltaNet layers' dimensions.
+    pub delta: Option<SynthDelta>,
 }
 
 impl SynthSpec {
@@ -107,6 +135,31 @@ impl SynthSpec {
             rope_theta: 1_000_000.0,
             quant: QuantMix::Q4KM,
             seed: 1,
+            delta: None,
+        };
+        let next = SynthSpec {
+            arch: SynthArch::Qwen3Next,
+            n_layer: 48,
+            hidden: 2048,
+            n_head: 16,
+            n_head_kv: 2,
+            head_dim: 256,
+            n_expert: 512,
+            n_expert_used: 10,
+            expert_ff: 512,
+            vocab: 151_936,
+            context: 32_768,
+            rope_theta: 10_000_000.0,
+            delta: Some(SynthDelta {
+                n_k_heads: 16,
+                n_v_heads: 32,
+                head_dim: 128,
+                conv_kernel: 4,
+                full_every: 4,
+                rotary_dim: 64,
+                shared_ff: 512,
+            }),
+            ..base.clone()
         };
         Some(match name {
             "qwen3-30b-a3b" => base,
@@ -151,11 +204,28 @@ impl SynthSpec {
                 context: 4096,
                 ..base
             },
+            // Qwen3-Next-80B-A3B's public config.json dimensions.
+            "qwen3-next-80b-a3b" => next,
+            // Qwen3.5-35B-A3B's (text model).
+            "qwen3.5-35b-a3b" => SynthSpec {
+                arch: SynthArch::Qwen35Moe,
+                n_layer: 40,
+                n_expert: 256,
+                n_expert_used: 8,
+                vocab: 248_320,
+                ..next
+            },
             _ => return None,
         })
     }
 
-    pub const NAMES: [&'static str; 4] = ["qwen3-30b-a3b", "olmoe-1b-7b", "tiny-moe", "demo-moe"];
+    pub const NAMES: [&'static str; 6] =
+        ["qwen3-30b-a3b", "olmoe-1b-7b", "tiny-moe", "demo-moe", "qwen3-next-80b-a3b", "qwen3.5-35b-a3b"];
+
+    /// Whether layer `l` is a Gated DeltaNet layer (hybrid shapes).
+    pub fn is_delta_layer(&self, l: usize) -> bool {
+        self.delta.is_some_and(|d| (l + 1) % d.full_every != 0)
+    }
 
     pub fn validate(&self) -> Result<(), String> {
         let pos = [self.n_layer, self.hidden, self.n_head, self.n_head_kv, self.head_dim, self.n_expert, self.vocab];
@@ -171,6 +241,23 @@ impl SynthSpec {
         if self.arch == SynthArch::Olmoe && self.n_head * self.head_dim != self.hidden {
             return Err("OLMoE needs heads × head_dim = hidden".into());
         }
+        if self.arch.is_hybrid() != self.delta.is_some() {
+            return Err("the hybrid architectures (and only they) need DeltaNet dimensions".into());
+        }
+        if let Some(d) = &self.delta {
+            if [d.n_k_heads, d.n_v_heads, d.head_dim, d.conv_kernel, d.full_every, d.shared_ff].contains(&0) {
+                return Err("every DeltaNet dimension must be positive".into());
+            }
+            if !d.n_v_heads.is_multiple_of(d.n_k_heads) {
+                return Err(format!("{} value heads are not a multiple of {} key heads", d.n_v_heads, d.n_k_heads));
+            }
+            if d.rotary_dim > self.head_dim || !d.rotary_dim.is_multiple_of(2) {
+                return Err(format!("rotary dimension {} does not fit head_dim {}", d.rotary_dim, self.head_dim));
+            }
+            if !(d.n_v_heads * d.head_dim).is_multiple_of(256) || !d.shared_ff.is_multiple_of(256) {
+                return Err("the DeltaNet value width and the shared expert width must be multiples of 256".into());
+            }
+        }
         for (what, n) in
             [("hidden", self.hidden), ("expert FFN", self.expert_ff), ("heads × head_dim", self.n_head * self.head_dim)]
         {
@@ -183,9 +270,11 @@ impl SynthSpec {
 }
 
 /// What a tensor is, which decides its values.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Role {
     Norm,
+    /// Every value the same.
+    Fill(f32),
     Embedding,
     Output,
     Router,
@@ -238,21 +327,44 @@ pub fn plan(s: &SynthSpec) -> Vec<TensorPlan> {
     for l in 0..s.n_layer {
         let b = |n: &str| format!("blk.{l}.{n}");
         v.push(t(b("attn_norm.weight"), vec![h], DType::F32, Role::Norm, 0.0));
-        v.push(t(b("attn_q.weight"), vec![h, qd], mat(Some(l), "attn_q"), Role::Matrix, w_sigma));
-        v.push(t(b("attn_k.weight"), vec![h, kvd], mat(Some(l), "attn_k"), Role::Matrix, w_sigma));
-        v.push(t(b("attn_v.weight"), vec![h, kvd], mat(Some(l), "attn_v"), Role::Matrix, w_sigma));
-        // Attention averages over the same context for every position; at full weight its
-        // share of the residual grows with depth until late layers route most tokens alike
-        // (measured: expert-usage entropy fell to 0.71 of uniform by layer 48). A quarter keeps
-        // routing driven by the token at every depth (≥ 0.99 of uniform).
-        v.push(t(b("attn_output.weight"), vec![qd, h], mat(Some(l), "attn_o"), Role::Matrix, w_sigma * 0.25));
-        let (qn, kn) = match s.arch {
-            SynthArch::Qwen3Moe => (s.head_dim as u64, s.head_dim as u64),
-            SynthArch::Olmoe => (qd, kvd),
-        };
-        v.push(t(b("attn_q_norm.weight"), vec![qn], DType::F32, Role::Norm, 0.0));
-        v.push(t(b("attn_k_norm.weight"), vec![kn], DType::F32, Role::Norm, 0.0));
-        v.push(t(b("ffn_norm.weight"), vec![h], DType::F32, Role::Norm, 0.0));
+        if s.is_delta_layer(l) {
+            delta_tensors(s, l, &mut v, &|role| mat(Some(l), role), w_sigma);
+        } else {
+            // Hybrids gate the attention output: each head's q projection is [q | gate].
+            let q_rows = if s.arch.is_hybrid() { 2 * qd } else { qd };
+            v.push(t(b("attn_q.weight"), vec![h, q_rows], mat(Some(l), "attn_q"), Role::Matrix, w_sigma));
+            v.push(t(b("attn_k.weight"), vec![h, kvd], mat(Some(l), "attn_k"), Role::Matrix, w_sigma));
+            v.push(t(b("attn_v.weight"), vec![h, kvd], mat(Some(l), "attn_v"), Role::Matrix, w_sigma));
+            // Attention averages over the same context for every position; at full weight its
+            // share of the residual grows with depth until late layers route most tokens alike
+            // (measured: expert-usage entropy fell to 0.71 of uniform by layer 48). A quarter
+            // keeps routing driven by the token at every depth (≥ 0.99 of uniform).
+            v.push(t(b("attn_output.weight"), vec![qd, h], mat(Some(l), "attn_o"), Role::Matrix, w_sigma * 0.25));
+            let (qn, kn) = match s.arch {
+                SynthArch::Olmoe => (qd, kvd),
+                _ => (s.head_dim as u64, s.head_dim as u64),
+            };
+            v.push(t(b("attn_q_norm.weight"), vec![qn], DType::F32, Role::Norm, 0.0));
+            v.push(t(b("attn_k_norm.weight"), vec![kn], DType::F32, Role::Norm, 0.0));
+        }
+        if let Some(d) = &s.delta {
+            // The hybrids' converter files the pre-FFN norm as `post_attention_norm`.
+            v.push(t(b("post_attention_norm.weight"), vec![h], DType::F32, Role::Norm, 0.0));
+            let sf = d.shared_ff as u64;
+            v.push(t(
+                b("ffn_gate_inp_shexp.weight"),
+                vec![h, 1],
+                DType::F32,
+                Role::Router,
+                1.0 / (s.hidden as f32).sqrt(),
+            ));
+            v.push(t(b("ffn_gate_shexp.weight"), vec![h, sf], mat(Some(l), "ffn_gate"), Role::Matrix, w_sigma));
+            v.push(t(b("ffn_up_shexp.weight"), vec![h, sf], mat(Some(l), "ffn_gate"), Role::Matrix, w_sigma));
+            v.push(t(b("ffn_down_shexp.weight"), vec![sf, h], mat(Some(l), "ffn_down"), Role::Matrix, w_sigma));
+        }
+        if s.delta.is_none() {
+            v.push(t(b("ffn_norm.weight"), vec![h], DType::F32, Role::Norm, 0.0));
+        }
         v.push(t(
             b("ffn_gate_inp.weight"),
             vec![h, s.n_expert as u64],
@@ -280,6 +392,31 @@ pub fn plan(s: &SynthSpec) -> Vec<TensorPlan> {
     ));
     // GGUF stores tensors in the order they are declared; llama.cpp does not mind.
     v
+}
+
+/// A Gated DeltaNet layer's tensors in llama.cpp's layout.
+fn delta_tensors(s: &SynthSpec, l: usize, v: &mut Vec<TensorPlan>, mat: &dyn Fn(&str) -> DType, w_sigma: f32) {
+    let d = s.delta.expect("a hybrid shape");
+    let (h, nv) = (s.hidden as u64, d.n_v_heads as u64);
+    let (kd, vd) = ((d.n_k_heads * d.head_dim) as u64, (d.n_v_heads * d.head_dim) as u64);
+    let b = |n: &str| format!("blk.{l}.{n}");
+    let t = |name: String, dims: Vec<u64>, dtype, role, sigma| TensorPlan { name, dims, dtype, role, sigma };
+    v.push(t(b("attn_qkv.weight"), vec![h, 2 * kd + vd], mat("attn_qkv"), Role::Matrix, w_sigma));
+    v.push(t(b("attn_gate.weight"), vec![h, vd], mat("attn_gate"), Role::Matrix, w_sigma));
+    match s.arch {
+        SynthArch::Qwen3Next => v.push(t(b("ssm_ba.weight"), vec![h, 2 * nv], DType::F32, Role::Matrix, w_sigma)),
+        _ => {
+            v.push(t(b("ssm_beta.weight"), vec![h, nv], DType::F32, Role::Matrix, w_sigma));
+            v.push(t(b("ssm_alpha.weight"), vec![h, nv], DType::F32, Role::Matrix, w_sigma));
+        }
+    }
+    v.push(t(b("ssm_conv1d.weight"), vec![d.conv_kernel as u64, 2 * kd + vd], DType::F32, Role::Matrix, 0.5));
+    // Decay exp(A · softplus(a + dt_bias)) near exp(−0.5 · 0.7): memory of a few tokens.
+    v.push(t(b("ssm_dt.bias"), vec![nv], DType::F32, Role::Fill(0.0), 0.0));
+    v.push(t(b("ssm_a"), vec![nv], DType::F32, Role::Fill(-0.5), 0.0));
+    v.push(t(b("ssm_norm.weight"), vec![d.head_dim as u64], DType::F32, Role::Norm, 0.0));
+    // A quarter weight, like attention's output, keeps routing token-driven.
+    v.push(t(b("ssm_out.weight"), vec![vd, h], mat("attn_o"), Role::Matrix, w_sigma * 0.25));
 }
 
 /// The model's metadata (without tokenizer keys).
@@ -310,6 +447,25 @@ pub fn metadata(s: &SynthSpec) -> Vec<(String, Value)> {
             m.push((k("expert_feed_forward_length"), u(s.expert_ff)));
         }
         SynthArch::Olmoe => m.push((k("feed_forward_length"), u(s.expert_ff))),
+        SynthArch::Qwen3Next | SynthArch::Qwen35Moe => {
+            let d = s.delta.expect("a hybrid shape");
+            m.push((k("feed_forward_length"), u(s.expert_ff * 10)));
+            m.push((k("expert_feed_forward_length"), u(s.expert_ff)));
+            m.push((k("expert_shared_feed_forward_length"), u(d.shared_ff)));
+            m.push((k("rope.dimension_count"), u(d.rotary_dim)));
+            m.push((k("ssm.conv_kernel"), u(d.conv_kernel)));
+            m.push((k("ssm.state_size"), u(d.head_dim)));
+            m.push((k("ssm.group_count"), u(d.n_k_heads)));
+            m.push((k("ssm.time_step_rank"), u(d.n_v_heads)));
+            m.push((k("ssm.inner_size"), u(d.n_v_heads * d.head_dim)));
+            m.push((k("full_attention_interval"), u(d.full_every)));
+            if s.arch == SynthArch::Qwen35Moe {
+                // llama.cpp's qwen35 loaders require the (text-trivial) multimodal sections.
+                let sec = d.rotary_dim as i32 / 2;
+                let sections = vec![(sec + 2) / 3, (sec + 1) / 3, sec / 3, 0];
+                m.push((k("rope.dimension_sections"), Value::Array(Array::I32(sections))));
+            }
+        }
     }
     m
 }
@@ -431,9 +587,10 @@ pub fn fill_rows(t: &TensorPlan, rng: &mut FastRng, rows: usize, out: &mut Vec<u
     let cols = t.dims[0] as usize;
     let n = rows * cols;
     match t.role {
-        Role::Norm => {
+        Role::Norm | Role::Fill(_) => {
+            let v = if let Role::Fill(v) = t.role { v } else { 1.0 };
             for _ in 0..n {
-                out.extend_from_slice(&1.0f32.to_le_bytes());
+                out.extend_from_slice(&v.to_le_bytes());
             }
             return;
         }
@@ -533,5 +690,10 @@ mod tests {
         let bytes: u64 = plan(&q).iter().map(|t| t.bytes()).sum();
         // The real Qwen3-30B-A3B Q4_K_M is about 17-18 GB.
         assert!(bytes > 16_000_000_000 && bytes < 19_000_000_000, "{bytes}");
+        // Qwen3-Next-80B-A3B at Q4_K_M: about 48 GB; Qwen3.5-35B-A3B about 21 GB.
+        let n: u64 = plan(&SynthSpec::named("qwen3-next-80b-a3b").unwrap()).iter().map(|t| t.bytes()).sum();
+        assert!(n > 44_000_000_000 && n < 52_000_000_000, "{n}");
+        let q35: u64 = plan(&SynthSpec::named("qwen3.5-35b-a3b").unwrap()).iter().map(|t| t.bytes()).sum();
+        assert!(q35 > 18_000_000_000 && q35 < 24_000_000_000, "{q35}");
     }
 }

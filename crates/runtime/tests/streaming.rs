@@ -37,6 +37,7 @@ fn models() -> Vec<PathBuf> {
         t.join("golden/gguf/olmoe-q8_0.gguf"),
         t.join("golden/gguf/mixtral-bf16.gguf"),
         // The hybrids: Gated DeltaNet layers' recurrent state beside streamed experts.
+        synthetic_hybrid("stream-hybrid"),
         t.join("golden/qwen3_next"),
         t.join("golden/qwen3_5_moe"),
         t.join("golden/gguf/qwen3_next-q8_0.gguf"),

@@ -40,6 +40,47 @@ pub fn synthetic_model(tag: &str, quant: QuantMix) -> PathBuf {
         rope_theta: 10000.0,
         quant,
         seed: 3,
+        delta: None,
+    };
+    spec.validate().unwrap();
+    let mut f = std::io::BufWriter::new(std::fs::File::create(&path).unwrap());
+    write_model(&spec, builtin_tokenizer(spec.vocab), &mut f, |_| {}).unwrap();
+    drop(f);
+    path
+}
+
+/// A small synthetic Qwen3-Next GGUF (4 layers, 3 of them Gated DeltaNet; 16 experts top-4,
+/// a shared expert), written once per process.
+pub fn synthetic_hybrid(tag: &str) -> PathBuf {
+    let path = scratch(tag).join("hybrid.gguf");
+    if path.exists() {
+        return path;
+    }
+    let spec = SynthSpec {
+        name: "test-hybrid".into(),
+        arch: SynthArch::Qwen3Next,
+        n_layer: 4,
+        hidden: 256,
+        n_head: 2,
+        n_head_kv: 1,
+        head_dim: 128,
+        n_expert: 16,
+        n_expert_used: 4,
+        expert_ff: 256,
+        vocab: 512,
+        context: 1024,
+        rope_theta: 10000.0,
+        quant: QuantMix::Q4KM,
+        seed: 5,
+        delta: Some(sluice_model::synth::SynthDelta {
+            n_k_heads: 2,
+            n_v_heads: 4,
+            head_dim: 64,
+            conv_kernel: 4,
+            full_every: 4,
+            rotary_dim: 32,
+            shared_ff: 256,
+        }),
     };
     spec.validate().unwrap();
     let mut f = std::io::BufWriter::new(std::fs::File::create(&path).unwrap());
