@@ -224,7 +224,7 @@ impl SynthSpec {
 
     /// Whether layer `l` is a Gated DeltaNet layer (hybrid shapes).
     pub fn is_delta_layer(&self, l: usize) -> bool {
-        self.delta.is_some_and(|d| (l + 1) % d.full_every != 0)
+        self.delta.is_some_and(|d| !(l + 1).is_multiple_of(d.full_every))
     }
 
     pub fn validate(&self) -> Result<(), String> {
