@@ -145,6 +145,40 @@ fn main() {
     }
     time_recurrent(json, quick);
 
+    // 1c. Decode compute rate: a matrix that stays in L2, one thread, many passes. Where it
+    //     is not far above the memory bandwidth, decode is compute-bound.
+    {
+        let pool = ThreadPool::new(1);
+        for &d in &dtypes {
+            let cols = 2048 / d.block_elems() * d.block_elems();
+            let rows = (256 * 1024 / d.row_bytes(cols).unwrap_or(1)).clamp(8, 512);
+            let w = weights(d, rows, cols, 21);
+            let mut r = rng(5);
+            let x: Vec<f32> = (0..cols).map(|_| r()).collect();
+            let mut out = vec![0f32; rows];
+            let m = MatRef::new(d, rows, cols, &w).unwrap();
+            let iters = if quick { 100 } else { 400 };
+            let mut best = f64::MAX;
+            for _ in 0..5 {
+                let t0 = Instant::now();
+                for _ in 0..iters {
+                    sluice_kernels::matmul(&pool, m, &x, 1, &mut out);
+                }
+                best = best.min(t0.elapsed().as_secs_f64() / iters as f64);
+            }
+            let gbs = w.len() as f64 / best / 1e9;
+            if json {
+                println!(
+                    "{{\"kernel\":\"matvec_l2\",\"dtype\":\"{}\",\"isa\":\"{}\",\"rows\":{rows},\"cols\":{cols},\"threads\":1,\"gb_s\":{gbs:.2}}}",
+                    d.name(),
+                    sluice_kernels::cpu::isa().name()
+                );
+            } else {
+                println!("compute {:6} {rows}x{cols} in L2, 1 thread: {gbs:6.1} GB/s of weights", d.name());
+            }
+        }
+    }
+
     // 2. Decode matvec bandwidth, 1 and 2 threads, best ISA.
     let (rows, cols) = if quick { (2048, 2048) } else { (8192, 4096) };
     let mut results = Vec::new();

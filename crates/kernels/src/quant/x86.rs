@@ -435,39 +435,18 @@ pub unsafe fn rowsk_decode<const R: usize, const K: u32>(
             let mut dbits = [0u16; 8];
             let mut mbits = [0u16; 8];
             for j in 0..m {
-                let blk = std::slice::from_raw_parts(base.add(j * bb), bb);
+                let blk = base.add(j * bb);
                 let xi = i0 + j;
                 let xq = act.qs.as_ptr().add(xi * 256);
                 let bs = _mm256_loadu_si256(act.bsums.as_ptr().add(xi * 16) as *const __m256i);
-                let mut v = _mm256_setzero_si256();
                 if q6 {
-                    let u = codes_q6k(blk);
-                    let sc = &blk[192..208];
-                    for (k, uk) in u.iter().enumerate() {
-                        let sv = _mm256_set_m128i(
-                            _mm_set1_epi16(sc[2 * k + 1] as i8 as i16),
-                            _mm_set1_epi16(sc[2 * k] as i8 as i16),
-                        );
-                        v = dp_scaled(v, *uk, _mm256_loadu_si256(xq.add(32 * k) as *const __m256i), sv);
-                    }
-                    // Codes are stored +32: take 32·Σ scale·(16-value sum) off, lane by lane.
-                    let sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(sc.as_ptr() as *const __m128i));
-                    v = _mm256_sub_epi32(v, _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5));
-                    dbits[j] = f16_bits(blk, 208);
+                    a[j] = block_q6k(blk, xq, bs);
+                    dbits[j] = (blk.add(208) as *const u16).read_unaligned();
                 } else {
-                    let (sc, m2) = k4_scales_mins(blk);
-                    for c in 0..4 {
-                        let (lo, hi) = codes_q4k(q5, blk, c);
-                        let x0 = _mm256_loadu_si256(xq.add(64 * c) as *const __m256i);
-                        let x1 = _mm256_loadu_si256(xq.add(64 * c + 32) as *const __m256i);
-                        v = dp_scaled(v, lo, x0, _mm256_set1_epi16(sc[2 * c]));
-                        v = dp_scaled(v, hi, x1, _mm256_set1_epi16(sc[2 * c + 1]));
-                    }
-                    mn[j] = _mm256_madd_epi16(_mm256_loadu_si256(m2.as_ptr() as *const __m256i), bs);
-                    dbits[j] = f16_bits(blk, 0);
-                    mbits[j] = f16_bits(blk, 2);
+                    (a[j], mn[j]) = block_q4k(q5, blk, xq, bs);
+                    dbits[j] = (blk as *const u16).read_unaligned();
+                    mbits[j] = (blk.add(2) as *const u16).read_unaligned();
                 }
-                a[j] = v;
             }
             let dw = _mm256_cvtph_ps(_mm_loadu_si128(dbits.as_ptr() as *const __m128i));
             _mm256_storeu_ps(ddx[r].as_mut_ptr(), _mm256_mul_ps(dw, dx));
@@ -491,6 +470,103 @@ pub unsafe fn rowsk_decode<const R: usize, const K: u32>(
         b0 += m;
     }
     out[..R].copy_from_slice(&acc);
+}
+
+/// A Q4_K/Q5_K block's eight 6-bit scales and eight mins, unpacked with word arithmetic:
+/// (scales as i16 in both 128-bit lanes, mins each twice as i16 — one per 16-value sum).
+///
+/// Sub-blocks 0..3 keep scale and min in the low six bits of bytes 0..3 and 4..7; sub-blocks
+/// 4..7 take their low four bits from a nibble of bytes 8..11 and their top two bits from
+/// the top of bytes 0..3 (scales) or 4..7 (mins).
+///
+/// # Safety
+///
+/// `sc` points to the block's 12 scale bytes; the CPU has AVX2 (checked by `cpu::isa()`).
+#[inline(always)]
+unsafe fn k4_scales_mins_v(sc: *const u8) -> (__m256i, __m256i) {
+    let a = (sc as *const u32).read_unaligned();
+    let b = (sc.add(4) as *const u32).read_unaligned();
+    let c = (sc.add(8) as *const u32).read_unaligned();
+    let sc_lo = a & 0x3F3F_3F3F;
+    let mn_lo = b & 0x3F3F_3F3F;
+    let sc_hi = (c & 0x0F0F_0F0F) | ((a >> 2) & 0x3030_3030);
+    let mn_hi = ((c >> 4) & 0x0F0F_0F0F) | ((b >> 2) & 0x3030_3030);
+    let v = _mm_set_epi32(mn_hi as i32, mn_lo as i32, sc_hi as i32, sc_lo as i32);
+    let scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(v));
+    let mins2 = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(v, v));
+    (scales, mins2)
+}
+
+/// i16 lanes all equal to lane `k` of each 128-bit half of `v` (a `vpshufb` control).
+#[inline(always)]
+unsafe fn pick16(v: __m256i, k: i32) -> __m256i {
+    _mm256_shuffle_epi8(v, _mm256_set1_epi16((((2 * k + 1) << 8) | (2 * k)) as i16))
+}
+
+/// One Q4_K/Q5_K block against Q8_K activations `xq` (with their 16-value sums `bs`):
+/// (Σ scale·code·x in 8 lanes, Σ min·(16-value sums) in 8 lanes).
+///
+/// # Safety
+///
+/// `blk` points to one whole block and `xq` to its 256 activation codes; AVX2 is present.
+#[inline(always)]
+unsafe fn block_q4k(q5: bool, blk: *const u8, xq: *const i8, bs: __m256i) -> (__m256i, __m256i) {
+    let (scales, mins2) = k4_scales_mins_v(blk.add(4));
+    let w = std::slice::from_raw_parts(blk, if q5 { 176 } else { 144 });
+    let mut v = _mm256_setzero_si256();
+    for c in 0..4 {
+        let (lo, hi) = codes_q4k(q5, w, c);
+        let x0 = _mm256_loadu_si256(xq.add(64 * c) as *const __m256i);
+        let x1 = _mm256_loadu_si256(xq.add(64 * c + 32) as *const __m256i);
+        v = dp_scaled(v, lo, x0, pick16(scales, 2 * c as i32));
+        v = dp_scaled(v, hi, x1, pick16(scales, 2 * c as i32 + 1));
+    }
+    (v, _mm256_madd_epi16(mins2, bs))
+}
+
+/// One Q6_K block against Q8_K activations: Σ scale·code·x in 8 lanes, with the stored +32
+/// taken off through the 16-value sums.
+///
+/// # Safety
+///
+/// `blk` points to one whole block and `xq` to its 256 activation codes; AVX2 is present.
+#[inline(always)]
+unsafe fn block_q6k(blk: *const u8, xq: *const i8, bs: __m256i) -> __m256i {
+    let w = std::slice::from_raw_parts(blk, 210);
+    let u = codes_q6k(w);
+    let sc = _mm_loadu_si128(blk.add(192) as *const __m128i);
+    // Scales of sub-blocks 0..7 and 8..15 as i16, each in both halves: a 32-value sub-block
+    // k spans one half of code vector k/2... and code vector j holds 16-value groups 2j, 2j+1.
+    let lo8 = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(sc));
+    let hi8 = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_srli_si128(sc, 8)));
+    let mut v = _mm256_setzero_si256();
+    for (j, uj) in u.iter().enumerate() {
+        // Vector j: its low half is 16-value group 2j, its high half group 2j+1.
+        let src = if j < 4 { lo8 } else { hi8 };
+        let k = 2 * (j % 4) as i32;
+        let ctrl = _mm256_set_epi16(
+            ((2 * k + 3) << 8 | (2 * k + 2)) as i16,
+            ((2 * k + 3) << 8 | (2 * k + 2)) as i16,
+            ((2 * k + 3) << 8 | (2 * k + 2)) as i16,
+            ((2 * k + 3) << 8 | (2 * k + 2)) as i16,
+            ((2 * k + 3) << 8 | (2 * k + 2)) as i16,
+            ((2 * k + 3) << 8 | (2 * k + 2)) as i16,
+            ((2 * k + 3) << 8 | (2 * k + 2)) as i16,
+            ((2 * k + 3) << 8 | (2 * k + 2)) as i16,
+            ((2 * k + 1) << 8 | (2 * k)) as i16,
+            ((2 * k + 1) << 8 | (2 * k)) as i16,
+            ((2 * k + 1) << 8 | (2 * k)) as i16,
+            ((2 * k + 1) << 8 | (2 * k)) as i16,
+            ((2 * k + 1) << 8 | (2 * k)) as i16,
+            ((2 * k + 1) << 8 | (2 * k)) as i16,
+            ((2 * k + 1) << 8 | (2 * k)) as i16,
+            ((2 * k + 1) << 8 | (2 * k)) as i16,
+        );
+        let sv = _mm256_shuffle_epi8(src, ctrl);
+        v = dp_scaled(v, *uj, _mm256_loadu_si256(xq.add(32 * j) as *const __m256i), sv);
+    }
+    let sc16 = _mm256_cvtepi8_epi16(sc);
+    _mm256_sub_epi32(v, _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5))
 }
 
 /// The format with GGML id `id`, at compile time (32-block formats only).
