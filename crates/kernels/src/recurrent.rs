@@ -250,6 +250,10 @@ mod x86 {
 
     /// The float contract's tree sum of 16 lanes held as (lanes 0..8, lanes 8..16): lane l
     /// adds lane l+8, then l+4, l+2, l+1.
+    ///
+    /// # Safety
+    ///
+    /// Needs only the instruction set it is compiled for (AVX2), which the caller checked.
     #[inline(always)]
     unsafe fn reduce16(lo: __m256, hi: __m256) -> f32 {
         let a = _mm256_add_ps(lo, hi); // a[l] = lane l + lane l+8

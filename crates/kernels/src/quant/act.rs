@@ -5,6 +5,11 @@
 //! * Q8_1: as Q8_0, plus `s = d · Σq` (f16) for formats with a block minimum (Q4_1, Q5_1).
 //! * Q8_K: 256 values, `d = −max / 127` with the signed max (so the extreme value maps to −127),
 //!   `q = round_half_even(x / d)` clamped to 127, plus the sums of each 16 values.
+//! * Q16 (for Q8_0 weights): 32 values as 16-bit integers, `d = max|x| / 32767` (f32),
+//!   `q = round(x / d)`. Where the weights carry 8 bits, 8-bit activations double the error
+//!   of the product (llama.cpp pairs Q8_0 weights with Q8_0 activations); 16 bits make the
+//!   activations' share negligible, at about the same cost (sign-extend the weights, one
+//!   `vpmaddwd` per 16 products).
 //!
 //! Quantization is per token row, so it never depends on the batch.
 
@@ -18,13 +23,15 @@ pub enum ActKind {
     Q8_0,
     Q8_1,
     Q8_K,
+    Q16,
 }
 
 impl ActKind {
     /// The activation type GGML pairs with weights of `dtype`.
     pub fn for_weights(dtype: DType) -> Option<ActKind> {
         Some(match dtype {
-            DType::Q4_0 | DType::Q5_0 | DType::Q8_0 | DType::MXFP4 => ActKind::Q8_0,
+            DType::Q8_0 => ActKind::Q16,
+            DType::Q4_0 | DType::Q5_0 | DType::MXFP4 => ActKind::Q8_0,
             DType::Q4_1 | DType::Q5_1 => ActKind::Q8_1,
             DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K => ActKind::Q8_K,
             _ => return None,
@@ -33,7 +40,7 @@ impl ActKind {
 
     pub fn block(self) -> usize {
         match self {
-            ActKind::Q8_0 | ActKind::Q8_1 => 32,
+            ActKind::Q8_0 | ActKind::Q8_1 | ActKind::Q16 => 32,
             ActKind::Q8_K => 256,
         }
     }
@@ -53,8 +60,10 @@ pub struct QuantAct {
     /// Q8_K: Σq of every 16 values (at most 16·127 in magnitude). Empty otherwise.
     pub bsums: Vec<i16>,
     /// Quantized values, row after row; each row padded with zero blocks to `stride` blocks
-    /// (a multiple of 8), so kernels can take eight blocks at a time.
+    /// (a multiple of 8), so kernels can take eight blocks at a time. Empty for Q16.
     pub qs: Vec<i8>,
+    /// Q16's values, laid out as `qs`. Empty otherwise.
+    pub qs16: Vec<i16>,
     /// Blocks per row in the padded layout.
     pub stride: usize,
 }
@@ -75,12 +84,27 @@ impl QuantAct {
             s: if kind == ActKind::Q8_1 { vec![0.0; nb] } else { Vec::new() },
             sum: vec![0; nb],
             bsums: if kind == ActKind::Q8_K { vec![0; nb * 16] } else { Vec::new() },
-            qs: vec![0; nb * bl],
+            qs: if kind == ActKind::Q16 { Vec::new() } else { vec![0; nb * bl] },
+            qs16: if kind == ActKind::Q16 { vec![0; nb * bl] } else { Vec::new() },
             stride,
         };
         for (t, b) in (0..rows).flat_map(|t| (0..per_row).map(move |b| (t, b))) {
             let xs = &x[t * cols + b * bl..t * cols + (b + 1) * bl];
             let b = t * stride + b;
+            if kind == ActKind::Q16 {
+                let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let d = amax / 32767.0;
+                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                let q = &mut a.qs16[b * bl..(b + 1) * bl];
+                let mut sum = 0;
+                for (qv, xv) in q.iter_mut().zip(xs) {
+                    *qv = round_away(xv * id).clamp(-32767, 32767) as i16;
+                    sum += *qv as i32;
+                }
+                a.d[b] = d;
+                a.sum[b] = sum;
+                continue;
+            }
             let q = &mut a.qs[b * bl..(b + 1) * bl];
             match kind {
                 ActKind::Q8_0 | ActKind::Q8_1 => {
@@ -120,6 +144,7 @@ impl QuantAct {
                     a.sum[b] = a.bsums[b * 16..b * 16 + 16].iter().map(|v| *v as i32).sum();
                     a.d[b] = 1.0 / iscale;
                 }
+                ActKind::Q16 => unreachable!("handled above"),
             }
         }
         a
@@ -127,6 +152,13 @@ impl QuantAct {
 
     pub fn blocks_per_row(&self) -> usize {
         self.cols / self.kind.block()
+    }
+
+    /// Q16 values of block `b` of row `t`.
+    #[inline(always)]
+    pub fn block_qs16(&self, t: usize, b: usize) -> &[i16] {
+        let o = self.idx(t, b) * 32;
+        &self.qs16[o..o + 32]
     }
 
     /// Quantized values of block `b` of row `t`.

@@ -142,6 +142,13 @@ pub fn block_ints(dtype: DType, w: &[u8], x: &[i8], bsums: &[i16]) -> BlockInts 
     }
 }
 
+/// Integer sum of a Q8_0 weight block against Q16 activations: Σ q·x, exact in i32
+/// (|q| ≤ 127, |x| ≤ 32767, 32 terms).
+pub fn block_ints_q16(dtype: DType, w: &[u8], x: &[i16]) -> BlockInts {
+    assert_eq!(dtype, DType::Q8_0, "Q16 activations pair with Q8_0 weights");
+    BlockInts { isum: w[2..34].iter().zip(x).map(|(q, v)| *q as i8 as i32 * *v as i32).sum(), mins: 0 }
+}
+
 /// The scales a block's float formula needs, widened from f16/E8M0 (exact).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct BlockScales {
@@ -193,7 +200,11 @@ pub fn row_dot(dtype: DType, row: &[u8], act: &QuantAct, t: usize) -> f32 {
         let i = act.idx(t, b);
         let bs: &[i16] = if act.bsums.is_empty() { &[] } else { &act.bsums[i * 16..i * 16 + 16] };
         let w = &row[b * bb..(b + 1) * bb];
-        let ints = block_ints(dtype, w, act.block_qs(t, b), bs);
+        let ints = if act.kind == super::act::ActKind::Q16 {
+            block_ints_q16(dtype, w, act.block_qs16(t, b))
+        } else {
+            block_ints(dtype, w, act.block_qs(t, b), bs)
+        };
         let sx = if act.s.is_empty() { 0.0 } else { act.s[i] };
         acc = accumulate(dtype, acc, block_scales(dtype, w), ints, act.d[i], sx);
     }

@@ -81,6 +81,10 @@ pub(crate) fn matmul_quant_isa(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, x: &[
         return gemm_tiled(pool, w, &act, n, o);
     }
     #[cfg(target_arch = "x86_64")]
+    if n == 1 && isa >= Isa::Avx2 && w.dtype == DType::Q8_0 {
+        return decode_q8_q16(pool, w, &act, o);
+    }
+    #[cfg(target_arch = "x86_64")]
     if n == 1 && isa >= Isa::Avx2 && is_block32(w.dtype) {
         return decode32(pool, w, &act, o);
     }
@@ -177,6 +181,24 @@ fn decode32(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, o: SendPtr) {
     });
 }
 
+/// One token against a Q8_0 matrix (Q16 activations), four rows at a time.
+#[cfg(target_arch = "x86_64")]
+fn decode_q8_q16(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, o: SendPtr) {
+    let rb = w.row_bytes();
+    rows_by_four(pool, w, o, |wr, k, vals| {
+        // SAFETY: AVX2/FMA/F16C were detected; `wr` holds k whole rows; activation rows are
+        // padded to whole groups of eight blocks.
+        unsafe {
+            match k {
+                4 => x86::rows_q8_q16_decode::<4>(wr, rb, act, vals),
+                3 => x86::rows_q8_q16_decode::<3>(wr, rb, act, vals),
+                2 => x86::rows_q8_q16_decode::<2>(wr, rb, act, vals),
+                _ => x86::rows_q8_q16_decode::<1>(wr, rb, act, vals),
+            }
+        }
+    });
+}
+
 /// One token against a Q4_K, Q5_K or Q6_K matrix, four rows at a time.
 #[cfg(target_arch = "x86_64")]
 fn decode_k(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, o: SendPtr) {
@@ -207,11 +229,10 @@ fn decode_k(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, o: SendPtr) {
 /// Fewest tokens for which the tiled kernel beats the row kernels.
 const GEMM_MIN_TOKENS: usize = 4;
 
+/// Formats the VNNI tiled kernel takes (Q8_0, paired with 16-bit activations, runs on the
+/// AVX2 row kernel).
 fn gemm_supports(dtype: DType) -> bool {
-    matches!(
-        dtype,
-        DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 | DType::Q4_K | DType::Q5_K | DType::Q6_K
-    )
+    matches!(dtype, DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q4_K | DType::Q5_K | DType::Q6_K)
 }
 
 /// The tiled AVX-512 VNNI path: panels of 16 tokens, rows in blocks that stay in L2.
@@ -263,9 +284,8 @@ fn row_tokens(isa: Isa, dtype: DType, row: &[u8], act: &QuantAct, toks: std::ops
         // full sizes (checked by MatRef::new and QuantAct::new).
         unsafe {
             match dtype {
-                DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 => {
-                    return x86::row32(dtype, row, act, toks, out)
-                }
+                DType::Q8_0 => return x86::row_q8_q16(row, act, toks, out),
+                DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 => return x86::row32(dtype, row, act, toks, out),
                 DType::Q4_K | DType::Q5_K => return x86::row_q4k_q5k(dtype == DType::Q5_K, row, act, toks, out),
                 DType::Q6_K => return x86::row_q6k(row, act, toks, out),
                 _ => {}
@@ -349,7 +369,8 @@ mod tests {
             let xq: Vec<f32> = (0..cols)
                 .map(|i| {
                     let b = i / kind.block();
-                    act.qs[i] as f32 * act.d[b]
+                    let q = if kind == ActKind::Q16 { act.qs16[i] as f32 } else { act.qs[i] as f32 };
+                    q * act.d[b]
                 })
                 .collect();
             let want: f64 = wf.iter().zip(&xq).map(|(a, b)| *a as f64 * *b as f64).sum();

@@ -498,6 +498,10 @@ unsafe fn k4_scales_mins_v(sc: *const u8) -> (__m256i, __m256i) {
 }
 
 /// i16 lanes all equal to lane `k` of each 128-bit half of `v` (a `vpshufb` control).
+///
+/// # Safety
+///
+/// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
 #[inline(always)]
 unsafe fn pick16(v: __m256i, k: i32) -> __m256i {
     _mm256_shuffle_epi8(v, _mm256_set1_epi16((((2 * k + 1) << 8) | (2 * k)) as i16))
@@ -567,6 +571,106 @@ unsafe fn block_q6k(blk: *const u8, xq: *const i8, bs: __m256i) -> __m256i {
     }
     let sc16 = _mm256_cvtepi8_epi16(sc);
     _mm256_sub_epi32(v, _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5))
+}
+
+/// Σ q·x of a Q8_0 block against Q16 activations, in 8 lanes (exact: |q·x| < 2²², pairs summed).
+///
+/// # Safety
+///
+/// `blk` points to one whole Q8_0 block and `xq` to its 32 activation values; AVX2 is present.
+#[inline(always)]
+unsafe fn dot_q8_q16(blk: *const u8, xq: *const i16) -> __m256i {
+    let lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(blk.add(2) as *const __m128i));
+    let hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(blk.add(18) as *const __m128i));
+    let a = _mm256_madd_epi16(lo, _mm256_loadu_si256(xq as *const __m256i));
+    let b = _mm256_madd_epi16(hi, _mm256_loadu_si256(xq.add(16) as *const __m256i));
+    _mm256_add_epi32(a, b)
+}
+
+/// Decode (one token) over R rows of Q8_0 weights against Q16 activations: eight blocks'
+/// integer sums reduced together, then `accumulate`'s fused step block after block.
+///
+/// # Safety
+///
+/// The CPU supports the features named in `target_feature` (AVX2; the dispatcher checks
+/// `cpu::isa()` first), and the slices hold what the format implies: whole blocks per row
+/// (`MatRef::new` checked the sizes), activations and outputs for every token in range.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn rows_q8_q16_decode<const R: usize>(w: &[u8], row_bytes: usize, act: &QuantAct, out: &mut [f32; 4]) {
+    let bb = DType::Q8_0.block_bytes();
+    let nb = act.blocks_per_row();
+    let mut acc = [0f32; R];
+    let mut b0 = 0;
+    while b0 < nb {
+        let m = (nb - b0).min(8);
+        let i0 = act.idx(0, b0);
+        let xq = act.qs16.as_ptr().add(i0 * 32);
+        // Activation rows are padded with zero blocks to whole groups of eight.
+        let dx = _mm256_loadu_ps(act.d.as_ptr().add(i0));
+        let mut ddx = [[0f32; 8]; R];
+        let mut isf = [[0f32; 8]; R];
+        for r in 0..R {
+            let base = w.as_ptr().add(r * row_bytes + b0 * bb);
+            prefetch_rows(base.wrapping_add(R * row_bytes), m * bb);
+            let mut a = [_mm256_setzero_si256(); 8];
+            let mut dbits = [0u16; 8];
+            for j in 0..m {
+                let blk = base.add(j * bb);
+                a[j] = dot_q8_q16(blk, xq.add(32 * j));
+                dbits[j] = (blk as *const u16).read_unaligned();
+            }
+            let dw = _mm256_cvtph_ps(_mm_loadu_si128(dbits.as_ptr() as *const __m128i));
+            _mm256_storeu_ps(ddx[r].as_mut_ptr(), _mm256_mul_ps(dw, dx));
+            _mm256_storeu_ps(isf[r].as_mut_ptr(), _mm256_cvtepi32_ps(reduce8x8(&a)));
+        }
+        for j in 0..m {
+            for r in 0..R {
+                acc[r] = ddx[r][j].mul_add(isf[r][j], acc[r]);
+            }
+        }
+        b0 += m;
+    }
+    out[..R].copy_from_slice(&acc);
+}
+
+/// One Q8_0 row against tokens `toks` of Q16 activations.
+///
+/// # Safety
+///
+/// The CPU supports the features named in `target_feature` (AVX2; the dispatcher checks
+/// `cpu::isa()` first), and the slices hold what the format implies: whole blocks per row
+/// (`MatRef::new` checked the sizes), activations and outputs for every token in range.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn row_q8_q16(row: &[u8], act: &QuantAct, toks: std::ops::Range<usize>, out: &mut [f32]) {
+    let (t0, n) = (toks.start, toks.len());
+    let bb = DType::Q8_0.block_bytes();
+    let nb = act.blocks_per_row();
+    out[..n].fill(0.0);
+    let mut b0 = 0;
+    while b0 < nb {
+        let m = (nb - b0).min(8);
+        let base = row.as_ptr().add(b0 * bb);
+        let mut dw = [0f32; 8];
+        for j in 0..m {
+            dw[j] = f16_to_f32(f16_bits(row, (b0 + j) * bb));
+        }
+        for t in 0..n {
+            let i0 = act.idx(t0 + t, b0);
+            let xq = act.qs16.as_ptr().add(i0 * 32);
+            let mut a = [_mm256_setzero_si256(); 8];
+            for j in 0..m {
+                a[j] = dot_q8_q16(base.add(j * bb), xq.add(32 * j));
+            }
+            let mut isum = [0i32; 8];
+            _mm256_storeu_si256(isum.as_mut_ptr() as *mut __m256i, reduce8x8(&a));
+            let mut acc = out[t];
+            for j in 0..m {
+                acc = (dw[j] * act.d[i0 + j]).mul_add(isum[j] as f32, acc);
+            }
+            out[t] = acc;
+        }
+        b0 += m;
+    }
 }
 
 /// The format with GGML id `id`, at compile time (32-block formats only).
