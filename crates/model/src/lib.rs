@@ -21,6 +21,6 @@ pub mod weights;
 pub use config::{Arch, ModelConfig};
 pub use error::{ModelError, Result};
 pub use expert::{ExpertSource, ResidentExperts};
-pub use model::{Logits, Model};
+pub use model::{BatchItem, Logits, Model};
 pub use state::{SeqState, Snapshot};
 pub use weights::TensorSource;

@@ -185,23 +185,46 @@ impl Model {
         kv: &mut SeqState,
         tokens: &[u32],
         want: Logits,
-        mut obs: Option<&mut dyn Observer>,
+        obs: Option<&mut dyn Observer>,
     ) -> Result<(Vec<f32>, Vec<f32>)> {
-        let n = tokens.len();
-        let pos0 = kv.len();
-        if n == 0 {
-            return Err(ModelError::Input("no tokens to run".into()));
+        let mut items = [BatchItem { state: kv, tokens, want }];
+        let mut out = self.forward_batch(&mut items, obs)?;
+        Ok(out.pop().expect("one item"))
+    }
+
+    /// Several sequences in one pass: their tokens share every matrix product and each MoE
+    /// layer fetches the union of their experts once, while attention and recurrent state stay
+    /// per sequence. A sequence's results are the same bits as when it runs alone (the
+    /// kernels compute each row on its own; expert outputs are combined in rank order).
+    /// Returns (logits, final-normed hidden rows) per item. On error every state is left as it
+    /// was.
+    pub fn forward_batch(
+        &self,
+        items: &mut [BatchItem<'_>],
+        mut obs: Option<&mut dyn Observer>,
+    ) -> Result<Vec<(Vec<f32>, Vec<f32>)>> {
+        if items.is_empty() {
+            return Ok(Vec::new());
         }
-        if pos0 + n > kv.max_len() {
-            return Err(ModelError::Input(format!(
-                "context full: {pos0} positions used + {n} new > {} allowed",
-                kv.max_len()
-            )));
+        for it in items.iter() {
+            let (n, pos0) = (it.tokens.len(), it.state.len());
+            if n == 0 {
+                return Err(ModelError::Input("no tokens to run".into()));
+            }
+            if pos0 + n > it.state.max_len() {
+                return Err(ModelError::Input(format!(
+                    "context full: {pos0} positions used + {n} new > {} allowed",
+                    it.state.max_len()
+                )));
+            }
+            self.check_tokens(it.tokens)?;
         }
-        self.check_tokens(tokens)?;
-        let r = self.forward_layers(kv, tokens, want, &mut obs);
-        if r.is_err() {
-            kv.abort();
+        let r = self.forward_layers(items, &mut obs);
+        for it in items.iter_mut() {
+            match &r {
+                Ok(_) => it.state.commit(it.tokens.len()),
+                Err(_) => it.state.abort(),
+            }
         }
         r
     }
@@ -218,17 +241,17 @@ impl Model {
 
     fn forward_layers(
         &self,
-        kv: &mut SeqState,
-        tokens: &[u32],
-        want: Logits,
+        items: &mut [BatchItem<'_>],
         obs: &mut Option<&mut dyn Observer>,
-    ) -> Result<(Vec<f32>, Vec<f32>)> {
+    ) -> Result<Vec<(Vec<f32>, Vec<f32>)>> {
         let cfg = &self.cfg;
-        let (n, hd) = (tokens.len(), cfg.hidden);
-        let pos0 = kv.len();
-        let mut x = vec![0f32; n * hd]; // (n, hidden) the residual stream
-        for (t, tok) in tokens.iter().enumerate() {
+        let hd = cfg.hidden;
+        let n: usize = items.iter().map(|it| it.tokens.len()).sum();
+        let mut x = vec![0f32; n * hd]; // (n, hidden) the residual stream, sequence after sequence
+        let mut positions = Vec::with_capacity(n); // each row's position in its sequence
+        for (t, (tok, pos)) in items.iter().flat_map(|it| it.tokens.iter().zip(it.state.len()..)).enumerate() {
             embedding_row(&self.tok_embd, *tok as usize, &mut x[t * hd..(t + 1) * hd]);
+            positions.push(pos);
         }
         if cfg.gemma {
             // Gemma scales embeddings by sqrt(hidden).
@@ -237,13 +260,24 @@ impl Model {
         }
         observe(obs, "inp_embd", None, &x, n);
 
+        let wants: Vec<(usize, Logits)> = items.iter().map(|it| (it.tokens.len(), it.want)).collect();
+        let mut segs = Vec::with_capacity(items.len());
+        let mut start = 0;
+        for it in items.iter_mut() {
+            segs.push(Seg { state: &mut *it.state, start, len: it.tokens.len() });
+            start += it.tokens.len();
+        }
         let mut scratch = LayerScratch::new(n, hd);
         for (l, lw) in self.layers.iter().enumerate() {
-            lw.forward(self, l, &mut x, n, pos0, kv, &*self.experts, &mut scratch, obs)?;
+            lw.forward(self, l, &mut x, &mut segs, &positions, &*self.experts, &mut scratch, obs)?;
         }
-        kv.commit(n);
-
-        self.head(&x, n, want, obs)
+        let mut out = Vec::with_capacity(wants.len());
+        let mut start = 0;
+        for (len, want) in wants {
+            out.push(self.head(&x[start * hd..(start + len) * hd], len, want, obs)?);
+            start += len;
+        }
+        Ok(out)
     }
 
     /// The final norm and the output projection of the requested rows of `x` (the residual
@@ -277,6 +311,20 @@ impl Model {
     }
 }
 
+/// One sequence's part of a batched forward pass.
+pub struct BatchItem<'a> {
+    pub state: &'a mut SeqState,
+    pub tokens: &'a [u32],
+    pub want: Logits,
+}
+
+/// A sequence's rows `start..start + len` of a batched pass, and its state.
+pub(crate) struct Seg<'a> {
+    pub state: &'a mut SeqState,
+    pub start: usize,
+    pub len: usize,
+}
+
 /// Buffers a layer's forward pass reuses: the normed input of a block and its output.
 pub(crate) struct LayerScratch {
     /// (n, hidden)
@@ -293,25 +341,30 @@ impl LayerScratch {
 
 impl Layer {
     /// One decoder layer on the residual stream `x` (n, hidden), in place:
-    /// `x += mixer(norm(x)); x += ffn(norm(x))`.
+    /// `x += mixer(norm(x)); x += ffn(norm(x))`. The mixer runs per sequence (`segs`); norms
+    /// and the FFN run on every row at once (`positions`: each row's position, for routing
+    /// traces).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn forward(
         &self,
         m: &Model,
         l: usize,
         x: &mut [f32],
-        n: usize,
-        pos0: usize,
-        state: &mut SeqState,
+        segs: &mut [Seg<'_>],
+        positions: &[usize],
         experts: &dyn ExpertSource,
         s: &mut LayerScratch,
         obs: &mut Option<&mut dyn Observer>,
     ) -> Result<()> {
         let cfg = &m.cfg;
+        let (hd, n) = (cfg.hidden, positions.len());
         let (h, y) = (&mut s.h, &mut s.y);
         rms_norm_rows(x, &self.attn_norm, cfg.rms_eps, h);
         observe(obs, "attn_norm", Some(l), h, n);
-        self.mixer.forward(m, l, h, n, state, y, obs);
+        for seg in segs.iter_mut() {
+            let rows = seg.start * hd..(seg.start + seg.len) * hd;
+            self.mixer.forward(m, l, &h[rows.clone()], seg.len, seg.state, &mut y[rows], obs);
+        }
         if let Some(w) = &self.attn_post_norm {
             rms_norm_rows_inplace(y, w, cfg.rms_eps);
         }
@@ -322,7 +375,7 @@ impl Layer {
         observe(obs, "ffn_norm", Some(l), h, n);
         match &self.ffn {
             FfnWeights::Dense(f) => dense_ffn(&m.pool, cfg, f, h, n, y),
-            FfnWeights::Moe(w) => moe_ffn(m, experts, l, w, h, n, pos0, y, obs)?,
+            FfnWeights::Moe(w) => moe_ffn(m, experts, l, w, h, positions, y, obs)?,
         }
         if let Some(w) = &self.ffn_post_norm {
             rms_norm_rows_inplace(y, w, cfg.rms_eps);

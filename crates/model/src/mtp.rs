@@ -17,7 +17,7 @@ use crate::error::{ModelError, Result};
 use crate::expert::{ExpertSource, ResidentExperts};
 use crate::ffn::FfnWeights;
 use crate::mixer::{attention::AttentionWeights, Mixer};
-use crate::model::{observe, rms_norm_rows, Layer, LayerScratch, Logits, Model};
+use crate::model::{observe, rms_norm_rows, Layer, LayerScratch, Logits, Model, Seg};
 use crate::state::SeqState;
 use crate::trace::Observer;
 use crate::weights::{embedding_row, norm, Key, TensorSource, Weight};
@@ -162,9 +162,10 @@ impl Model {
         let mut x = vec![0f32; n * hd]; // (n, hidden)
         matmul(&self.pool, head.eh_proj.mat(), &cat, n, &mut x);
         observe(obs, "mtp_eh_proj", Some(l), &x, n);
-        let pos0 = state.len();
+        let positions: Vec<usize> = (state.len()..state.len() + n).collect();
         let mut scratch = LayerScratch::new(n, hd);
-        head.layer.forward(self, l, &mut x, n, pos0, state, &*head.experts, &mut scratch, obs)?;
+        let mut segs = [Seg { state: &mut *state, start: 0, len: n }];
+        head.layer.forward(self, l, &mut x, &mut segs, &positions, &*head.experts, &mut scratch, obs)?;
         state.commit(n);
         let rows = match want {
             Logits::None => return Ok((Vec::new(), Vec::new())),

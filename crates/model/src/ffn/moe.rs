@@ -63,11 +63,11 @@ pub fn moe_ffn(
     l: usize,
     w: &MoeWeights,
     x: &[f32],
-    n: usize,
-    pos0: usize,
+    positions: &[usize],
     out: &mut [f32],
     obs: &mut Option<&mut dyn Observer>,
 ) -> Result<()> {
+    let n = positions.len();
     let cfg = &m.cfg;
     let moe = cfg.moe.as_ref().expect("sparse layer of an MoE model");
     let (hd, ne, k) = (cfg.hidden, moe.n_expert, moe.n_expert_used);
@@ -84,7 +84,7 @@ pub fn moe_ffn(
         chosen[t * k..(t + 1) * k].copy_from_slice(&ex);
         weights[t * k..(t + 1) * k].copy_from_slice(&wt);
         if let Some(o) = obs.as_deref_mut() {
-            o.routing(l, pos0 + t, &ex, &wt);
+            o.routing(l, positions[t], &ex, &wt);
         }
     }
 

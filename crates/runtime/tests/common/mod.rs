@@ -124,6 +124,15 @@ pub fn slot_bytes(model: &Path) -> usize {
     e.streaming.as_ref().unwrap().slot_bytes()
 }
 
+/// The expert slot size of an MoE model, or 0 for a dense one.
+pub fn slot_bytes_or_zero(model: &Path) -> usize {
+    let e = Engine::load(model, EngineOptions { threads: 1, max_context: 64, ..Default::default() }).unwrap();
+    if e.model.cfg.moe.is_none() {
+        return 0;
+    }
+    slot_bytes(model)
+}
+
 pub fn load(model: &Path, p: &Place, slot_bytes: usize) -> Engine {
     let experts = ExpertOptions {
         mode: p.mode,
