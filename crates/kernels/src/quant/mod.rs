@@ -8,6 +8,8 @@
 pub mod act;
 pub mod blocks;
 pub mod dot_ref;
+pub mod iq;
+mod iq_tables;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 #[cfg(target_arch = "x86_64")]
