@@ -262,6 +262,9 @@ def main():
     a.io_seconds = a.io_seconds or (1 if dry else 10)
     a.trace_tokens = a.trace_tokens or (8 if dry else 64)
     state = lib.check_tree(a.allow_dirty)
+    leave = parse_size(a.leave)
+    if not dry and os.path.getsize(a.model) <= leave:
+        raise SystemExit(f"{a.model} fits in --leave {a.leave}: this benchmark is about a model larger than the memory left to it (a trial: --dry-run)")
     if not dry and not lib.drop_caches():
         raise SystemExit("dropping the page cache needs root: run as root (or with sudo), or pass --dry-run")
     exe = lib.sluice_bin(not dry)
@@ -273,7 +276,6 @@ def main():
     # The GGUF store reads each expert as three ranges (gate, up, down); a pack as one record.
     range_size = (int(expert_bytes / 3) + 4095) // 4096 * 4096
     record_size = (int(expert_bytes) + 4095) // 4096 * 4096
-    leave = parse_size(a.leave)
     arms = [("sluice", []), ("sluice_no_prefetch", ["--no-prefetch"])]
     if a.pack:
         arms.append(("sluice_pack", ["--pack", a.pack]))
