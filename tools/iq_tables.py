@@ -104,6 +104,20 @@ def rust(tables, checked):
                 lines.append("    " + ", ".join(f"0x{v:0{width}x}" for v in vals[i:i + per]) + ",")
         lines.append("];")
         lines.append("")
+    # IQ1's entries once more with each value v stored as the byte 8·(v + 1) (0, 8 or 16): the
+    # kernels' offset codes (8·grid + 8, to which 1 + delta is added) without unpacking.
+    lines.append("/// IQ1S_GRID with each value v as the byte 8·(v + 1): 0, 8 or 16 (the kernels' offset codes).")
+    lines.append("#[rustfmt::skip]")
+    lines.append("pub static IQ1S_GRID8: [u64; 2048] = [")
+    g8 = []
+    for v in tables["iq1s_grid"]:
+        b = [(v >> (8 * j)) & 0xFF for j in range(8)]
+        b = [8 * ((x - 256 if x >= 128 else x) + 1) for x in b]
+        g8.append(sum(x << (8 * j) for j, x in enumerate(b)))
+    for i in range(0, 2048, 4):
+        lines.append("    " + ", ".join(f"0x{v:016x}" for v in g8[i:i + 4]) + ",")
+    lines.append("];")
+    lines.append("")
     return "\n".join(lines)
 
 
