@@ -213,6 +213,113 @@ FAMILIES = {
             tie_word_embeddings=False,
         ),
     ),
+    # DeepSeek-V3: latent attention with a low-rank q, YaRN (with its softmax-scale
+    # correction), a dense first layer, grouped sigmoid routing with a correction bias,
+    # routed scaling, a shared expert. `scoring_func` is what the hub's configs say (the
+    # class ignores it, llama.cpp's converter needs it).
+    "deepseek_v3": (
+        "DeepseekV3ForCausalLM",
+        dict(
+            COMMON,
+            num_key_value_heads=4,
+            head_dim=8,  # the reference's own head_dim is the rope part
+            num_hidden_layers=3,
+            intermediate_size=80,
+            moe_intermediate_size=24,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            num_experts_per_tok=3,
+            n_group=4,
+            topk_group=2,
+            first_k_dense_replace=1,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            q_lora_rank=32,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=12,
+            rope_interleave=True,
+            num_nextn_predict_layers=0,
+            scoring_func="sigmoid",
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
+        ),
+    ),
+    # gpt-oss: sinks, a sliding window (8) shorter than the sequences on even layers,
+    # q/k/v/o biases, YaRN without truncation, a biased router, biased experts with the
+    # clamped SwiGLU (gate/up interleaved on disk).
+    "gpt_oss": (
+        "GptOssForCausalLM",
+        dict(
+            COMMON,
+            num_hidden_layers=4,
+            head_dim=16,
+            intermediate_size=32,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=8,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+            },
+        ),
+    ),
+    # GLM-4.5: q/k/v biases, per-head QK-norm, rotary on half of each head, a dense first
+    # layer, grouped sigmoid routing (two groups, one kept), routed scaling, a shared expert.
+    "glm4_moe": (
+        "Glm4MoeForCausalLM",
+        dict(
+            COMMON,
+            num_hidden_layers=3,
+            intermediate_size=80,
+            moe_intermediate_size=24,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            num_experts_per_tok=3,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=1,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            attention_bias=True,
+            use_qk_norm=True,
+            num_nextn_predict_layers=0,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        ),
+    ),
+    # MiniMax-M2: QK-norm over the whole projections, rotary on half of each head
+    # (`rotary_dim`), sigmoid routing with a correction bias, always renormalized.
+    "minimax_m2": (
+        "MiniMaxM2ForCausalLM",
+        dict(
+            COMMON,
+            num_hidden_layers=2,
+            intermediate_size=32,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            rotary_dim=12,
+            scoring_func="sigmoid",
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        ),
+    ),
     # Dense Qwen3 with YaRN RoPE scaling and tied embeddings.
     "qwen3": (
         "Qwen3ForCausalLM",
@@ -262,8 +369,9 @@ FAMILIES = {
     ),
 }
 
-# Families whose every 1-D parameter is randomized (see build).
-HYBRID = {"qwen3_next", "qwen3_5_moe"}
+# Families whose every 1-D parameter (and every bias, and the routers' correction biases)
+# is randomized (see build).
+HYBRID = {"qwen3_next", "qwen3_5_moe", "deepseek_v3", "gpt_oss", "glm4_moe", "minimax_m2"}
 
 CORPUS = """\
 The river carries water from the mountains to the sea. Every spring the snow melts and
@@ -327,6 +435,11 @@ def build(family, out_dir, tok):
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             elif name.endswith(".bias"):
                 p.copy_(0.5 * torch.randn_like(p))
+            if family in HYBRID and name.endswith("_bias") and p.dim() > 1:
+                p.add_(0.3 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if "e_score_correction_bias" in name:
+                b.copy_(0.1 * torch.randn_like(b))
     d = os.path.join(out_dir, family)
     shutil.rmtree(d, ignore_errors=True)
     os.makedirs(d)

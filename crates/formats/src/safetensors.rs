@@ -222,6 +222,14 @@ impl SafetensorsModel {
         self.index.get(name).map(|(f, _)| self.files[*f].path.as_path())
     }
 
+    /// A tensor's bytes as stored, whatever its dtype (packed formats such as MXFP4 blocks
+    /// and their U8 scales), with its header entry.
+    pub fn raw(&self, name: &str) -> Result<(crate::Blob, &TensorInfo)> {
+        let (fi, info) =
+            self.index.get(name).ok_or_else(|| FormatError::invalid(&self.dir, format!("missing tensor `{name}`")))?;
+        Ok((self.files[*fi].blob(info), info))
+    }
+
     /// A weight tensor; floats only (F32, F16, BF16), which is all a checkpoint's weights use.
     pub fn tensor(&self, name: &str) -> Result<TensorData> {
         let (fi, info) =

@@ -41,6 +41,21 @@ pub fn softmax(x: &mut [f32]) {
     }
 }
 
+/// Softmax with a sink: a logit `sink` that joins the denominator but takes no share of
+/// the output (gpt-oss's learned per-head sinks), so the probabilities sum to less than one.
+pub fn softmax_with_sink(x: &mut [f32], sink: f32) {
+    let max = x.iter().copied().fold(sink, f32::max);
+    let mut sum = (sink - max).exp();
+    for v in x.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    let inv = 1.0 / sum;
+    for v in x.iter_mut() {
+        *v *= inv;
+    }
+}
+
 #[inline]
 pub fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
@@ -109,6 +124,21 @@ mod tests {
         softmax(&mut x);
         assert!((x.iter().sum::<f32>() - 1.0).abs() < 1e-6);
         assert!(x[1] > x[2] && x[2] > x[0] && x[3] == 0.0);
+    }
+
+    #[test]
+    fn a_sink_takes_its_share_of_the_denominator_only() {
+        let mut x = vec![0.0f32, 0.0];
+        softmax_with_sink(&mut x, 0.0);
+        assert!((x[0] - 1.0 / 3.0).abs() < 1e-7 && (x[1] - 1.0 / 3.0).abs() < 1e-7);
+        // A sink far above every score leaves almost nothing; far below, plain softmax.
+        let mut y = vec![1.0f32, 2.0];
+        softmax_with_sink(&mut y, 50.0);
+        assert!(y.iter().sum::<f32>() < 1e-20);
+        let (mut a, mut b) = (vec![1.0f32, 3.0, 2.0], vec![1.0f32, 3.0, 2.0]);
+        softmax_with_sink(&mut a, f32::NEG_INFINITY);
+        softmax(&mut b);
+        assert_eq!(a, b);
     }
 
     #[test]

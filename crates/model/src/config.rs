@@ -17,6 +17,10 @@ pub enum Arch {
     Qwen3Next,
     Qwen35,
     Qwen35Moe,
+    DeepseekV3,
+    GptOss,
+    Glm4Moe,
+    MinimaxM2,
 }
 
 impl Arch {
@@ -33,6 +37,10 @@ impl Arch {
             Arch::Qwen3Next => "qwen3_next",
             Arch::Qwen35 => "qwen3_5",
             Arch::Qwen35Moe => "qwen3_5_moe",
+            Arch::DeepseekV3 => "deepseek_v3",
+            Arch::GptOss => "gpt_oss",
+            Arch::Glm4Moe => "glm4_moe",
+            Arch::MinimaxM2 => "minimax_m2",
         }
     }
 }
@@ -48,10 +56,35 @@ pub enum QkNorm {
 }
 
 /// How router logits become the weights of the chosen experts.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Gating {
     /// Softmax over all experts, take the top k; renormalize them to sum to 1 if `norm_topk`.
     SoftmaxTopK { norm_topk: bool },
+    /// DeepSeek-V3, GLM-4.5, MiniMax-M2 (σ scores, `selection_bias`), DeepSeek-V2 (softmax
+    /// scores): each expert scored; where `selection_bias`, a per-expert correction bias is
+    /// added for choosing only (the weights are the unbiased scores); with `n_group` > 1 only
+    /// the `topk_group` groups with the best sums of their two best scores compete; the
+    /// chosen weights are renormalized (w / (Σw + `norm_eps`)) if `norm_topk`, then
+    /// multiplied by `scale`.
+    Grouped {
+        score: Score,
+        selection_bias: bool,
+        n_group: usize,
+        topk_group: usize,
+        norm_topk: bool,
+        norm_eps: f32,
+        scale: f32,
+    },
+    /// gpt-oss: the top k of the raw logits, then a softmax over those k.
+    TopKSoftmax,
+}
+
+/// How `Gating::Grouped` scores an expert from its router logit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Score {
+    Sigmoid,
+    /// Softmax over all experts.
+    Softmax,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -61,8 +94,30 @@ pub struct MoeConfig {
     /// FFN width of one routed expert.
     pub expert_ff: usize,
     pub gating: Gating,
-    /// FFN width of the always-on shared expert (Qwen2-MoE), gated by a sigmoid.
+    /// FFN width of the always-on shared expert (all shared experts together).
     pub shared_expert_ff: Option<usize>,
+    /// The shared expert's output is scaled by a sigmoid gate (Qwen); DeepSeek and GLM add it
+    /// as is.
+    pub shared_gated: bool,
+    /// The router has a bias (gpt-oss).
+    pub router_bias: bool,
+    /// Each expert's projections have biases (gpt-oss).
+    pub expert_bias: bool,
+}
+
+impl MoeConfig {
+    /// The common case's switches: a gated shared expert, no biases. Family files spread it
+    /// (`..MoeConfig::PLAIN`) after the fields they set.
+    pub const PLAIN: MoeConfig = MoeConfig {
+        n_expert: 0,
+        n_expert_used: 0,
+        expert_ff: 0,
+        gating: Gating::SoftmaxTopK { norm_topk: true },
+        shared_expert_ff: None,
+        shared_gated: true,
+        router_bias: false,
+        expert_bias: false,
+    };
 }
 
 /// What a layer mixes tokens with.
@@ -73,6 +128,9 @@ pub enum MixerKind {
     Attention { window: Option<usize> },
     /// Gated DeltaNet: linear attention with a recurrent state (`ModelConfig::delta_net`).
     GatedDeltaNet,
+    /// Multi-head latent attention (`ModelConfig::mla`): one compressed latent per token is
+    /// all its KV cache holds.
+    Mla,
 }
 
 /// What a layer's feed-forward block is.
@@ -149,6 +207,29 @@ impl DeltaNetConfig {
     }
 }
 
+/// Dimensions of multi-head latent attention (DeepSeek-V2/V3, Kimi-K2).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MlaConfig {
+    /// Rank of the query's low-rank projection (None: a plain q projection).
+    pub q_lora_rank: Option<usize>,
+    /// Width of the compressed key/value latent (what the cache holds, with the rope part).
+    pub kv_lora_rank: usize,
+    /// Per head: query/key dimensions without and with rotary position, value dimension.
+    pub qk_nope: usize,
+    pub qk_rope: usize,
+    pub v_head: usize,
+    /// ε of the latent norms (the reference uses 1e-6 whatever `rms_norm_eps` says; llama.cpp
+    /// uses `rms_norm_eps`: each dialect loads its own).
+    pub latent_norm_eps: f32,
+}
+
+impl MlaConfig {
+    /// Values a layer caches per token: the latent and the shared rotary key.
+    pub fn cache_width(&self) -> usize {
+        self.kv_lora_rank + self.qk_rope
+    }
+}
+
 /// A multi-token-prediction head shipped with the checkpoint: one extra decoder layer (full
 /// attention, the model's FFN kind) fed by the next token's embedding and the last hidden state.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -158,10 +239,15 @@ pub struct MtpConfig {
 }
 
 /// Activation of the gated FFN.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Activation {
     Silu,
     GeluTanh,
+    /// gpt-oss's clamped SwiGLU: gate ≤ limit, |up| ≤ limit, out = gate·σ(α·gate)·(up + 1).
+    SwigluOai {
+        alpha: f32,
+        limit: f32,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -189,6 +275,10 @@ pub struct ModelConfig {
     pub moe: Option<MoeConfig>,
     /// The Gated DeltaNet layers' dimensions (hybrid models).
     pub delta_net: Option<DeltaNetConfig>,
+    /// The latent-attention layers' dimensions.
+    pub mla: Option<MlaConfig>,
+    /// Attention heads have a learned sink logit in their softmax (gpt-oss).
+    pub attn_sinks: bool,
     /// Per layer: its mixer and its FFN.
     pub layers: Vec<LayerSpec>,
     /// Attention score scale (1/sqrt(head_dim) unless the family says otherwise).
@@ -266,7 +356,7 @@ impl ModelConfig {
     pub fn window(&self, l: usize) -> Option<usize> {
         match self.layers.get(l)?.mixer {
             MixerKind::Attention { window } => window,
-            MixerKind::GatedDeltaNet => None,
+            MixerKind::GatedDeltaNet | MixerKind::Mla => None,
         }
     }
 
@@ -275,10 +365,22 @@ impl ModelConfig {
         self.layers.iter().filter(|s| matches!(s.mixer, MixerKind::Attention { .. })).count()
     }
 
+    /// (key, value) values one token adds to layer `l`'s cache: both `kv_dim` for attention,
+    /// the latent and rotary key (and no separate value) for latent attention, none for a
+    /// recurrent layer.
+    pub fn kv_widths(&self, l: usize) -> (usize, usize) {
+        match self.layers.get(l).map(|s| s.mixer) {
+            Some(MixerKind::Attention { .. }) | None => (self.kv_dim(), self.kv_dim()),
+            Some(MixerKind::Mla) => (self.mla.map_or(0, |m| m.cache_width()), 0),
+            Some(MixerKind::GatedDeltaNet) => (0, 0),
+        }
+    }
+
     /// Bytes of a sequence's state at `ctx` positions: keys and values (f32) of the attention
     /// layers, and the fixed-size state of the recurrent ones (double-buffered).
     pub fn state_bytes(&self, ctx: usize) -> u64 {
-        let kv = self.attention_layers() as u64 * self.kv_dim() as u64 * 2 * 4 * ctx as u64;
+        let per_token: u64 = (0..self.n_layer).map(|l| self.kv_widths(l)).map(|(k, v)| (k + v) as u64).sum();
+        let kv = per_token * 4 * ctx as u64;
         let rec = self.delta_net.map_or(0, |d| {
             let layers = self.layers.iter().filter(|s| s.mixer == MixerKind::GatedDeltaNet).count() as u64;
             let per = (d.conv_kernel as u64 - 1) * d.conv_dim() as u64 + (d.n_v_heads * d.d_k * d.d_v) as u64;
@@ -322,6 +424,18 @@ impl ModelConfig {
             format!("{} layer kinds for {} layers", self.layers.len(), self.n_layer),
         )?;
         must((0..self.n_layer).all(|l| self.window(l) != Some(0)), "a sliding window of zero positions".into())?;
+        if self.layers.iter().any(|s| s.mixer == MixerKind::Mla) {
+            let m = self.mla.ok_or("latent-attention layers without their dimensions")?;
+            let dims = [m.kv_lora_rank, m.qk_nope, m.qk_rope, m.v_head, m.q_lora_rank.unwrap_or(1)];
+            must(
+                dims.iter().all(|v| *v > 0 && *v <= limits::HIDDEN) && m.qk_rope.is_multiple_of(2),
+                format!("latent attention dimensions {dims:?} (kv rank, nope, rope, value, q rank) out of range"),
+            )?;
+            must(
+                self.rope.dim == m.qk_rope,
+                format!("latent attention rotates {} dimensions, its rope part has {}", self.rope.dim, m.qk_rope),
+            )?;
+        }
         let has_delta = self.layers.iter().any(|s| s.mixer == MixerKind::GatedDeltaNet);
         match (&self.delta_net, has_delta) {
             (None, true) => return Err("Gated DeltaNet layers without their dimensions".into()),
@@ -362,6 +476,20 @@ impl ModelConfig {
                     && m.shared_expert_ff.is_none_or(|f| f > 0 && f <= limits::FF),
                 format!("expert feed-forward width {} (shared {:?}) out of range", m.expert_ff, m.shared_expert_ff),
             )?;
+            if let Gating::Grouped { n_group, topk_group, scale, .. } = m.gating {
+                let per = m.n_expert / n_group.max(1);
+                must(
+                    n_group >= 1
+                        && m.n_expert.is_multiple_of(n_group)
+                        && (1..=n_group).contains(&topk_group)
+                        && m.n_expert_used <= topk_group * per,
+                    format!(
+                        "expert groups: {} experts in {n_group} groups with {topk_group} kept cannot supply {} experts per token",
+                        m.n_expert, m.n_expert_used
+                    ),
+                )?;
+                must(scale.is_finite(), format!("routed scaling factor {scale} is not a number"))?;
+            }
         } else {
             must(!(0..self.n_layer).any(|l| self.is_sparse(l)), "sparse layers without an MoE config".into())?;
         }

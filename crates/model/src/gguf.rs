@@ -7,7 +7,7 @@ use crate::config::{
     MtpConfig, QkNorm,
 };
 use crate::error::{ModelError, Result};
-use crate::families::gguf_names;
+use crate::families::{self, gguf_names};
 use crate::rope::{Rope, RopeConfig, RopeScaling, RopeStyle};
 use crate::weights::{ExpertPart, Key, TensorSource};
 use sluice_formats::gguf::GgufFile;
@@ -17,13 +17,15 @@ use std::path::Path;
 pub struct GgufCheckpoint {
     pub file: GgufFile,
     pub config: ModelConfig,
+    /// How the reading was decided where the file leaves it open, for `inspect`.
+    pub notes: Vec<String>,
 }
 
 impl GgufCheckpoint {
     pub fn open(path: &Path) -> Result<GgufCheckpoint> {
         let file = GgufFile::open(path)?;
-        let config = config_from_gguf(&file)?;
-        Ok(GgufCheckpoint { file, config })
+        let (config, notes) = read_config(&file)?;
+        Ok(GgufCheckpoint { file, config, notes })
     }
 
     fn err(&self, msg: String) -> ModelError {
@@ -96,6 +98,12 @@ impl TensorSource for GgufCheckpoint {
 
 /// Reads the hyper-parameters of a GGUF model from its metadata.
 pub fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig> {
+    read_config(f).map(|(c, _)| c)
+}
+
+/// The hyper-parameters, and notes on how what the file leaves open was decided.
+fn read_config(f: &GgufFile) -> Result<(ModelConfig, Vec<String>)> {
+    let mut notes = Vec::new();
     let arch_name = f.meta_str("general.architecture")?.to_string();
     let key = |k: &str| format!("{arch_name}.{k}");
     let u = |k: &str| -> Result<usize> { Ok(f.meta_u64(&key(k))? as usize) };
@@ -115,10 +123,14 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig> {
         "qwen3next" => Arch::Qwen3Next,
         "qwen35" => Arch::Qwen35,
         "qwen35moe" => Arch::Qwen35Moe,
+        "deepseek2" => Arch::DeepseekV3,
+        "gpt-oss" => Arch::GptOss,
+        "glm4moe" => Arch::Glm4Moe,
+        "minimax-m2" => Arch::MinimaxM2,
         other => {
             return Err(f
                 .error(format!(
-                    "unsupported architecture `{other}` (general.architecture); supported: llama, qwen2, qwen3, qwen2moe, qwen3moe, olmoe, gemma3, qwen3next, qwen35, qwen35moe"
+                    "unsupported architecture `{other}` (general.architecture); supported: llama, qwen2, qwen3, qwen2moe, qwen3moe, olmoe, gemma3, qwen3next, qwen35, qwen35moe, deepseek2, gpt-oss, glm4moe, minimax-m2"
                 ))
                 .into())
         }
@@ -140,7 +152,8 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig> {
     let embd = f.tensor_info("token_embd.weight").ok_or_else(|| f.error("missing tensor `token_embd.weight`"))?;
     let vocab_size = *embd.shape().first().ok_or_else(|| f.error("tensor `token_embd.weight` has no dimensions"))?;
     crate::config::check_dims(hidden, n_layer, n_head, n_head_kv, head_dim, vocab_size).map_err(|e| f.error(e))?;
-    if let Some(v) = ou("attention.value_length")? {
+    // (deepseek2's key and value lengths are its latent's, read in its family file.)
+    if let Some(v) = ou("attention.value_length")?.filter(|_| arch != Arch::DeepseekV3) {
         if v != head_dim {
             return Err(f.error(format!("attention.value_length {v} differs from key_length {head_dim}")).into());
         }
@@ -172,7 +185,12 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig> {
                     .unwrap_or(ou("context_length")?.unwrap_or(4096) as f64),
                 beta_fast: of("rope.scaling.yarn_beta_fast")?.unwrap_or(32.0),
                 beta_slow: of("rope.scaling.yarn_beta_slow")?.unwrap_or(1.0),
-                attention_factor: of("rope.scaling.attn_factor")?.unwrap_or(Rope::yarn_mscale(factor, 1.0)),
+                // As llama.cpp: YaRN's mscale(factor) — over mscale(factor, mscale_all_dim)
+                // where the file has a log multiplier — times the file's own attn_factor.
+                attention_factor: match of("rope.scaling.yarn_log_multiplier")?.filter(|m| *m != 0.0) {
+                    Some(lm) => Rope::yarn_mscale(factor, 1.0) / Rope::yarn_mscale(factor, lm / 0.1),
+                    None => Rope::yarn_mscale(factor, 1.0),
+                } * of("rope.scaling.attn_factor")?.unwrap_or(1.0),
                 truncate: true,
             }
         }
@@ -200,6 +218,7 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig> {
             expert_ff,
             gating: Gating::SoftmaxTopK { norm_topk },
             shared_expert_ff: shared,
+            ..MoeConfig::PLAIN
         })
     } else {
         if matches!(arch, Arch::Qwen2Moe | Arch::Qwen3Moe | Arch::Olmoe | Arch::Qwen3Next | Arch::Qwen35Moe) {
@@ -233,6 +252,8 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig> {
         ),
         moe,
         delta_net: None,
+        mla: None,
+        attn_sinks: false,
         attn_scale: 1.0 / (head_dim as f32).sqrt(),
         attn_output_gate: false,
         norm_plus_one: false,
@@ -267,6 +288,10 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig> {
             }
         }
         Arch::Qwen3Next | Arch::Qwen35 | Arch::Qwen35Moe => hybrid(f, &key, &mut cfg, n_mtp)?,
+        Arch::DeepseekV3 => families::deepseek_v3::gguf(f, &key, &mut cfg, &mut notes)?,
+        Arch::GptOss => families::gpt_oss::gguf(f, &key, &mut cfg)?,
+        Arch::Glm4Moe => families::glm4_moe::gguf(f, &key, &mut cfg, n_mtp)?,
+        Arch::MinimaxM2 => families::minimax_m2::gguf(f, &key, &mut cfg, &mut notes)?,
         _ => {}
     }
     // Attention bias, as the first attention layer has it.
@@ -274,7 +299,7 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig> {
         cfg.qkv_bias = f.tensor_info(&format!("blk.{l}.attn_q.bias")).is_some();
     }
     cfg.validate().map_err(|e| f.error(e))?;
-    Ok(cfg)
+    Ok((cfg, notes))
 }
 
 /// The Qwen hybrids (`qwen3next`, `qwen35`, `qwen35moe`): Gated DeltaNet layers among gated

@@ -2,7 +2,7 @@
 //! Routed experts are found in either layout the hub uses: a tensor per expert matrix, or a
 //! layer's experts fused into `experts.gate_up_proj` and `experts.down_proj`.
 
-use crate::config::{FfnKind, ModelConfig, MtpConfig};
+use crate::config::{Arch, FfnKind, ModelConfig, MtpConfig};
 use crate::error::{ModelError, Result};
 use crate::families::{self, HfNames};
 use crate::weights::{ExpertPart, Key, TensorSource};
@@ -47,10 +47,16 @@ impl HfCheckpoint {
 
     /// A multi-token-prediction head, if the checkpoint ships one (`mtp.*`).
     fn find_mtp(&mut self) {
-        if self.config.delta_net.is_none() || !self.st.contains(&self.names.name(Key::MtpEhProj, None)) {
-            return;
-        }
-        let n = (0..).take_while(|i| self.st.names().any(|t| t.starts_with(&format!("mtp.layers.{i}.")))).count();
+        let n_layer = self.config.n_layer;
+        let n = if self.names.mtp_in_layers() {
+            // `layers.{n_layer + i}` with its own `eh_proj`.
+            (0..).take_while(|i| self.st.contains(&self.names.name(Key::MtpEhProj, Some(n_layer + i)))).count()
+        } else {
+            if self.config.delta_net.is_none() || !self.st.contains(&self.names.name(Key::MtpEhProj, None)) {
+                return;
+            }
+            (0..).take_while(|i| self.st.names().any(|t| t.starts_with(&format!("mtp.layers.{i}.")))).count()
+        };
         if n > 0 {
             let ffn = if self.config.moe.is_some() { FfnKind::Moe } else { FfnKind::Dense };
             self.config.mtp = Some(MtpConfig { n_layer: n, ffn });
@@ -70,6 +76,12 @@ impl HfCheckpoint {
 
     /// Where expert `e`'s `part` of layer `l` lies, in either layout.
     pub fn expert_location(&self, part: ExpertPart, l: usize, e: usize) -> Result<ExpertLoc> {
+        if self.config.arch == Arch::GptOss {
+            return Err(ModelError::Invalid(format!(
+                "{}: gpt-oss keeps its experts fused with gate and up interleaved, which cannot be streamed in place; run it resident, or stream its GGUF conversion",
+                self.describe()
+            )));
+        }
         let name = self.names.expert(part, l, e);
         if let Some(info) = self.st.info(&name) {
             let t = self.st.tensor(&name)?;
@@ -158,6 +170,9 @@ impl TensorSource for HfCheckpoint {
     }
 
     fn expert(&self, part: ExpertPart, layer: usize, expert: usize) -> Result<TensorData> {
+        if self.config.arch == Arch::GptOss {
+            return families::gpt_oss::hf_expert(&self.st, &self.names.prefix, part, layer, expert);
+        }
         let name = self.names.expert(part, layer, expert);
         if let Some(t) = self.named(&name)? {
             return Ok(t);

@@ -16,7 +16,7 @@ use crate::config::{FfnKind, MixerKind, ModelConfig};
 use crate::error::{ModelError, Result};
 use crate::expert::{ExpertSource, ResidentExperts};
 use crate::ffn::FfnWeights;
-use crate::mixer::{attention::AttentionWeights, Mixer};
+use crate::mixer::Mixer;
 use crate::model::{observe, rms_norm_rows, Layer, LayerScratch, Logits, Model, Seg};
 use crate::state::SeqState;
 use crate::trace::Observer;
@@ -49,13 +49,14 @@ impl MtpHead {
             )));
         }
         let (h, l) = (cfg.hidden, cfg.n_layer);
-        // The head's layer is full attention with the model's FFN kind, at index n_layer.
+        // The head's layer is full attention of the model's kind with the model's FFN kind,
+        // at index n_layer.
         let mut with_head = cfg.clone();
-        with_head.layers.push(crate::config::LayerSpec { mixer: MixerKind::Attention { window: None }, ffn: mtp.ffn });
+        with_head.layers.push(crate::config::LayerSpec { mixer: head_mixer(cfg), ffn: mtp.ffn });
         with_head.n_layer += 1;
         let layer = Layer {
             attn_norm: norm(src, cfg, Key::AttnNorm, Some(l), h)?,
-            mixer: Mixer::Attention(AttentionWeights::load(src, cfg, l)?),
+            mixer: Mixer::load(src, &with_head, l)?,
             attn_post_norm: None,
             ffn_norm: norm(src, cfg, Key::FfnNorm, Some(l), h)?,
             ffn: FfnWeights::load(src, &with_head, l)?,
@@ -81,6 +82,15 @@ impl MtpHead {
     }
 }
 
+/// The head's mixer: latent attention in a latent-attention model, full attention otherwise.
+fn head_mixer(cfg: &ModelConfig) -> MixerKind {
+    if cfg.mla.is_some() {
+        MixerKind::Mla
+    } else {
+        MixerKind::Attention { window: None }
+    }
+}
+
 impl Model {
     /// Loads the checkpoint's multi-token-prediction head (an error if it has none).
     pub fn load_mtp(&mut self, src: &dyn TensorSource) -> Result<()> {
@@ -93,10 +103,8 @@ impl Model {
         let max_len = if max_len == 0 { self.cfg.max_position } else { max_len };
         let mut cfg = self.cfg.clone();
         // Layers before the head's hold nothing: attention layers with empty caches.
-        cfg.layers = vec![
-            crate::config::LayerSpec { mixer: MixerKind::Attention { window: None }, ffn: FfnKind::Dense };
-            cfg.n_layer + 1
-        ];
+        cfg.layers =
+            vec![crate::config::LayerSpec { mixer: head_mixer(&self.cfg), ffn: FfnKind::Dense }; cfg.n_layer + 1];
         cfg.n_layer += 1;
         SeqState::new(&cfg, max_len)
     }

@@ -16,11 +16,14 @@
 use crate::config::{MixerKind, ModelConfig};
 use crate::error::{ModelError, Result};
 
-/// Keys and values of one attention layer, `len × kv_dim` each.
+/// Keys and values of one attention layer, `len × k_dim` and `len × v_dim` (a latent
+/// attention layer keeps only its latent, in `k`).
 #[derive(Clone, Debug, Default)]
 pub struct KvLayer {
     pub k: Vec<f32>,
     pub v: Vec<f32>,
+    pub k_dim: usize,
+    pub v_dim: usize,
 }
 
 /// A Gated DeltaNet layer's state, double-buffered: `cur` is committed, the other buffer
@@ -78,7 +81,6 @@ pub enum LayerState {
 }
 
 pub struct SeqState {
-    kv_dim: usize,
     layers: Vec<LayerState>,
     len: usize,
     max_len: usize,
@@ -113,8 +115,12 @@ impl SeqState {
         let layers = cfg
             .layers
             .iter()
-            .map(|spec| match spec.mixer {
-                MixerKind::Attention { .. } => LayerState::Kv(KvLayer::default()),
+            .enumerate()
+            .map(|(l, spec)| match spec.mixer {
+                MixerKind::Attention { .. } | MixerKind::Mla => {
+                    let (k_dim, v_dim) = cfg.kv_widths(l);
+                    LayerState::Kv(KvLayer { k_dim, v_dim, ..Default::default() })
+                }
                 MixerKind::GatedDeltaNet => {
                     let d = cfg.delta_net.expect("validated: DeltaNet layers have dimensions");
                     let conv = (d.conv_kernel - 1) * d.conv_dim();
@@ -122,7 +128,7 @@ impl SeqState {
                 }
             })
             .collect();
-        SeqState { kv_dim: cfg.kv_dim(), layers, len: 0, max_len }
+        SeqState { layers, len: 0, max_len }
     }
 
     /// Positions stored.
@@ -176,8 +182,8 @@ impl SeqState {
     fn cut_kv(&mut self, len: usize) {
         for l in &mut self.layers {
             if let LayerState::Kv(kv) = l {
-                kv.k.truncate(len * self.kv_dim);
-                kv.v.truncate(len * self.kv_dim);
+                kv.k.truncate(len * kv.k_dim);
+                kv.v.truncate(len * kv.v_dim);
             }
         }
     }
@@ -225,11 +231,12 @@ impl SeqState {
     }
 
     /// Appends `n` positions of keys and values to attention layer `l` (rows `k` and `v`,
-    /// `n × kv_dim`). Every attention layer must be appended the same `n` before `commit(n)`.
+    /// `n × k_dim` and `n × v_dim`). Every attention layer must be appended the same `n`
+    /// before `commit(n)`.
     pub fn append_kv(&mut self, l: usize, k: &[f32], v: &[f32]) {
-        let len = self.len * self.kv_dim;
+        let len = self.len;
         let LayerState::Kv(kv) = &mut self.layers[l] else { panic!("layer {l} has no KV cache") };
-        debug_assert_eq!(kv.k.len(), len, "layer {l} appended twice");
+        debug_assert_eq!(kv.k.len(), len * kv.k_dim, "layer {l} appended twice");
         kv.k.extend_from_slice(k);
         kv.v.extend_from_slice(v);
     }

@@ -61,6 +61,34 @@ pub enum Key {
     SsmNorm,
     /// `out_proj` / `ssm_out`: (hidden, value_dim).
     SsmOut,
+    // Latent attention (HF names `self_attn.*`; GGUF `attn_*`).
+    /// q's down projection (q_a_proj): (q_lora_rank, hidden).
+    AttnQA,
+    /// Its norm (q_a_layernorm).
+    AttnQANorm,
+    /// q's up projection (q_b_proj): (heads·(nope + rope), q_lora_rank).
+    AttnQB,
+    /// kv_a_proj_with_mqa: (kv_lora_rank + rope, hidden): the latent, then the shared rope key.
+    AttnKvAMqa,
+    /// kv_a_layernorm: (kv_lora_rank).
+    AttnKvANorm,
+    /// HF kv_b_proj: (heads·(nope + v), kv_lora_rank), per head its nope-key rows then value rows.
+    AttnKvB,
+    /// GGUF attn_k_b: per head the key half of kv_b transposed, (heads, kv_lora_rank, nope).
+    AttnKB,
+    /// GGUF attn_v_b: per head the value half of kv_b, (heads, v, kv_lora_rank).
+    AttnVB,
+    /// Per-head sink logits (gpt-oss): (heads).
+    AttnSinks,
+    /// The router's bias (gpt-oss): (n_expert).
+    FfnGateInpBias,
+    /// The router's correction bias, for choosing experts only: (n_expert).
+    FfnExpProbsB,
+    /// Expert biases, every expert's together: gate and up (n_expert, ff), down (n_expert, hidden).
+    /// HF gpt-oss keeps gate and up interleaved in one `gate_up_proj_bias` (n_expert, 2·ff).
+    FfnGateExpsBias,
+    FfnUpExpsBias,
+    FfnDownExpsBias,
     // Multi-token prediction head (its decoder layer uses the per-layer keys at layer n_layer).
     /// Projection of [embedding | hidden] to hidden: (hidden, 2·hidden).
     MtpEhProj,

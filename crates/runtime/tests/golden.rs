@@ -7,7 +7,11 @@ use sluice_model::Logits;
 use sluice_runtime::{generate, Engine, EngineOptions, GenerateOptions};
 use std::path::PathBuf;
 
-const FAMILIES: [&str; 11] = [
+const FAMILIES: [&str; 15] = [
+    "deepseek_v3",
+    "gpt_oss",
+    "glm4_moe",
+    "minimax_m2",
     "qwen3_next",
     "qwen3_5_moe",
     "qwen3_moe",
@@ -84,6 +88,7 @@ fn teacher_forced_logits_match_transformers() {
                 assert_eq!(am(got), am(want), "{fam}: argmax differs at position {t}");
             }
         }
+        eprintln!("{fam}: max |logit difference| {max_diff:.2e}");
         assert!(max_diff <= 1e-3, "{fam}: max |logit difference| {max_diff} > 1e-3");
     }
 }

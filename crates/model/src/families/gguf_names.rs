@@ -5,15 +5,16 @@ use crate::weights::{ExpertPart, Key};
 
 /// The GGUF name of `key`, or `None` where the architecture has no such tensor.
 pub fn name(arch: Arch, key: Key, layer: Option<usize>) -> Option<String> {
-    let hybrid = matches!(arch, Arch::Qwen3Next | Arch::Qwen35 | Arch::Qwen35Moe);
-    if hybrid && key == Key::AttnPostNorm {
-        // These files keep the pre-FFN norm under `post_attention_norm` (below).
+    // These conversions file the pre-FFN norm (HF post_attention_layernorm) under
+    // `post_attention_norm`, so they have no separate post-attention norm.
+    let post_as_ffn = matches!(arch, Arch::Qwen3Next | Arch::Qwen35 | Arch::Qwen35Moe | Arch::GptOss | Arch::Glm4Moe);
+    if post_as_ffn && key == Key::AttnPostNorm {
         return None;
     }
-    Some(name_of(hybrid, key, layer))
+    Some(name_of(post_as_ffn, key, layer))
 }
 
-fn name_of(hybrid: bool, key: Key, layer: Option<usize>) -> String {
+fn name_of(post_as_ffn: bool, key: Key, layer: Option<usize>) -> String {
     let l = layer.unwrap_or(0);
     let b = |s: &str| format!("blk.{l}.{s}");
     match key {
@@ -33,7 +34,7 @@ fn name_of(hybrid: bool, key: Key, layer: Option<usize>) -> String {
         Key::AttnKNorm => b("attn_k_norm.weight"),
         Key::AttnPostNorm => b("post_attention_norm.weight"),
         // The hybrid Qwen conversions file the pre-FFN norm under its HF name's kind.
-        Key::FfnNorm if hybrid => b("post_attention_norm.weight"),
+        Key::FfnNorm if post_as_ffn => b("post_attention_norm.weight"),
         Key::FfnNorm => b("ffn_norm.weight"),
         Key::FfnPostNorm => b("post_ffw_norm.weight"),
         Key::FfnGate => b("ffn_gate.weight"),
@@ -57,6 +58,20 @@ fn name_of(hybrid: bool, key: Key, layer: Option<usize>) -> String {
         Key::SsmALog => b("ssm_a_log"),
         Key::SsmNorm => b("ssm_norm.weight"),
         Key::SsmOut => b("ssm_out.weight"),
+        Key::AttnQA => b("attn_q_a.weight"),
+        Key::AttnQANorm => b("attn_q_a_norm.weight"),
+        Key::AttnQB => b("attn_q_b.weight"),
+        Key::AttnKvAMqa => b("attn_kv_a_mqa.weight"),
+        Key::AttnKvANorm => b("attn_kv_a_norm.weight"),
+        Key::AttnKvB => b("attn_kv_b.weight"),
+        Key::AttnKB => b("attn_k_b.weight"),
+        Key::AttnVB => b("attn_v_b.weight"),
+        Key::AttnSinks => b("attn_sinks.weight"),
+        Key::FfnGateInpBias => b("ffn_gate_inp.bias"),
+        Key::FfnExpProbsB => b("exp_probs_b.bias"),
+        Key::FfnGateExpsBias => b("ffn_gate_exps.bias"),
+        Key::FfnUpExpsBias => b("ffn_up_exps.bias"),
+        Key::FfnDownExpsBias => b("ffn_down_exps.bias"),
         Key::MtpEhProj => b("nextn.eh_proj.weight"),
         Key::MtpEnorm => b("nextn.enorm.weight"),
         Key::MtpHnorm => b("nextn.hnorm.weight"),

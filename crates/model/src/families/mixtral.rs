@@ -26,6 +26,7 @@ pub fn config(c: &JsonConfig) -> Result<ModelConfig> {
         expert_ff: cfg.ff,
         gating: Gating::SoftmaxTopK { norm_topk: true },
         shared_expert_ff: None,
+        ..MoeConfig::PLAIN
     });
     let all = vec![true; cfg.n_layer];
     super::set_sparse(&mut cfg, &all);

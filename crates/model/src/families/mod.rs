@@ -2,8 +2,12 @@
 //! sets it apart. What all of them share (the dense hyper-parameters, RoPE dialects, the
 //! llama-style tensor names) lives here.
 
+pub mod deepseek_v3;
 pub mod gguf_names;
+pub mod glm4_moe;
+pub mod gpt_oss;
 pub mod llama;
+pub mod minimax_m2;
 pub mod mixtral;
 pub mod olmoe;
 pub mod qwen2;
@@ -47,9 +51,14 @@ pub fn hf_model(c: &JsonConfig) -> Result<HfModel> {
         "olmoe" => plain(olmoe::config(c)?),
         "qwen3_next" => plain(qwen3_next::config(c)?),
         "qwen3_5" | "qwen3_5_moe" | "qwen3_5_text" | "qwen3_5_moe_text" => qwen3_5::model(c)?,
+        // Kimi-K2 ships DeepSeek-V3's architecture under its own model_type.
+        "deepseek_v3" | "kimi_k2" => plain(deepseek_v3::config(c)?),
+        "gpt_oss" => plain(gpt_oss::config(c)?),
+        "glm4_moe" => plain(glm4_moe::config(c)?),
+        "minimax_m2" => plain(minimax_m2::config(c)?),
         other => {
             return Err(ModelError::Invalid(format!(
-                "{}: unsupported architecture: model_type `{other}` (supported: llama, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe, olmoe, qwen3_next, qwen3_5, qwen3_5_moe)",
+                "{}: unsupported architecture: model_type `{other}` (supported: llama, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe, olmoe, qwen3_next, qwen3_5, qwen3_5_moe, deepseek_v3, kimi_k2, gpt_oss, glm4_moe, minimax_m2)",
                 c.path.display()
             )))
         }
@@ -74,7 +83,8 @@ impl HfNames {
     }
 
     fn layer(&self, l: usize) -> String {
-        if l >= self.n_layer {
+        // GLM and DeepSeek number their prediction layers after the trunk's.
+        if l >= self.n_layer && !self.mtp_in_layers() {
             format!("mtp.layers.{}", l - self.n_layer)
         } else {
             format!("{}layers.{l}", self.prefix)
@@ -108,8 +118,19 @@ impl HfNames {
             Key::FfnDown => format!("{p}.mlp.down_proj.weight"),
             Key::FfnGateInp => match self.arch {
                 Arch::Mixtral => mixtral::ROUTER.replace("{p}", &p),
+                Arch::MinimaxM2 => format!("{p}.block_sparse_moe.gate.weight"),
+                Arch::GptOss => format!("{p}.mlp.router.weight"),
                 _ => format!("{p}.mlp.gate.weight"),
             },
+            Key::FfnGateInpBias => format!("{p}.mlp.router.bias"),
+            Key::FfnExpProbsB => match self.arch {
+                Arch::MinimaxM2 => format!("{p}.block_sparse_moe.e_score_correction_bias"),
+                _ => format!("{p}.mlp.gate.e_score_correction_bias"),
+            },
+            // DeepSeek and GLM call their (ungated) shared experts `shared_experts`.
+            Key::ShexpGate if self.plural_shared() => format!("{p}.mlp.shared_experts.gate_proj.weight"),
+            Key::ShexpUp if self.plural_shared() => format!("{p}.mlp.shared_experts.up_proj.weight"),
+            Key::ShexpDown if self.plural_shared() => format!("{p}.mlp.shared_experts.down_proj.weight"),
             Key::ShexpGate => format!("{p}.mlp.shared_expert.gate_proj.weight"),
             Key::ShexpUp => format!("{p}.mlp.shared_expert.up_proj.weight"),
             Key::ShexpDown => format!("{p}.mlp.shared_expert.down_proj.weight"),
@@ -126,6 +147,23 @@ impl HfNames {
             Key::SsmA => format!("{p}.linear_attn.A"),
             Key::SsmNorm => format!("{p}.linear_attn.norm.weight"),
             Key::SsmOut => format!("{p}.linear_attn.out_proj.weight"),
+            Key::AttnQA => format!("{p}.self_attn.q_a_proj.weight"),
+            Key::AttnQANorm => format!("{p}.self_attn.q_a_layernorm.weight"),
+            Key::AttnQB => format!("{p}.self_attn.q_b_proj.weight"),
+            Key::AttnKvAMqa => format!("{p}.self_attn.kv_a_proj_with_mqa.weight"),
+            Key::AttnKvANorm => format!("{p}.self_attn.kv_a_layernorm.weight"),
+            Key::AttnKvB => format!("{p}.self_attn.kv_b_proj.weight"),
+            // HF keeps kv_b whole; the loader splits it.
+            Key::AttnKB => format!("{p}.self_attn.k_b_proj.weight"),
+            Key::AttnVB => format!("{p}.self_attn.v_b_proj.weight"),
+            Key::AttnSinks => format!("{p}.self_attn.sinks"),
+            Key::FfnGateExpsBias => format!("{p}.mlp.experts.gate_up_proj_bias"),
+            Key::FfnUpExpsBias => format!("{p}.mlp.experts.gate_up_proj_bias"),
+            Key::FfnDownExpsBias => format!("{p}.mlp.experts.down_proj_bias"),
+            Key::MtpEhProj if self.mtp_in_layers() => format!("{p}.eh_proj.weight"),
+            Key::MtpEnorm if self.mtp_in_layers() => format!("{p}.enorm.weight"),
+            Key::MtpHnorm if self.mtp_in_layers() => format!("{p}.hnorm.weight"),
+            Key::MtpNorm if self.mtp_in_layers() => format!("{p}.shared_head.norm.weight"),
             Key::MtpEhProj => "mtp.fc.weight".into(),
             Key::MtpEnorm => "mtp.pre_fc_norm_embedding.weight".into(),
             Key::MtpHnorm => "mtp.pre_fc_norm_hidden.weight".into(),
@@ -133,11 +171,20 @@ impl HfNames {
         }
     }
 
+    /// The prediction layers are `layers.{n_layer}...` rather than `mtp.layers.*`.
+    pub fn mtp_in_layers(&self) -> bool {
+        matches!(self.arch, Arch::DeepseekV3 | Arch::Glm4Moe)
+    }
+
+    fn plural_shared(&self) -> bool {
+        matches!(self.arch, Arch::DeepseekV3 | Arch::Glm4Moe)
+    }
+
     /// One expert's matrix, as a tensor of its own (the hub's per-expert layout).
     pub fn expert(&self, part: ExpertPart, l: usize, e: usize) -> String {
         let p = self.layer(l);
         match self.arch {
-            Arch::Mixtral => mixtral::expert_name(&p, part, e),
+            Arch::Mixtral | Arch::MinimaxM2 => mixtral::expert_name(&p, part, e),
             _ => {
                 let m = match part {
                     ExpertPart::Gate => "gate_proj",
@@ -198,6 +245,8 @@ pub(crate) fn common(c: &JsonConfig, arch: Arch) -> Result<ModelConfig> {
         activation: Activation::Silu,
         moe: None,
         delta_net: None,
+        mla: None,
+        attn_sinks: false,
         layers: window
             .into_iter()
             .map(|window| LayerSpec { mixer: MixerKind::Attention { window }, ffn: FfnKind::Dense })
@@ -365,6 +414,34 @@ pub(crate) fn hybrid(c: &JsonConfig, cfg: &mut ModelConfig, proj: crate::config:
     cfg.delta_net = Some(d);
     cfg.norm_plus_one = true;
     cfg.attn_output_gate = c.opt_bool("attn_output_gate")?.unwrap_or(true);
+    Ok(())
+}
+
+/// The DeepSeek-style router as llama.cpp's GGUF keys describe it (deepseek2, glm4moe,
+/// minimax-m2): groups, renormalization (`norm_default` where the file is silent), routed
+/// scaling, and ungated shared experts.
+pub(crate) fn grouped_router_from_gguf(
+    f: &sluice_formats::gguf::GgufFile,
+    key: &dyn Fn(&str) -> String,
+    cfg: &mut ModelConfig,
+    score: crate::config::Score,
+    biased: bool,
+    norm_default: bool,
+) -> Result<()> {
+    let ou = |k: &str| -> Result<Option<usize>> { Ok(f.meta_opt_u64(&key(k))?.map(|v| v as usize)) };
+    let moe = cfg.moe.as_mut().ok_or_else(|| f.error("a routed model without expert_count"))?;
+    let n_group = ou("expert_group_count")?.unwrap_or(1).max(1);
+    moe.gating = crate::config::Gating::Grouped {
+        score,
+        selection_bias: biased,
+        n_group,
+        topk_group: ou("expert_group_used_count")?.unwrap_or(n_group),
+        norm_topk: f.meta_opt_bool(&key("expert_weights_norm"))?.unwrap_or(norm_default),
+        norm_eps: 1e-20,
+        scale: f.meta_opt_f64(&key("expert_weights_scale"))?.filter(|s| *s != 0.0).unwrap_or(1.0) as f32,
+    };
+    moe.shared_expert_ff = ou("expert_shared_count")?.filter(|n| *n > 0).map(|n| n * moe.expert_ff);
+    moe.shared_gated = false;
     Ok(())
 }
 

@@ -19,6 +19,7 @@ pub fn config(c: &JsonConfig) -> Result<ModelConfig> {
         expert_ff: cfg.ff,
         gating: Gating::SoftmaxTopK { norm_topk: c.opt_bool("norm_topk_prob")?.unwrap_or(false) },
         shared_expert_ff: None,
+        ..MoeConfig::PLAIN
     });
     let all = vec![true; cfg.n_layer];
     super::set_sparse(&mut cfg, &all);

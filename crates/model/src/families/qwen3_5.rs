@@ -40,6 +40,7 @@ pub fn model(c: &JsonConfig) -> Result<HfModel> {
             expert_ff: t.usize("moe_intermediate_size")?,
             gating: Gating::SoftmaxTopK { norm_topk: true },
             shared_expert_ff: t.opt_usize("shared_expert_intermediate_size")?.filter(|s| *s > 0),
+            ..MoeConfig::PLAIN
         });
         for spec in &mut cfg.layers {
             spec.ffn = FfnKind::Moe;

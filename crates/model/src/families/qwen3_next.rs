@@ -21,6 +21,7 @@ pub fn config(c: &JsonConfig) -> Result<ModelConfig> {
             expert_ff: c.usize("moe_intermediate_size")?,
             gating: Gating::SoftmaxTopK { norm_topk: c.opt_bool("norm_topk_prob")?.unwrap_or(true) },
             shared_expert_ff: c.opt_usize("shared_expert_intermediate_size")?.filter(|s| *s > 0),
+            ..MoeConfig::PLAIN
         });
         let sparse = super::qwen_sparse_layers(c, cfg.n_layer)?;
         super::set_sparse(&mut cfg, &sparse);

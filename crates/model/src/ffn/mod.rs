@@ -53,10 +53,18 @@ impl FfnWeights {
     }
 }
 
-pub(crate) fn activation(a: Activation) -> fn(f32) -> f32 {
+/// `gate = act(gate) ⊙ up` for the FFN's activation (gpt-oss's clamped form included).
+pub(crate) fn combine(a: Activation, gate: &mut [f32], up: &[f32]) {
     match a {
-        Activation::Silu => ops::silu,
-        Activation::GeluTanh => ops::gelu_tanh,
+        Activation::Silu => ops::glu(gate, up, ops::silu),
+        Activation::GeluTanh => ops::glu(gate, up, ops::gelu_tanh),
+        Activation::SwigluOai { alpha, limit } => {
+            for (g, u) in gate.iter_mut().zip(up) {
+                let x = g.min(limit);
+                let y = u.clamp(-limit, limit);
+                *g = x * ops::sigmoid(alpha * x) * (y + 1.0);
+            }
+        }
     }
 }
 
@@ -77,7 +85,7 @@ pub(crate) fn gated_ffn(
     let mut u = vec![0f32; n * ff]; // (n, ff)
     matmul(pool, gate, x, n, &mut g);
     matmul(pool, up, x, n, &mut u);
-    ops::glu(&mut g, &u, activation(act));
+    combine(act, &mut g, &u);
     matmul(pool, down, &g, n, out);
 }
 

@@ -1,27 +1,40 @@
-//! The routed mixture of experts: the router picks each token's experts, the expert source
-//! delivers them (resident or streamed), outputs are combined in rank order; plus an optional
-//! shared expert behind a sigmoid gate.
+//! The routed mixture of experts: the router picks each token's experts (ffn/router.rs), the
+//! expert source delivers them (resident or streamed), outputs are combined in rank order;
+//! plus optional shared experts, behind a sigmoid gate (Qwen) or added as they are (DeepSeek,
+//! GLM); and, for gpt-oss, a router bias and per-expert biases.
 
-use crate::config::ModelConfig;
+use crate::config::{Gating, ModelConfig};
 use crate::error::{ModelError, Result};
 use crate::expert::ExpertSource;
 use crate::ffn::router::route;
 use crate::ffn::{gated_ffn, DenseFfnWeights, FfnWeights};
 use crate::model::{observe, Model};
 use crate::trace::Observer;
-use crate::weights::{Key, TensorSource, Weight};
+use crate::weights::{vector, Key, TensorSource, Weight};
 use sluice_kernels::{matmul, ops};
 
 pub struct SharedExpert {
     pub ffn: DenseFfnWeights,
-    /// (1, hidden): sigmoid gate on the shared expert's output.
-    pub gate_inp: Weight,
+    /// (1, hidden): sigmoid gate on the shared expert's output, where it has one.
+    pub gate_inp: Option<Weight>,
+}
+
+/// Every expert's biases (gpt-oss): gate and up (n_expert, ff), down (n_expert, hidden).
+pub struct ExpertBiases {
+    pub gate: Vec<f32>,
+    pub up: Vec<f32>,
+    pub down: Vec<f32>,
 }
 
 pub struct MoeWeights {
     /// (n_expert, hidden)
     pub router: Weight,
+    /// (n_expert): added to the router logits (gpt-oss).
+    pub router_bias: Option<Vec<f32>>,
+    /// (n_expert): added to the scores for choosing experts only (DeepSeek-V3 and kin).
+    pub correction: Option<Vec<f32>>,
     pub shared: Option<SharedExpert>,
+    pub biases: Option<ExpertBiases>,
 }
 
 impl MoeWeights {
@@ -29,6 +42,7 @@ impl MoeWeights {
         let h = cfg.hidden;
         let mat = |key, rows, cols| Weight::from_tensor(src.require(key, Some(l))?, rows, cols);
         let moe = cfg.moe.as_ref().ok_or_else(|| ModelError::Invalid("sparse layer without MoE config".into()))?;
+        let ne = moe.n_expert;
         let shared = match moe.shared_expert_ff {
             None => None,
             Some(sf) => Some(SharedExpert {
@@ -37,15 +51,77 @@ impl MoeWeights {
                     up: mat(Key::ShexpUp, sf, h)?,
                     down: mat(Key::ShexpDown, h, sf)?,
                 },
-                gate_inp: mat(Key::ShexpGateInp, 1, h)?,
+                gate_inp: if moe.shared_gated { Some(mat(Key::ShexpGateInp, 1, h)?) } else { None },
             }),
         };
-        Ok(MoeWeights { router: mat(Key::FfnGateInp, moe.n_expert, h)?, shared })
+        let correction = match moe.gating {
+            Gating::Grouped { selection_bias: true, .. } => Some(vector(src.require(Key::FfnExpProbsB, Some(l))?, ne)?),
+            _ => None,
+        };
+        let router_bias =
+            if moe.router_bias { Some(vector(src.require(Key::FfnGateInpBias, Some(l))?, ne)?) } else { None };
+        let biases = if moe.expert_bias { Some(expert_biases(src, cfg, l)?) } else { None };
+        Ok(MoeWeights { router: mat(Key::FfnGateInp, ne, h)?, router_bias, correction, shared, biases })
     }
 
     /// Bytes of the resident part: router and shared expert.
     pub fn dense_bytes(&self) -> usize {
-        self.router.bytes() + self.shared.as_ref().map_or(0, |s| s.ffn.bytes() + s.gate_inp.bytes())
+        self.router.bytes()
+            + self.shared.as_ref().map_or(0, |s| s.ffn.bytes() + s.gate_inp.as_ref().map_or(0, |g| g.bytes()))
+            + self.biases.as_ref().map_or(0, |b| 4 * (b.gate.len() + b.up.len() + b.down.len()))
+    }
+}
+
+/// The experts' biases, from either dialect: GGUF keeps gate, up and down apart; HF gpt-oss
+/// keeps gate and up interleaved (gate in even columns, up in odd) in one tensor.
+fn expert_biases(src: &dyn TensorSource, cfg: &ModelConfig, l: usize) -> Result<ExpertBiases> {
+    let moe = cfg.moe.as_ref().expect("an MoE layer");
+    let (ne, ff, h) = (moe.n_expert, moe.expert_ff, cfg.hidden);
+    let gate_t = src.require(Key::FfnGateExpsBias, Some(l))?;
+    let up_t = src.require(Key::FfnUpExpsBias, Some(l))?;
+    let (gate, up) = if gate_t.name == up_t.name {
+        let gu = vector(gate_t, ne * 2 * ff)?;
+        let mut gate = vec![0f32; ne * ff];
+        let mut up = vec![0f32; ne * ff];
+        for i in 0..ne * ff {
+            gate[i] = gu[2 * i];
+            up[i] = gu[2 * i + 1];
+        }
+        (gate, up)
+    } else {
+        (vector(gate_t, ne * ff)?, vector(up_t, ne * ff)?)
+    };
+    let down = vector(src.require(Key::FfnDownExpsBias, Some(l))?, ne * h)?;
+    Ok(ExpertBiases { gate, up, down })
+}
+
+/// One expert (or the shared one) on `n` rows of `x`: down(act(gate·x + b_g) ⊙ (up·x + b_u)) + b_d.
+#[allow(clippy::too_many_arguments)]
+fn expert_ffn(
+    pool: &sluice_kernels::ThreadPool,
+    act: crate::config::Activation,
+    ew: &crate::expert::ExpertWeights<'_>,
+    bias: Option<(&[f32], &[f32], &[f32])>,
+    x: &[f32],
+    n: usize,
+    out: &mut [f32],
+) {
+    let Some((bg, bu, bd)) = bias else {
+        return gated_ffn(pool, act, ew.gate, ew.up, ew.down, x, n, out);
+    };
+    let ff = ew.gate.rows;
+    let mut g = vec![0f32; n * ff];
+    let mut u = vec![0f32; n * ff];
+    matmul(pool, ew.gate, x, n, &mut g);
+    matmul(pool, ew.up, x, n, &mut u);
+    for (gr, ur) in g.chunks_exact_mut(ff).zip(u.chunks_exact_mut(ff)) {
+        ops::add_inplace(gr, bg);
+        ops::add_inplace(ur, bu);
+    }
+    crate::ffn::combine(act, &mut g, &u);
+    matmul(pool, ew.down, &g, n, out);
+    for r in out.chunks_exact_mut(bd.len()) {
+        ops::add_inplace(r, bd);
     }
 }
 
@@ -73,14 +149,13 @@ pub fn moe_ffn(
     let (hd, ne, k) = (cfg.hidden, moe.n_expert, moe.n_expert_used);
     let pool = &*m.pool;
 
-    let mut logits = vec![0f32; n * ne]; // (n, n_expert)
-    matmul(pool, w.router.mat(), x, n, &mut logits);
+    let logits = router_logits(m, w, x, n);
     observe(obs, "ffn_moe_logits", Some(l), &logits, n);
     let mut chosen = vec![0u32; n * k]; // (n, k) expert ids in rank order
     let mut weights = vec![0f32; n * k]; // (n, k)
     let (mut ex, mut wt) = (Vec::with_capacity(k), Vec::with_capacity(k));
     for t in 0..n {
-        route(moe.gating, &logits[t * ne..(t + 1) * ne], k, &mut ex, &mut wt);
+        route(moe.gating, &logits[t * ne..(t + 1) * ne], w.correction.as_deref(), k, &mut ex, &mut wt);
         chosen[t * k..(t + 1) * k].copy_from_slice(&ex);
         weights[t * k..(t + 1) * k].copy_from_slice(&wt);
         if let Some(o) = obs.as_deref_mut() {
@@ -113,7 +188,13 @@ pub fn moe_ffn(
             xe.extend_from_slice(&x[t * hd..(t + 1) * hd]);
         }
         ye.resize(slots.len() * hd, 0.0);
-        gated_ffn(pool, cfg.activation, ew.gate, ew.up, ew.down, &xe, slots.len(), &mut ye);
+        let e = wanted[i] as usize;
+        let ff = ew.gate.rows;
+        let bias = w
+            .biases
+            .as_ref()
+            .map(|b| (&b.gate[e * ff..(e + 1) * ff], &b.up[e * ff..(e + 1) * ff], &b.down[e * hd..(e + 1) * hd]));
+        expert_ffn(pool, cfg.activation, &ew, bias, &xe, slots.len(), &mut ye);
         for (j, s) in slots.iter().enumerate() {
             y[s * hd..(s + 1) * hd].copy_from_slice(&ye[j * hd..(j + 1) * hd]);
         }
@@ -131,13 +212,31 @@ pub fn moe_ffn(
     if let Some(sh) = &w.shared {
         let mut ys = vec![0f32; n * hd];
         gated_ffn(pool, cfg.activation, sh.ffn.gate.mat(), sh.ffn.up.mat(), sh.ffn.down.mat(), x, n, &mut ys);
-        let mut g = vec![0f32; n];
-        matmul(pool, sh.gate_inp.mat(), x, n, &mut g);
-        for t in 0..n {
-            ops::axpy(&mut out[t * hd..(t + 1) * hd], ops::sigmoid(g[t]), &ys[t * hd..(t + 1) * hd]);
+        match &sh.gate_inp {
+            Some(gate) => {
+                let mut g = vec![0f32; n];
+                matmul(pool, gate.mat(), x, n, &mut g);
+                for t in 0..n {
+                    ops::axpy(&mut out[t * hd..(t + 1) * hd], ops::sigmoid(g[t]), &ys[t * hd..(t + 1) * hd]);
+                }
+            }
+            None => ops::add_inplace(out, &ys),
         }
     }
     Ok(())
+}
+
+/// The router's logits for `n` rows of `x` (with its bias, where it has one).
+fn router_logits(m: &Model, w: &MoeWeights, x: &[f32], n: usize) -> Vec<f32> {
+    let ne = w.router.rows;
+    let mut logits = vec![0f32; n * ne]; // (n, n_expert)
+    matmul(&m.pool, w.router.mat(), x, n, &mut logits);
+    if let Some(b) = &w.router_bias {
+        for r in logits.chunks_exact_mut(ne) {
+            ops::add_inplace(r, b);
+        }
+    }
+    logits
 }
 
 /// Predicts the experts of the next sparse layer after `l` from `x` (this layer's normed
@@ -153,12 +252,11 @@ fn prefetch_next(m: &Model, l: usize, x: &[f32], n: usize) {
     let FfnWeights::Moe(w) = &m.layers[next].ffn else { return };
     let moe = m.cfg.moe.as_ref().expect("sparse layer of an MoE model");
     let ne = moe.n_expert;
-    let mut logits = vec![0f32; n * ne];
-    matmul(&m.pool, w.router.mat(), x, n, &mut logits);
+    let logits = router_logits(m, w, x, n);
     let mut want = vec![false; ne];
     let (mut ex, mut wt) = (Vec::new(), Vec::new());
     for t in 0..n {
-        route(moe.gating, &logits[t * ne..(t + 1) * ne], moe.n_expert_used, &mut ex, &mut wt);
+        route(moe.gating, &logits[t * ne..(t + 1) * ne], w.correction.as_deref(), moe.n_expert_used, &mut ex, &mut wt);
         for e in &ex {
             want[*e as usize] = true;
         }

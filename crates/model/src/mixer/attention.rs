@@ -1,5 +1,6 @@
 //! Grouped-query self-attention: RoPE (full or partial), optional QK-norm (per head or over
-//! the whole projection), bias, Q/K/V clamp, sliding window, and an output gate.
+//! the whole projection), bias, Q/K/V clamp, sliding window, an output gate, and learned
+//! per-head sink logits (a softmax term with no value: gpt-oss).
 //!
 //! ```text
 //! q = x·Wqᵀ (+b)   (n, n_head·head_dim)      with an output gate: (n, n_head·2·head_dim),
@@ -31,6 +32,8 @@ pub struct AttentionWeights {
     /// (head_dim) per head, or (n_head·head_dim) over the whole projection.
     pub q_norm: Option<Vec<f32>>,
     pub k_norm: Option<Vec<f32>>,
+    /// (n_head) sink logits.
+    pub sinks: Option<Vec<f32>>,
 }
 
 impl AttentionWeights {
@@ -62,6 +65,7 @@ impl AttentionWeights {
             },
             q_norm: norm(Key::AttnQNorm, qn)?,
             k_norm: norm(Key::AttnKNorm, kn)?,
+            sinks: if cfg.attn_sinks { Some(vector(src.require(Key::AttnSinks, Some(l))?, cfg.n_head)?) } else { None },
         })
     }
 
@@ -164,7 +168,10 @@ pub fn forward(
             scores.clear();
             scores.resize(p + 1 - first, 0.0);
             dots_f32(qv, &kc[first * kvd + g * hd..], kvd, p + 1 - first, scale, &mut scores);
-            ops::softmax(&mut scores);
+            match &w.sinks {
+                Some(s) => ops::softmax_with_sink(&mut scores, s[head]),
+                None => ops::softmax(&mut scores),
+            }
             // SAFETY: task (t, head) owns this head_dim slice of `att`.
             let o = unsafe { std::slice::from_raw_parts_mut(att_ptr.get().add(t * qd + head * hd), hd) };
             o.fill(0.0);

@@ -1,8 +1,9 @@
-//! Token mixers, one variant per file: attention (`attention`) and Gated DeltaNet
-//! (`delta_net`). A layer holds one; the model calls it with the layer's sequence state.
+//! Token mixers, one variant per file: attention (`attention`), latent attention (`mla`) and
+//! Gated DeltaNet (`delta_net`). A layer holds one; the model calls it with the layer's sequence state.
 
 pub mod attention;
 pub mod delta_net;
+pub mod mla;
 
 use crate::config::{MixerKind, ModelConfig};
 use crate::error::Result;
@@ -14,6 +15,7 @@ use crate::weights::TensorSource;
 pub enum Mixer {
     Attention(attention::AttentionWeights),
     GatedDeltaNet(delta_net::DeltaNetWeights),
+    Mla(mla::MlaWeights),
 }
 
 impl Mixer {
@@ -21,6 +23,7 @@ impl Mixer {
         Ok(match cfg.layers[l].mixer {
             MixerKind::Attention { .. } => Mixer::Attention(attention::AttentionWeights::load(src, cfg, l)?),
             MixerKind::GatedDeltaNet => Mixer::GatedDeltaNet(delta_net::DeltaNetWeights::load(src, cfg, l)?),
+            MixerKind::Mla => Mixer::Mla(mla::MlaWeights::load(src, cfg, l)?),
         })
     }
 
@@ -40,6 +43,7 @@ impl Mixer {
         match self {
             Mixer::Attention(w) => attention::forward(m, l, w, h, n, state, out, obs),
             Mixer::GatedDeltaNet(w) => delta_net::forward(m, l, w, h, n, state, out, obs),
+            Mixer::Mla(w) => mla::forward(m, l, w, h, n, state, out, obs),
         }
     }
 
@@ -47,6 +51,7 @@ impl Mixer {
         match self {
             Mixer::Attention(w) => w.bytes(),
             Mixer::GatedDeltaNet(w) => w.bytes(),
+            Mixer::Mla(w) => w.bytes(),
         }
     }
 }
