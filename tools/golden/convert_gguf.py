@@ -37,6 +37,14 @@ def main():
     if base is None:
         from conversion.base import TextModel as base  # newer layout
     base.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+    # GLM's vocabulary path looks up GLM's own special tokens ([gMASK], <|user|>, ...), which
+    # the golden tokenizer lacks; its tokens are read as any GPT-2-style BPE instead.
+    try:
+        from conversion import glm
+
+        glm.Glm4MoeModel.set_vocab = lambda self: self._set_vocab_gpt2()
+    except ImportError:
+        pass
 
     os.makedirs(args.out, exist_ok=True)
     for fam in args.family:

@@ -44,6 +44,10 @@ fn bf16_gguf_logits_match_transformers() {
         "qwen3_moe_sparse",
         "qwen3_next",
         "qwen3_5_moe",
+        "deepseek_v3",
+        "gpt_oss",
+        "glm4_moe",
+        "minimax_m2",
     ] {
         let e = load(root().join("golden/gguf").join(format!("{fam}-bf16.gguf")));
         let (tokens, want) = golden(fam);
@@ -56,6 +60,7 @@ fn bf16_gguf_logits_match_transformers() {
             let g = &got[t * vocab..(t + 1) * vocab];
             max_diff = max_diff.max(max_abs_diff(g, w).unwrap_or_else(|e| panic!("{fam}: position {t}: {e}")));
         }
+        eprintln!("{fam}-bf16: max |logit difference| {max_diff:.2e}");
         assert!(max_diff <= 1e-3, "{fam}: max |logit difference| {max_diff}");
     }
 }
@@ -114,9 +119,20 @@ fn gguf_conversions_are_at_least_as_close_to_transformers_as_llama_cpp() {
     // error is the weight quantization's own, its 16-bit activations adding next to nothing).
     let mut report = Vec::new();
     let mut worse = Vec::new();
-    for fam in
-        ["llama", "qwen2", "qwen3", "mixtral", "qwen2_moe_sparse", "qwen3_moe_sparse", "qwen3_next", "qwen3_5_moe"]
-    {
+    for fam in [
+        "llama",
+        "qwen2",
+        "qwen3",
+        "mixtral",
+        "qwen2_moe_sparse",
+        "qwen3_moe_sparse",
+        "qwen3_next",
+        "qwen3_5_moe",
+        "deepseek_v3",
+        "gpt_oss",
+        "glm4_moe",
+        "minimax_m2",
+    ] {
         let (tokens, want) = golden(fam);
         let truth: Vec<Vec<f64>> = want.iter().map(|r| log_softmax(r)).collect();
         for ty in ["bf16", "q8_0"] {

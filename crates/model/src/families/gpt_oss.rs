@@ -57,8 +57,14 @@ pub fn config(c: &JsonConfig) -> Result<ModelConfig> {
 
 /// What a `gpt-oss` GGUF adds to the common reading. llama.cpp's converter writes no layer
 /// pattern (its loader slides on even layers), no SwiGLU constants (fixed at 1.702 and 7) and
-/// no YaRN truncation flag (it always rounds the correction range, as read here).
+/// no YaRN truncation flag. llama.cpp always rounds YaRN's correction range to whole
+/// dimensions; the model's reference implementation (and transformers, `truncate: false`)
+/// does not, which moves the frequencies of the dimensions in between — sluice follows the
+/// reference.
 pub fn gguf(f: &GgufFile, key: &dyn Fn(&str) -> String, cfg: &mut ModelConfig) -> Result<()> {
+    if let crate::rope::RopeScaling::Yarn { truncate, .. } = &mut cfg.rope.scaling {
+        *truncate = false;
+    }
     let window = f.meta_opt_u64(&key("attention.sliding_window"))?.map(|w| w as usize).filter(|w| *w > 0);
     cfg.layers = (0..cfg.n_layer)
         .map(|l| LayerSpec { mixer: MixerKind::Attention { window: window.filter(|_| l % 2 == 0) }, ffn: FfnKind::Moe })
