@@ -938,6 +938,31 @@ mod tests {
     }
 
     #[test]
+    fn the_largest_indices_match_the_reference() {
+        // Every byte 0xFF but the scale: each index field at its maximum (the last codebook
+        // entry), every sign and scale bit set.
+        let pool = ThreadPool::new(1);
+        for dtype in IQ {
+            let (rows, cols) = (3, 512);
+            let mut w = random_rows(dtype, rows, cols, 5);
+            for b in w.chunks_exact_mut(dtype.block_bytes()) {
+                let keep: Vec<u8> = b.to_vec();
+                b.fill(0xff);
+                if dtype == DType::IQ1_M {
+                    for i in 0..4 {
+                        b[49 + 2 * i] = 0x0f | (keep[49 + 2 * i] & 0xf0);
+                    }
+                } else {
+                    b[0..2].copy_from_slice(&keep[0..2]);
+                }
+            }
+            for n in [1, 3] {
+                check(dtype, &w, rows, cols, n, &pool);
+            }
+        }
+    }
+
+    #[test]
     fn batch_and_threads_do_not_change_a_row() {
         for dtype in IQ {
             let (rows, cols) = (13, 512);
