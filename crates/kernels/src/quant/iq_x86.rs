@@ -701,17 +701,29 @@ pub unsafe fn row_tokens<const DT: u32>(row: &[u8], act: &QuantAct, toks: std::o
         });
         let sc16 = if signed(dt) { _mm256_setzero_si256() } else { iq1_scales16::<DT>(blk) };
         let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(d_bits::<DT>(blk) as i32))) * scale_factor(dt);
-        for t in 0..n {
-            let xi = act.idx(t0 + t, b);
-            let xq = act.qs.as_ptr().add(xi * bl);
-            let mut acc = _mm256_setzero_si256();
+        // Four tokens at a time share each group's loads of the unpacked block.
+        let mut t = 0;
+        while t < n {
+            let tn = (n - t).min(4);
+            let mut xi = [0usize; 4];
+            for (i, v) in xi.iter_mut().enumerate() {
+                *v = act.idx(t0 + t + i.min(tn - 1), b);
+            }
+            let xq = |i: usize| act.qs.as_ptr().add(xi[i] * bl);
+            let mut acc = [_mm256_setzero_si256(); 4];
             for k in 0..ng {
-                acc = _mm256_add_epi32(acc, group_dot::<DT>(mag[k], sgn[k], scl[k], xq.add(32 * k)));
+                for i in 0..4 {
+                    acc[i] = _mm256_add_epi32(acc[i], group_dot::<DT>(mag[k], sgn[k], scl[k], xq(i).add(32 * k)));
+                }
             }
-            if !signed(dt) {
-                acc = _mm256_sub_epi32(acc, offset_sums(sc16, act.bsums.as_ptr().add(xi * 16)));
+            for i in 0..tn {
+                let mut a = acc[i];
+                if !signed(dt) {
+                    a = _mm256_sub_epi32(a, offset_sums(sc16, act.bsums.as_ptr().add(xi[i] * 16)));
+                }
+                out[t + i] = (d * *act.d.get_unchecked(xi[i])).mul_add(hsum8(a) as f32, out[t + i]);
             }
-            out[t] = (d * *act.d.get_unchecked(xi)).mul_add(hsum8(acc) as f32, out[t]);
+            t += tn;
         }
     }
 }
