@@ -1,7 +1,10 @@
-use crate::common::{expert_stats_json, expert_stats_line, parse_tokens, ModelArgs, TraceObserver};
+use crate::common::{
+    expert_stats_json, expert_stats_line, parse_tokens, ChatArgs, ModelArgs, SamplingArgs, TraceObserver,
+};
 use anyhow::{bail, Result};
-use sluice_formats::TextStream;
-use sluice_runtime::{generate, GenerateOptions, SamplerConfig};
+use sluice_formats::chat_template::parse_tool_calls;
+use sluice_formats::{Message, TextStream};
+use sluice_runtime::generate;
 use std::io::Write;
 
 #[derive(clap::Args)]
@@ -14,22 +17,14 @@ pub struct Args {
     /// Prompt as comma-separated token ids.
     #[arg(long)]
     prompt_tokens: Option<String>,
-    /// Tokens to generate.
-    #[arg(short = 'n', long = "n-predict", default_value_t = 128)]
-    n: usize,
-    /// Sampling temperature (0: greedy).
-    #[arg(long, default_value_t = 0.0)]
-    temperature: f32,
-    #[arg(long, default_value_t = 1.0)]
-    top_p: f32,
-    /// Keep only the k most likely tokens (0: all).
-    #[arg(long, default_value_t = 0)]
-    top_k: usize,
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
-    /// Do not stop at end-of-sequence tokens.
-    #[arg(long)]
-    ignore_eos: bool,
+    /// Send the prompt as one user turn through the model's chat template (with `--system`,
+    /// after a system message), and stop at the end of the assistant's turn.
+    #[arg(long, conflicts_with = "prompt_tokens")]
+    chat: bool,
+    #[command(flatten)]
+    chat_args: ChatArgs,
+    #[command(flatten)]
+    sampling: SamplingArgs,
     /// Print one JSON object at the end instead of streaming text.
     #[arg(long)]
     json: bool,
@@ -42,17 +37,24 @@ pub struct Args {
 }
 
 pub fn main(a: Args) -> Result<()> {
-    let engine = a.model.load()?;
+    if !a.chat && a.chat_args.any() {
+        bail!("--system, --chat-template, --tools and --no-thinking apply to chat prompts: add --chat");
+    }
+    let mut engine = a.model.load()?;
+    let mut opts = a.sampling.generate_options();
+    let render = a.chat_args.render_options()?;
     let prompt = match (&a.prompt, &a.prompt_tokens) {
+        (Some(p), _) if a.chat => {
+            a.chat_args.apply_template(&mut engine)?;
+            let mut messages: Vec<Message> = a.chat_args.system.iter().map(Message::system).collect();
+            messages.push(Message::user(p.as_str()));
+            opts.stop_tokens = engine.chat_stop_tokens();
+            engine.chat_tokens(&messages, &render)?
+        }
         (Some(p), _) => engine.encode(p)?,
         (None, Some(t)) => parse_tokens(t)?,
+        (None, None) if a.chat => bail!("give the user's message with --prompt TEXT (or talk with `sluice chat`)"),
         (None, None) => bail!("give a prompt with --prompt TEXT or --prompt-tokens 1,2,3"),
-    };
-    let opts = GenerateOptions {
-        max_new_tokens: a.n,
-        sampler: SamplerConfig { temperature: a.temperature, top_p: a.top_p, top_k: a.top_k, seed: a.seed },
-        ignore_eos: a.ignore_eos,
-        ..Default::default()
     };
     let mut kv = engine.new_state();
     let mut stream = TextStream::new();
@@ -84,8 +86,20 @@ pub fn main(a: Args) -> Result<()> {
     }
     let n_tok = g.prompt_tokens + g.tokens.len();
     let text = tok.map(|t| t.decode(&g.tokens, true));
+    // With tools, the calls the model wrote, taken out of the text.
+    let (text, tool_calls) = match text {
+        Some(t) if a.chat && render.tools.is_some() => {
+            let (rest, calls) = parse_tool_calls(&t);
+            (Some(rest), calls)
+        }
+        t => (t, Vec::new()),
+    };
+    let calls_json: Vec<serde_json::Value> = tool_calls
+        .iter()
+        .map(|c| serde_json::json!({"type": "function", "function": {"name": c.name, "arguments": c.arguments}}))
+        .collect();
     if a.json {
-        let v = serde_json::json!({
+        let mut v = serde_json::json!({
             "token_ids": g.tokens,
             "text": text,
             "prompt_tokens": g.prompt_tokens,
@@ -98,12 +112,18 @@ pub fn main(a: Args) -> Result<()> {
             },
             "experts": if a.stats || engine.model.cfg.is_moe() { expert_stats_json(&engine, n_tok) } else { serde_json::Value::Null },
         });
+        if a.chat_args.tools.is_some() {
+            v["tool_calls"] = calls_json.into();
+        }
         println!("{v}");
     } else {
         if let Some(t) = tok {
             print!("{}", stream.finish(t));
         }
         println!();
+        for c in &tool_calls {
+            eprintln!("[tool call: {} {}]", c.name, c.arguments);
+        }
         eprintln!(
             "[{} prompt tokens, {:.1} tok/s prefill; {} generated, {:.1} tok/s decode; stop: {}]",
             g.prompt_tokens,

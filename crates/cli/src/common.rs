@@ -3,9 +3,11 @@
 use anyhow::{bail, Context, Result};
 use clap::Args as ClapArgs;
 use sluice_experts::{IoKind, Policy};
+use sluice_formats::chat_template::{JsonValue, RenderOptions};
+use sluice_formats::ChatTemplate;
 use sluice_model::expert::ExpertStats;
 use sluice_runtime::placement::{ExpertMode, ExpertOptions};
-use sluice_runtime::{Engine, EngineOptions};
+use sluice_runtime::{Engine, EngineOptions, GenerateOptions, SamplerConfig};
 use std::path::PathBuf;
 
 #[derive(ClapArgs, Clone, Debug)]
@@ -45,6 +47,100 @@ pub struct ModelArgs {
     /// Do not shrink the expert cache under memory pressure.
     #[arg(long)]
     pub no_pressure: bool,
+}
+
+/// Sampling flags of the commands that generate (`run`, `chat`).
+#[derive(ClapArgs, Clone, Debug)]
+pub struct SamplingArgs {
+    /// Tokens to generate (per reply, in a chat).
+    #[arg(short = 'n', long = "n-predict", default_value_t = 128)]
+    pub n: usize,
+    /// Sampling temperature (0: greedy).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Keep only the k most likely tokens (0: all).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Do not stop at end-of-sequence tokens.
+    #[arg(long)]
+    pub ignore_eos: bool,
+}
+
+impl SamplingArgs {
+    pub fn generate_options(&self) -> GenerateOptions {
+        GenerateOptions {
+            max_new_tokens: self.n,
+            sampler: SamplerConfig {
+                temperature: self.temperature,
+                top_p: self.top_p,
+                top_k: self.top_k,
+                seed: self.seed,
+            },
+            ignore_eos: self.ignore_eos,
+            ..Default::default()
+        }
+    }
+}
+
+/// Flags of the commands that talk to a model through its chat template (`run --chat`, `chat`).
+#[derive(ClapArgs, Clone, Debug)]
+pub struct ChatArgs {
+    /// A system message to start the conversation with.
+    #[arg(long)]
+    pub system: Option<String>,
+    /// The chat template to use instead of the model's own: a Jinja file, or `chatml`
+    /// (llama.cpp's default for models without one).
+    #[arg(long, value_name = "FILE|chatml")]
+    pub chat_template: Option<String>,
+    /// Tools the model may call: a JSON file holding a list of OpenAI function definitions
+    /// (`[{"type": "function", "function": {"name", "description", "parameters"}}]`). Tool calls
+    /// in the reply are reported.
+    #[arg(long, value_name = "FILE")]
+    pub tools: Option<PathBuf>,
+    /// Render with `enable_thinking` false (models that think first answer directly).
+    #[arg(long)]
+    pub no_thinking: bool,
+}
+
+impl ChatArgs {
+    /// Whether any of these flags was given.
+    pub fn any(&self) -> bool {
+        self.system.is_some() || self.chat_template.is_some() || self.tools.is_some() || self.no_thinking
+    }
+
+    /// Puts `--chat-template` in place of the model's template.
+    pub fn apply_template(&self, e: &mut Engine) -> Result<()> {
+        let Some(t) = &self.chat_template else { return Ok(()) };
+        let (bos, eos) = e.special_texts();
+        let template = if t == "chatml" {
+            ChatTemplate::chatml(&bos, &eos)
+        } else {
+            let src = std::fs::read_to_string(t).with_context(|| format!("reading the chat template {t}"))?;
+            ChatTemplate::new(&src, t, &bos, &eos)?
+        };
+        e.set_chat_template(template);
+        Ok(())
+    }
+
+    /// The template variables these flags ask for.
+    pub fn render_options(&self) -> Result<RenderOptions> {
+        let tools = match &self.tools {
+            None => None,
+            Some(p) => {
+                let text = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+                let v = JsonValue::parse(&text).map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?;
+                if v.at(0).is_none() && !text.trim_start().starts_with('[') {
+                    bail!("{}: expected a JSON list of tool definitions", p.display());
+                }
+                Some(v)
+            }
+        };
+        Ok(RenderOptions { tools, enable_thinking: Some(!self.no_thinking), ..Default::default() })
+    }
 }
 
 /// Parses a byte size: `6GiB`, `512MiB`, `1.5G`, `300MB`, `4096`.

@@ -2,6 +2,7 @@
 
 mod cmd_bench;
 mod cmd_bench_io;
+mod cmd_chat;
 mod cmd_demo;
 mod cmd_inspect;
 mod cmd_logits;
@@ -27,8 +28,12 @@ enum Cmd {
     /// The main job: stream a synthetic MoE model several times larger than the expert cache,
     /// with live statistics, and verify the output against a fully resident run.
     Demo(cmd_demo::Args),
-    /// Generate text from a prompt, streaming it as it comes.
+    /// Generate text from a prompt, streaming it as it comes (`--chat`: through the model's
+    /// chat template).
     Run(cmd_run::Args),
+    /// Talk with a model through its chat template: one message per line of standard input,
+    /// replies streamed, history kept (/reset, /exit).
+    Chat(cmd_chat::Args),
     /// Print float32 logits for every position of a token sequence.
     Logits(cmd_logits::Args),
     /// Describe a model: architecture, dimensions, tensors, bytes of dense weights vs experts.
@@ -55,6 +60,7 @@ fn main() {
     let r = match cli.cmd {
         Cmd::Demo(a) => cmd_demo::main(a),
         Cmd::Run(a) => cmd_run::main(a),
+        Cmd::Chat(a) => cmd_chat::main(a),
         Cmd::Logits(a) => cmd_logits::main(a),
         Cmd::Inspect(a) => cmd_inspect::main(a),
         Cmd::Tokenize(a) => cmd_tokenize::main(a),

@@ -543,8 +543,12 @@ impl ChatTemplate {
         // The part's text printed by itself, not the list printed whole.
         let typed_content = render(vec![parts], false)
             .is_some_and(|o| o.contains(MARK) && !o.contains("'type'") && !o.contains("\"type\""));
-        let system_role =
-            render(vec![Message::system(MARK), Message::user("u")], false).is_some_and(|o| o.contains(MARK));
+        // The system role is ignored when its text is not printed, or refused when the
+        // template fails with it but not without it.
+        let system_role = match render(vec![Message::system(MARK), Message::user("u")], false) {
+            Some(o) => o.contains(MARK),
+            None => render(vec![Message::user("u")], false).is_none(),
+        };
         let call = ToolCall {
             id: Some("call00001".into()),
             name: "tool1".into(),

@@ -222,3 +222,49 @@ pub fn embedding_row(w: &Weight, r: usize, out: &mut [f32]) {
     let m = w.mat();
     sluice_kernels::quant::dequantize_row(w.dtype, m.row(r), out).expect("validated at load");
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sluice_formats::Blob;
+
+    fn tensor(name: &str, dtype: DType, shape: Vec<usize>, bytes: usize) -> TensorData {
+        TensorData {
+            name: name.into(),
+            file: "model.gguf".into(),
+            dtype,
+            shape,
+            data: Blob::from_vec(vec![0u8; bytes]),
+        }
+    }
+
+    #[test]
+    fn a_block_quantized_tensor_of_the_wrong_size_is_an_error_naming_it() {
+        // Every block format, the IQ formats included, goes through MatRef::new's size check.
+        for dtype in DType::ALL.into_iter().filter(|d| !d.is_float() && sluice_kernels::supports_matmul(*d)) {
+            let (rows, cols) = (3, 2 * 256);
+            let need = rows * dtype.row_bytes(cols).unwrap();
+            assert!(
+                Weight::from_tensor(tensor("blk.0.ffn_down.weight", dtype, vec![rows, cols], need), rows, cols).is_ok()
+            );
+            for bytes in [need - 1, need + dtype.block_bytes(), 0] {
+                let e =
+                    Weight::from_tensor(tensor("blk.0.ffn_down.weight", dtype, vec![rows, cols], bytes), rows, cols)
+                        .unwrap_err()
+                        .to_string();
+                assert!(
+                    e.contains("`blk.0.ffn_down.weight`") && e.contains(&format!("needs {need} bytes")),
+                    "{dtype}: {e}"
+                );
+            }
+            // Rows that are not whole blocks.
+            let cols = 2 * 256 + 32 * (dtype.block_elems() / 64);
+            if cols % dtype.block_elems() != 0 {
+                let e = Weight::from_tensor(tensor("blk.1.attn_q.weight", dtype, vec![1, cols], 4096), 1, cols)
+                    .unwrap_err()
+                    .to_string();
+                assert!(e.contains("`blk.1.attn_q.weight`") && e.contains("whole number of blocks"), "{dtype}: {e}");
+            }
+        }
+    }
+}

@@ -289,16 +289,30 @@ unsafe fn for_groups<const DT: u32>(b: *const u8, mut f: impl FnMut(usize, __m25
         DType::IQ4_XS => {
             let t = iq4_table();
             // ls − 32 of each group: 4 low bits from scales_l, 2 high bits from scales_h.
-            let sh = rd_u16(b.add(2));
-            let sl = rd_u32(b.add(4));
-            let mut ls = [0u16; 8];
-            for (k, l) in ls.iter_mut().enumerate() {
-                *l = ((((sl >> (4 * k)) & 0xf) | (((sh >> (2 * k)) & 3) << 4)) as i32 - 32) as u16;
+            let sl = _mm256_srlv_epi32(
+                _mm256_set1_epi32(rd_u32(b.add(4)) as i32),
+                _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28),
+            );
+            let sh = _mm256_srlv_epi32(
+                _mm256_set1_epi32(rd_u16(b.add(2)) as i32),
+                _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14),
+            );
+            let ls = _mm256_or_si256(
+                _mm256_and_si256(sl, _mm256_set1_epi32(0xf)),
+                _mm256_slli_epi32(_mm256_and_si256(sh, _mm256_set1_epi32(3)), 4),
+            );
+            let ls = words(_mm256_sub_epi32(ls, _mm256_set1_epi32(32)));
+            // Two groups' 32 bytes at once: low nibbles are values 0..16 of each, high 16..32.
+            let m = _mm256_set1_epi8(0x0f);
+            for p in 0..4 {
+                let q = _mm256_loadu_si256(b.add(8 + 32 * p) as *const __m256i);
+                let lo = _mm256_shuffle_epi8(t, _mm256_and_si256(q, m));
+                let hi = _mm256_shuffle_epi8(t, _mm256_and_si256(_mm256_srli_epi16(q, 4), m));
+                let c0 = _mm256_permute2x128_si256(lo, hi, 0x20);
+                let c1 = _mm256_permute2x128_si256(lo, hi, 0x31);
+                f(2 * p, _mm256_abs_epi8(c0), c0, _mm256_set1_epi16(ls[2 * p] as i16));
+                f(2 * p + 1, _mm256_abs_epi8(c1), c1, _mm256_set1_epi16(ls[2 * p + 1] as i16));
             }
-            unroll8!(K, {
-                let c = _mm256_shuffle_epi8(t, nibbles(b.add(8 + 16 * K)));
-                f(K, _mm256_abs_epi8(c), c, _mm256_set1_epi16(ls[K] as i16));
-            });
         }
         DType::IQ2_XXS => {
             // Per group a word of four 8-bit indices, then a word of sign fields and scale.
@@ -672,6 +686,9 @@ pub unsafe fn row_tokens<const DT: u32>(row: &[u8], act: &QuantAct, toks: std::o
     debug_assert!(row.len() == nb * bb && toks.end <= act.rows && out.len() >= toks.len());
     let (t0, n) = (toks.start, toks.len());
     out[..n].fill(0.0);
+    if dt == DType::IQ4_NL {
+        return row_tokens_nl(row, act, t0, &mut out[..n]);
+    }
     let mut mag = [_mm256_setzero_si256(); 8];
     let mut sgn = [_mm256_setzero_si256(); 8];
     let mut scl = [_mm256_setzero_si256(); 8];
@@ -684,18 +701,80 @@ pub unsafe fn row_tokens<const DT: u32>(row: &[u8], act: &QuantAct, toks: std::o
         });
         let sc16 = if signed(dt) { _mm256_setzero_si256() } else { iq1_scales16::<DT>(blk) };
         let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(d_bits::<DT>(blk) as i32))) * scale_factor(dt);
-        for t in 0..n {
-            let xi = act.idx(t0 + t, b);
-            let xq = act.qs.as_ptr().add(xi * bl);
-            let mut acc = _mm256_setzero_si256();
+        // Four tokens at a time share each group's loads of the unpacked block.
+        let mut t = 0;
+        while t < n {
+            let tn = (n - t).min(4);
+            let mut xi = [0usize; 4];
+            for (i, v) in xi.iter_mut().enumerate() {
+                *v = act.idx(t0 + t + i.min(tn - 1), b);
+            }
+            let xq = |i: usize| act.qs.as_ptr().add(xi[i] * bl);
+            let mut acc = [_mm256_setzero_si256(); 4];
             for k in 0..ng {
-                acc = _mm256_add_epi32(acc, group_dot::<DT>(mag[k], sgn[k], scl[k], xq.add(32 * k)));
+                for i in 0..4 {
+                    acc[i] = _mm256_add_epi32(acc[i], group_dot::<DT>(mag[k], sgn[k], scl[k], xq(i).add(32 * k)));
+                }
             }
-            if !signed(dt) {
-                acc = _mm256_sub_epi32(acc, offset_sums(sc16, act.bsums.as_ptr().add(xi * 16)));
+            for i in 0..tn {
+                let mut a = acc[i];
+                if !signed(dt) {
+                    a = _mm256_sub_epi32(a, offset_sums(sc16, act.bsums.as_ptr().add(xi[i] * 16)));
+                }
+                out[t + i] = (d * *act.d.get_unchecked(xi[i])).mul_add(hsum8(a) as f32, out[t + i]);
             }
-            out[t] = (d * *act.d.get_unchecked(xi)).mul_add(hsum8(acc) as f32, out[t]);
+            t += tn;
         }
+    }
+}
+
+/// IQ4_NL prefill: blocks of 32 values, eight at a time, their sums reduced together and their
+/// scale products formed together, then added block after block as `accumulate` does.
+///
+/// # Safety
+///
+/// As `row_tokens` (AVX2, FMA and F16C; a whole IQ4_NL row; tokens `t0..t0 + out.len()`).
+#[inline(always)]
+unsafe fn row_tokens_nl(row: &[u8], act: &QuantAct, t0: usize, out: &mut [f32]) {
+    const DT: u32 = 20;
+    let bb = DType::IQ4_NL.block_bytes();
+    let nb = act.blocks_per_row();
+    let ones = _mm256_set1_epi16(1);
+    let mut b0 = 0;
+    while b0 < nb {
+        let m = (nb - b0).min(8);
+        // Blocks past the row's end stay zero (their activations are zero padding).
+        let mut mag = [_mm256_setzero_si256(); 8];
+        let mut sgn = [_mm256_setzero_si256(); 8];
+        let mut dbits = [0u16; 8];
+        for j in 0..m {
+            let blk = row.as_ptr().add((b0 + j) * bb);
+            for_groups::<DT>(blk, |_, mg, sg, _| {
+                mag[j] = mg;
+                sgn[j] = sg;
+            });
+            dbits[j] = rd_u16(blk) as u16;
+        }
+        let dw = _mm256_cvtph_ps(_mm_loadu_si128(dbits.as_ptr() as *const __m128i));
+        for (t, o) in out.iter_mut().enumerate() {
+            let i0 = act.idx(t0 + t, b0);
+            let xq = act.qs.as_ptr().add(i0 * 32);
+            let mut a = [_mm256_setzero_si256(); 8];
+            for j in 0..8 {
+                let x = _mm256_loadu_si256(xq.add(32 * j) as *const __m256i);
+                a[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(mag[j], _mm256_sign_epi8(x, sgn[j])), ones);
+            }
+            let mut isf = [0f32; 8];
+            let mut ddx = [0f32; 8];
+            _mm256_storeu_ps(isf.as_mut_ptr(), _mm256_cvtepi32_ps(reduce8x8(&a)));
+            _mm256_storeu_ps(ddx.as_mut_ptr(), _mm256_mul_ps(dw, _mm256_loadu_ps(act.d.as_ptr().add(i0))));
+            let mut acc = *o;
+            for j in 0..m {
+                acc = ddx[j].mul_add(isf[j], acc);
+            }
+            *o = acc;
+        }
+        b0 += m;
     }
 }
 
@@ -866,6 +945,31 @@ mod tests {
             let w = quantized_rows(dtype, 6, 1280, 4);
             for n in [1, 3, 7, 33] {
                 check(dtype, &w, 6, 1280, n, &pool);
+            }
+        }
+    }
+
+    #[test]
+    fn the_largest_indices_match_the_reference() {
+        // Every byte 0xFF but the scale: each index field at its maximum (the last codebook
+        // entry), every sign and scale bit set.
+        let pool = ThreadPool::new(1);
+        for dtype in IQ {
+            let (rows, cols) = (3, 512);
+            let mut w = random_rows(dtype, rows, cols, 5);
+            for b in w.chunks_exact_mut(dtype.block_bytes()) {
+                let keep: Vec<u8> = b.to_vec();
+                b.fill(0xff);
+                if dtype == DType::IQ1_M {
+                    for i in 0..4 {
+                        b[49 + 2 * i] = 0x0f | (keep[49 + 2 * i] & 0xf0);
+                    }
+                } else {
+                    b[0..2].copy_from_slice(&keep[0..2]);
+                }
+            }
+            for n in [1, 3] {
+                check(dtype, &w, rows, cols, n, &pool);
             }
         }
     }
