@@ -79,6 +79,7 @@ pub fn main(a: Args) -> Result<()> {
         ("safetensors", ck.config, t)
     } else if sluice_runtime::engine::is_gguf(&a.path)? {
         let ck = GgufCheckpoint::open(&a.path)?;
+        notes.extend(ck.notes.iter().cloned());
         let t = ck.file.tensors.iter().map(|t| (t.name.clone(), t.dtype.name().to_string(), t.size as usize)).collect();
         ("gguf", ck.config, t)
     } else {
@@ -139,8 +140,16 @@ pub fn main(a: Args) -> Result<()> {
             "key_heads": d.n_k_heads, "value_heads": d.n_v_heads, "key_dim": d.d_k, "value_dim": d.d_v,
             "conv_kernel": d.conv_kernel, "head_order": format!("{:?}", d.head_order), "projections": format!("{:?}", d.proj),
         })),
-        "state_bytes_per_token": c.state_bytes(1) - c.state_bytes(0),
-        "state_bytes_fixed": c.state_bytes(0),
+        "state_bytes_per_token": c.kv_bytes_per_token(),
+        "state_bytes_fixed": c.recurrent_bytes(),
+        "state_bytes_window": c.window_bytes(),
+        "kv_bytes_per_token_by_layer": (0..c.n_layer).map(|l| { let (k, v) = c.kv_widths(l); 4 * (k + v) }).collect::<Vec<_>>(),
+        "latent_attention": c.mla.map(|m| serde_json::json!({
+            "q_lora_rank": m.q_lora_rank, "kv_lora_rank": m.kv_lora_rank, "qk_nope": m.qk_nope,
+            "qk_rope": m.qk_rope, "v_head": m.v_head, "cached_values_per_token": m.cache_width(),
+        })),
+        "attention_sinks": c.attn_sinks,
+        "router": c.moe.as_ref().map(|m| format!("{:?}", m.gating)),
         "mtp": c.mtp.map(|m| serde_json::json!({"layers": m.n_layer, "bytes": mtp})),
         "unused_bytes": unused,
         "notes": notes,
@@ -184,10 +193,31 @@ pub fn main(a: Args) -> Result<()> {
             d.n_k_heads, d.d_k, d.n_v_heads, d.d_v, d.conv_kernel, d.head_order, d.proj
         );
     }
+    if let Some(m) = c.mla {
+        println!(
+            "  latent attention: q rank {}, kv rank {}, per head nope {} + rope {}, value {}; caches {} values ({:.2} KiB) per token per layer: the latent and the rope key, never expanded keys and values",
+            m.q_lora_rank.map_or("none (plain q)".to_string(), |r| r.to_string()),
+            m.kv_lora_rank,
+            m.qk_nope,
+            m.qk_rope,
+            m.v_head,
+            m.cache_width(),
+            (4 * m.cache_width()) as f64 / 1024.0
+        );
+    }
     println!(
-        "  sequence state: {:.1} KiB per token (KV of the attention layers) + {:.2} MiB fixed (recurrent)",
-        (c.state_bytes(1) - c.state_bytes(0)) as f64 / 1024.0,
-        mib(c.state_bytes(0) as usize)
+        "  sequence state: {:.1} KiB per token (KV of the attention layers){}{}",
+        c.kv_bytes_per_token() as f64 / 1024.0,
+        if c.window_bytes() > 0 {
+            format!(" + at most {:.2} MiB (sliding windows)", mib(c.window_bytes() as usize))
+        } else {
+            String::new()
+        },
+        if c.recurrent_bytes() > 0 {
+            format!(" + {:.2} MiB fixed (recurrent)", mib(c.recurrent_bytes() as usize))
+        } else {
+            String::new()
+        },
     );
     if let Some(m) = c.mtp {
         println!(
@@ -197,7 +227,10 @@ pub fn main(a: Args) -> Result<()> {
         );
     }
     for n in &notes {
-        println!("  note: {n}{}", if unused > 0 { format!(" ({:.2} MiB unused)", mib(unused)) } else { String::new() });
+        println!("  note: {n}");
+    }
+    if unused > 0 {
+        println!("  unused by sluice: {:.2} MiB", mib(unused));
     }
     println!("  tensors: {count}");
     println!("  dense weights: {:.2} MiB   routed experts: {:.2} MiB", mib(dense), mib(experts));

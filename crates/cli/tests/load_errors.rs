@@ -303,3 +303,77 @@ fn missing_deltanet_tensor_in_gguf_is_named() {
     let e = fails(&p);
     assert!(e.contains("value heads") || e.contains("ssm.inner_size"), "{e}");
 }
+
+#[test]
+fn an_inconsistent_latent_rank_is_named() {
+    let d = copy_model("deepseek_v3", "mla-rank");
+    edit_config(&d, |c| {
+        c.insert("kv_lora_rank".into(), 20.into());
+    });
+    // The first latent tensor read names the mismatch: kv_b_proj is (heads·(nope + v), rank).
+    let e = fails(&d);
+    assert!(e.contains("self_attn.kv_b_proj.weight") && e.contains("expected [112, 20]"), "{e}");
+    let p = edited_gguf("deepseek_v3-bf16.gguf", "gguf-mla-rank", |w| {
+        set_meta(w, "deepseek2.attention.kv_lora_rank", sluice_formats::gguf::Value::U32(20))
+    });
+    let e = fails(&p);
+    assert!(e.contains("attn_k_b.weight") && e.contains("expected [4, 20, 16]"), "{e}");
+}
+
+#[test]
+fn a_sinks_tensor_of_the_wrong_size_is_named() {
+    let p = edited_gguf("gpt_oss-bf16.gguf", "gguf-sinks", |w| {
+        for t in &mut w.tensors {
+            if t.0 == "blk.1.attn_sinks.weight" {
+                t.1 = vec![3];
+            }
+        }
+    });
+    let e = fails(&p);
+    assert!(e.contains("blk.1.attn_sinks.weight") && e.contains("expected [4]"), "{e}");
+}
+
+/// Writes a copy of `src` to `dst` with byte `offset` set to `v`.
+fn poke(src: &Path, dst: &Path, offset: usize, v: u8) {
+    let mut b = std::fs::read(src).unwrap();
+    b[offset] = v;
+    std::fs::write(dst, b).unwrap();
+}
+
+#[test]
+fn an_mxfp4_scale_outside_the_format_is_named() {
+    // E8M0 exponent 0xFF is the format's NaN. Hugging Face blocks: a byte of `*_scales`.
+    let d = copy_model("gpt_oss_mxfp4", "mxfp4-scale");
+    let st = d.join("model.safetensors");
+    let name = "model.layers.1.mlp.experts.down_proj_scales";
+    let m = sluice_formats::safetensors::SafetensorsModel::open(&d).unwrap();
+    let at = m.info(name).unwrap().start;
+    drop(m);
+    poke(&st.clone(), &st, at + 5, 0xFF);
+    let e = fails(&d);
+    assert!(e.contains(name) && e.contains("0xFF"), "{e}");
+    // GGUF: the exponent byte that opens a block of `ffn_up_exps`.
+    let src = golden("gguf").join("gpt_oss_mxfp4-bf16.gguf");
+    let f = sluice_formats::gguf::GgufFile::open(&src).unwrap();
+    let at = f.tensor_info("blk.2.ffn_up_exps.weight").unwrap().offset as usize + 17 * 3;
+    drop(f);
+    let dst = std::env::temp_dir().join(format!("sluice-err-mxfp4-{}.gguf", std::process::id()));
+    poke(&src, &dst, at, 0xFF);
+    let e = fails(&dst);
+    assert!(e.contains("blk.2.ffn_up_exps.weight") && e.contains("0xFF"), "{e}");
+}
+
+#[test]
+fn an_unknown_router_type_is_named() {
+    let p = edited_gguf("deepseek_v3-bf16.gguf", "gguf-gating", |w| {
+        set_meta(w, "deepseek2.expert_gating_func", sluice_formats::gguf::Value::U32(7))
+    });
+    let e = fails(&p);
+    assert!(e.contains("unsupported router type") && e.contains("expert_gating_func = 7"), "{e}");
+    let d = copy_model("minimax_m2", "scoring");
+    edit_config(&d, |c| {
+        c.insert("scoring_func".into(), "sqrtsoftplus".into());
+    });
+    let e = fails(&d);
+    assert!(e.contains("scoring_func") && e.contains("sqrtsoftplus"), "{e}");
+}

@@ -377,16 +377,47 @@ impl ModelConfig {
     }
 
     /// Bytes of a sequence's state at `ctx` positions: keys and values (f32) of the attention
-    /// layers, and the fixed-size state of the recurrent ones (double-buffered).
+    /// layers — a sliding-window layer holds at most two windows' worth between passes — and
+    /// the fixed-size state of the recurrent ones (double-buffered).
     pub fn state_bytes(&self, ctx: usize) -> u64 {
-        let per_token: u64 = (0..self.n_layer).map(|l| self.kv_widths(l)).map(|(k, v)| (k + v) as u64).sum();
-        let kv = per_token * 4 * ctx as u64;
-        let rec = self.delta_net.map_or(0, |d| {
+        let kv: u64 = (0..self.n_layer)
+            .map(|l| {
+                let (k, v) = self.kv_widths(l);
+                let rows = self.window(l).map_or(ctx, |w| ctx.min(2 * w));
+                (k + v) as u64 * rows as u64 * 4
+            })
+            .sum();
+        kv + self.recurrent_bytes()
+    }
+
+    /// Bytes of KV cache one more position adds, over the layers that keep every position
+    /// (full attention, latent attention).
+    pub fn kv_bytes_per_token(&self) -> u64 {
+        (0..self.n_layer)
+            .filter(|l| self.window(*l).is_none())
+            .map(|l| self.kv_widths(l))
+            .map(|(k, v)| 4 * (k + v) as u64)
+            .sum()
+    }
+
+    /// Bytes the sliding-window layers hold at most (two windows each).
+    pub fn window_bytes(&self) -> u64 {
+        (0..self.n_layer)
+            .filter_map(|l| self.window(l).map(|w| (l, w)))
+            .map(|(l, w)| {
+                let (k, v) = self.kv_widths(l);
+                4 * (k + v) as u64 * 2 * w as u64
+            })
+            .sum()
+    }
+
+    /// Bytes of the recurrent layers' state (double-buffered).
+    pub fn recurrent_bytes(&self) -> u64 {
+        self.delta_net.map_or(0, |d| {
             let layers = self.layers.iter().filter(|s| s.mixer == MixerKind::GatedDeltaNet).count() as u64;
             let per = (d.conv_kernel as u64 - 1) * d.conv_dim() as u64 + (d.n_v_heads * d.d_k * d.d_v) as u64;
             layers * per * 4 * 2
-        });
-        kv + rec
+        })
     }
 
     /// `layers` for `n` layers of one mixer and FFN, with the same window everywhere.

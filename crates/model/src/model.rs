@@ -137,14 +137,26 @@ impl Model {
             .as_ref()
             .map_or((0, 0, 0, 0), |m| (m.n_expert, m.n_expert_used, m.expert_ff, m.shared_expert_ff.unwrap_or(0)));
         let ff = c.ff.max(eff).max(sff);
+        let mla_rows = c.mla.map_or(0, |m| {
+            n * (c.n_head * (m.qk_nope + m.qk_rope + m.cache_width() + m.kv_lora_rank + m.v_head) + m.cache_width())
+        });
+        let window_rows: usize = (0..c.n_layer)
+            .filter(|l| c.window(*l).is_some())
+            .map(|l| {
+                let (k, v) = c.kv_widths(l);
+                n * (k + v)
+            })
+            .sum();
         let widest = c.hidden.max(ff).max(c.q_dim());
         let f32s = n * (3 * c.hidden          // x, h, y
             + 2 * c.q_dim() + 2 * c.kv_dim()  // q, k, v, attention output
             + ne + 2 * k * c.hidden           // router logits, expert outputs (and their gather)
             + 2 * ff + c.hidden               // gate and up intermediates, shared expert output
             + c.vocab_size)                   // logits
-            + self.pool.n_threads() * ctx; // attention scores per worker
-                                           // Quantized activations: one byte per value plus per-block scales, of the widest input.
+            + self.pool.n_threads() * ctx // attention scores per worker
+            + mla_rows                        // latent attention's per-head buffers
+            + window_rows; // rows a pass appends to the sliding windows
+                           // Quantized activations: one byte per value plus per-block scales, of the widest input.
         4 * f32s + 2 * n * widest
     }
 

@@ -9,21 +9,44 @@
 //! * keys and values are stored in f32, so prefill and decode read back exactly what they
 //!   wrote; a recurrent state is the same bits however the tokens that built it were chunked.
 //!
-//! Rewinding: attention state can be cut to any earlier length (`truncate`); a recurrent
-//! state cannot, so speculative decoding and prefix reuse take a `snapshot` where they may
-//! want to return, and `restore` it.
+//! A sliding-window layer keeps a bounded tail: the last `window − 1` positions (all a later
+//! token can see) plus up to `window` more, dropped in batches so that appending stays cheap.
+//!
+//! Rewinding: attention state can be cut to any earlier length whose window it still holds
+//! (`truncate`, `can_truncate`); a recurrent state cannot, so speculative decoding and prefix
+//! reuse take a `snapshot` where they may want to return, and `restore` it.
 
 use crate::config::{MixerKind, ModelConfig};
 use crate::error::{ModelError, Result};
 
-/// Keys and values of one attention layer, `len × k_dim` and `len × v_dim` (a latent
-/// attention layer keeps only its latent, in `k`).
+/// Keys and values of one attention layer: rows for positions `start..`, `k_dim` and `v_dim`
+/// values each (a latent attention layer keeps only its latent, in `k`). `start` stays 0
+/// unless the layer has a sliding `window`.
 #[derive(Clone, Debug, Default)]
 pub struct KvLayer {
     pub k: Vec<f32>,
     pub v: Vec<f32>,
     pub k_dim: usize,
     pub v_dim: usize,
+    pub window: Option<usize>,
+    pub start: usize,
+}
+
+impl KvLayer {
+    /// Keeps rows from position `from` on (≥ `start`), up to position `end`.
+    fn keep(&mut self, from: usize, end: usize) {
+        let (drop, rows) = (from - self.start, end - self.start);
+        self.k.truncate(rows * self.k_dim);
+        self.v.truncate(rows * self.v_dim);
+        self.k.drain(..drop * self.k_dim);
+        self.v.drain(..drop * self.v_dim);
+        self.start = from;
+    }
+
+    /// The first position a token at `len` or later may need.
+    fn needed_from(&self, len: usize) -> usize {
+        self.window.map_or(0, |w| len.saturating_sub(w - 1))
+    }
 }
 
 /// A Gated DeltaNet layer's state, double-buffered: `cur` is committed, the other buffer
@@ -92,6 +115,8 @@ pub struct Snapshot {
     len: usize,
     /// Per layer: the committed (conv, s) of recurrent layers.
     recurrent: Vec<Option<(Vec<f32>, Vec<f32>)>>,
+    /// Per layer: a sliding-window layer's visible tail (start, keys, values).
+    tails: Vec<Option<(usize, Vec<f32>, Vec<f32>)>>,
 }
 
 impl Snapshot {
@@ -103,9 +128,11 @@ impl Snapshot {
         self.len == 0
     }
 
-    /// Bytes of recurrent state it holds (attention state is not copied).
+    /// Bytes it holds: recurrent state and sliding-window tails (full attention state is not
+    /// copied).
     pub fn bytes(&self) -> usize {
-        self.recurrent.iter().flatten().map(|(c, s)| 4 * (c.len() + s.len())).sum()
+        self.recurrent.iter().flatten().map(|(c, s)| 4 * (c.len() + s.len())).sum::<usize>()
+            + self.tails.iter().flatten().map(|(_, k, v)| 4 * (k.len() + v.len())).sum::<usize>()
     }
 }
 
@@ -119,7 +146,7 @@ impl SeqState {
             .map(|(l, spec)| match spec.mixer {
                 MixerKind::Attention { .. } | MixerKind::Mla => {
                     let (k_dim, v_dim) = cfg.kv_widths(l);
-                    LayerState::Kv(KvLayer { k_dim, v_dim, ..Default::default() })
+                    LayerState::Kv(KvLayer { k_dim, v_dim, window: cfg.window(l), ..Default::default() })
                 }
                 MixerKind::GatedDeltaNet => {
                     let d = cfg.delta_net.expect("validated: DeltaNet layers have dimensions");
@@ -149,16 +176,39 @@ impl SeqState {
         self.layers.iter().any(|l| matches!(l, LayerState::Recurrent(_)))
     }
 
-    /// Forgets every position from `len` on. Always possible for attention state, and for
-    /// `len` 0 (a fresh sequence); a recurrent state cannot be rewound to any other length:
-    /// restore a snapshot taken there instead.
+    /// Whether rewinding needs a snapshot: a recurrent state, or a sliding window that drops
+    /// what it no longer needs.
+    pub fn rewinds_by_snapshot(&self) -> bool {
+        self.layers.iter().any(|l| match l {
+            LayerState::Recurrent(_) => true,
+            LayerState::Kv(kv) => kv.window.is_some(),
+        })
+    }
+
+    /// Whether `truncate(len)` can work: always for a fresh sequence or a longer length; for
+    /// attention state when every sliding-window layer still holds the window at `len`; never
+    /// for a recurrent state.
+    pub fn can_truncate(&self, len: usize) -> bool {
+        len == 0
+            || len >= self.len
+            || self.layers.iter().all(|l| match l {
+                LayerState::Recurrent(_) => false,
+                LayerState::Kv(kv) => kv.start <= kv.needed_from(len),
+            })
+    }
+
+    /// Forgets every position from `len` on. Always possible for full attention state, and for
+    /// `len` 0 (a fresh sequence); a recurrent state cannot be rewound to any other length,
+    /// nor a sliding window past what it dropped: restore a snapshot taken there instead.
     pub fn truncate(&mut self, len: usize) -> Result<()> {
         if len >= self.len {
             return Ok(());
         }
-        if len > 0 && self.has_recurrent() {
+        if !self.can_truncate(len) {
+            let what =
+                if self.has_recurrent() { "a recurrent (Gated DeltaNet) state" } else { "a sliding-window state" };
             return Err(ModelError::Input(format!(
-                "a recurrent (Gated DeltaNet) state cannot be rewound from {} to {len} positions; restore a snapshot taken at {len}",
+                "{what} cannot be rewound from {} to {len} positions; restore a snapshot taken at {len}",
                 self.len
             )));
         }
@@ -179,11 +229,17 @@ impl SeqState {
         self.truncate(0).expect("truncating to 0 always works");
     }
 
+    /// Cuts every attention layer back to `len` positions (a sliding window to those it holds;
+    /// all of them for 0).
     fn cut_kv(&mut self, len: usize) {
         for l in &mut self.layers {
             if let LayerState::Kv(kv) = l {
-                kv.k.truncate(len * kv.k_dim);
-                kv.v.truncate(len * kv.v_dim);
+                if len == 0 {
+                    kv.start = 0;
+                }
+                let rows = len.saturating_sub(kv.start);
+                kv.k.truncate(rows * kv.k_dim);
+                kv.v.truncate(rows * kv.v_dim);
             }
         }
     }
@@ -201,7 +257,19 @@ impl SeqState {
                 LayerState::Kv(_) => None,
             })
             .collect();
-        Snapshot { len: self.len, recurrent }
+        let tails = self
+            .layers
+            .iter()
+            .map(|l| match l {
+                LayerState::Kv(kv) if kv.window.is_some() => {
+                    let from = kv.needed_from(self.len).max(kv.start);
+                    let (ks, vs) = ((from - kv.start) * kv.k_dim, (from - kv.start) * kv.v_dim);
+                    Some((from, kv.k[ks..].to_vec(), kv.v[vs..].to_vec()))
+                }
+                _ => None,
+            })
+            .collect();
+        Snapshot { len: self.len, recurrent, tails }
     }
 
     /// Returns to a snapshot taken from this sequence at a length it has not gone below since.
@@ -213,12 +281,22 @@ impl SeqState {
             )));
         }
         self.cut_kv(snap.len);
-        for (l, saved) in self.layers.iter_mut().zip(&snap.recurrent) {
-            if let (LayerState::Recurrent(r), Some((c, s))) = (l, saved) {
-                let cur = r.cur;
-                r.conv[cur].copy_from_slice(c);
-                r.s[cur].copy_from_slice(s);
-                r.written = false;
+        for ((l, saved), tail) in self.layers.iter_mut().zip(&snap.recurrent).zip(&snap.tails) {
+            match (l, saved, tail) {
+                (LayerState::Recurrent(r), Some((c, s)), _) => {
+                    let cur = r.cur;
+                    r.conv[cur].copy_from_slice(c);
+                    r.s[cur].copy_from_slice(s);
+                    r.written = false;
+                }
+                (LayerState::Kv(kv), _, Some((start, k, v))) => {
+                    kv.start = *start;
+                    kv.k.clear();
+                    kv.k.extend_from_slice(k);
+                    kv.v.clear();
+                    kv.v.extend_from_slice(v);
+                }
+                _ => {}
             }
         }
         self.len = snap.len;
@@ -236,16 +314,22 @@ impl SeqState {
     pub fn append_kv(&mut self, l: usize, k: &[f32], v: &[f32]) {
         let len = self.len;
         let LayerState::Kv(kv) = &mut self.layers[l] else { panic!("layer {l} has no KV cache") };
-        debug_assert_eq!(kv.k.len(), len * kv.k_dim, "layer {l} appended twice");
+        debug_assert_eq!(kv.k.len(), (len - kv.start) * kv.k_dim, "layer {l} appended twice");
         kv.k.extend_from_slice(k);
         kv.v.extend_from_slice(v);
     }
 
-    /// Keys and values of attention layer `l`, including positions appended but not yet
-    /// committed.
+    /// Keys and values of attention layer `l` from position `kv_start(l)` on, including
+    /// positions appended but not yet committed.
     pub fn kv(&self, l: usize) -> (&[f32], &[f32]) {
         let LayerState::Kv(kv) = &self.layers[l] else { panic!("layer {l} has no KV cache") };
         (&kv.k, &kv.v)
+    }
+
+    /// The position of the first row `kv(l)` holds (0 unless the layer has a sliding window).
+    pub fn kv_start(&self, l: usize) -> usize {
+        let LayerState::Kv(kv) = &self.layers[l] else { panic!("layer {l} has no KV cache") };
+        kv.start
     }
 
     /// Recurrent layer `l`'s committed state and the buffer for its next one.
@@ -256,15 +340,26 @@ impl SeqState {
 
     /// Makes the `n` positions a forward pass added current, in every layer.
     pub fn commit(&mut self, n: usize) {
+        self.len += n;
+        let len = self.len;
         for l in &mut self.layers {
-            if let LayerState::Recurrent(r) = l {
-                if r.written {
+            match l {
+                LayerState::Recurrent(r) if r.written => {
                     r.cur = 1 - r.cur;
                     r.written = false;
                 }
+                // A window drops what no later token can see once it holds a window's worth
+                // more than that.
+                LayerState::Kv(kv) => {
+                    if let Some(w) = kv.window {
+                        if len - kv.start >= 2 * w {
+                            kv.keep(kv.needed_from(len), len);
+                        }
+                    }
+                }
+                _ => {}
             }
         }
-        self.len += n;
     }
 
     /// Drops what a failed forward pass wrote: the state is as it was before it.

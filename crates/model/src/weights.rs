@@ -189,6 +189,18 @@ impl Weight {
         }
         MatRef::new(t.dtype, rows, cols, &t.data)
             .map_err(|e| ModelError::Invalid(format!("{origin}: tensor `{}`: {e}", t.name)))?;
+        if t.dtype == DType::MXFP4 {
+            // E8M0 exponent 0xFF is MXFP4's NaN: no weight has it.
+            if let Some(b) = t.data.chunks_exact(17).position(|blk| blk[0] == 0xFF) {
+                let per_row = cols / 32;
+                return Err(ModelError::Invalid(format!(
+                    "{origin}: tensor `{}`: MXFP4 block {} of row {} has scale exponent 0xFF, which the format leaves undefined (NaN)",
+                    t.name,
+                    b % per_row,
+                    b / per_row
+                )));
+            }
+        }
         Ok(Weight { name: t.name, dtype: t.dtype, rows, cols, data: t.data })
     }
 

@@ -214,7 +214,7 @@ pub fn generate_cached(
         let logits = prefill(engine, kv, &prompt[keep..], opts.prefill_chunk, reborrow(&mut obs))?;
         cache.tokens.clear();
         cache.tokens.extend_from_slice(prompt);
-        cache.snapshot = kv.has_recurrent().then(|| kv.snapshot());
+        cache.snapshot = kv.rewinds_by_snapshot().then(|| kv.snapshot());
         let prefill_secs = t0.elapsed().as_secs_f64();
         let (tokens, stop, decode_secs) = decode(engine, kv, logits, opts, on_token, reborrow(&mut obs))?;
         // The state holds every generated token but the last (never run).
@@ -237,7 +237,7 @@ fn rewind(kv: &mut SeqState, cache: &mut PromptCache, prompt: &[u32]) -> Result<
     if keep == kv.len() {
         return Ok(keep);
     }
-    if !kv.has_recurrent() {
+    if kv.can_truncate(keep) {
         kv.truncate(keep)?;
         cache.tokens.truncate(keep);
         return Ok(keep);

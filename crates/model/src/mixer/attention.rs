@@ -149,6 +149,8 @@ pub fn forward(
     }
     state.append_kv(l, &k, &v);
     let (kc, vc) = state.kv(l);
+    // Row j of the cache is position kv0 + j (a sliding window keeps only its tail).
+    let kv0 = state.kv_start(l);
 
     // Each (token, head) is one independent task: scores over its visible positions,
     // softmax, weighted sum of values. Its arithmetic never depends on the other tasks.
@@ -167,7 +169,8 @@ pub fn forward(
             let qv = &qr[t * qd + head * hd..t * qd + (head + 1) * hd];
             scores.clear();
             scores.resize(p + 1 - first, 0.0);
-            dots_f32(qv, &kc[first * kvd + g * hd..], kvd, p + 1 - first, scale, &mut scores);
+            debug_assert!(first >= kv0, "the window reaches before what the cache holds");
+            dots_f32(qv, &kc[(first - kv0) * kvd + g * hd..], kvd, p + 1 - first, scale, &mut scores);
             match &w.sinks {
                 Some(s) => ops::softmax_with_sink(&mut scores, s[head]),
                 None => ops::softmax(&mut scores),
@@ -175,7 +178,7 @@ pub fn forward(
             // SAFETY: task (t, head) owns this head_dim slice of `att`.
             let o = unsafe { std::slice::from_raw_parts_mut(att_ptr.get().add(t * qd + head * hd), hd) };
             o.fill(0.0);
-            for (j, s) in (first..=p).zip(&scores) {
+            for (j, s) in (first - kv0..=p - kv0).zip(&scores) {
                 ops::axpy(o, *s, &vc[j * kvd + g * hd..j * kvd + (g + 1) * hd]);
             }
         }
