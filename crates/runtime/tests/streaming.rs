@@ -42,6 +42,15 @@ fn models() -> Vec<PathBuf> {
         t.join("golden/qwen3_5_moe"),
         t.join("golden/gguf/qwen3_next-q8_0.gguf"),
         t.join("golden/gguf/qwen3_5_moe-bf16.gguf"),
+        // Latent attention, sinks and sliding windows, MXFP4 experts, grouped routers.
+        t.join("golden/deepseek_v3"),
+        t.join("golden/gguf/deepseek_v3-q8_0.gguf"),
+        t.join("golden/gguf/gpt_oss-bf16.gguf"),
+        t.join("golden/gguf/gpt_oss_mxfp4-bf16.gguf"),
+        t.join("golden/glm4_moe"),
+        t.join("golden/gguf/glm4_moe-q8_0.gguf"),
+        t.join("golden/minimax_m2"),
+        t.join("golden/gguf/minimax_m2-bf16.gguf"),
     ]
 }
 
