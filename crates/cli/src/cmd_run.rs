@@ -50,7 +50,13 @@ pub fn main(a: Args) -> Result<()> {
     };
     let opts = GenerateOptions {
         max_new_tokens: a.n,
-        sampler: SamplerConfig { temperature: a.temperature, top_p: a.top_p, top_k: a.top_k, seed: a.seed },
+        sampler: SamplerConfig {
+            temperature: a.temperature,
+            top_p: a.top_p,
+            top_k: a.top_k,
+            seed: a.seed,
+            ..Default::default()
+        },
         ignore_eos: a.ignore_eos,
         ..Default::default()
     };

@@ -12,4 +12,4 @@ pub mod sampler;
 pub use engine::{Engine, EngineOptions, SourceFormat};
 pub use error::{Result, RuntimeError};
 pub use generate::{generate, prefill, GenerateOptions, Generation, StopReason};
-pub use sampler::{Sampler, SamplerConfig};
+pub use sampler::{Sampled, Sampler, SamplerConfig};
