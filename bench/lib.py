@@ -1,7 +1,10 @@
-"""Shared pieces of the benchmark scripts: the machine, the model, the binaries, the balloon.
+"""Shared pieces of the benchmark scripts: the tree, the machine, the model, the binaries, the
+ISA of both sides, the balloon.
 
 Standard library only. Every script prints one JSON object per benchmark and writes it to
-bench/results/<name>-<date>.json (see bench/README.md).
+bench/results/<name>-<date>.json (see bench/README.md). Every result records the commit it
+measured and whether the tree was clean; a script refuses a dirty tree unless given
+--allow-dirty, and then marks the result "clean": false (bench/readme.py will not use it).
 """
 
 import datetime
@@ -13,6 +16,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -67,35 +71,104 @@ def model_info(path):
     return {"path": path, "bytes": size, "sha256_prefix": h.hexdigest()[:16]}
 
 
-def git_sha():
+def git_state():
+    """The commit and whether the tree is clean: `git status --porcelain` shows no change to a
+    tracked file and no untracked file outside bench/results (an untracked source file can be
+    part of the build as well)."""
     try:
-        sha = subprocess.check_output(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], text=True).strip()
-        dirty = subprocess.call(["git", "-C", ROOT, "diff", "--quiet", "HEAD"]) != 0
-        return sha + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        sha = subprocess.check_output(["git", "-C", ROOT, "rev-parse", "HEAD"], text=True).strip()
+        lines = subprocess.check_output(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=all"], text=True).splitlines()
+    except (OSError, subprocess.CalledProcessError) as e:
+        return {"sha": "unknown", "clean": False, "changes": ["git failed: %s" % e]}
+    changes = [line for line in lines if line.strip() and not (line.startswith("?? ") and line[3:].startswith("bench/results/"))]
+    return {"sha": sha, "clean": not changes, "changes": changes}
 
 
-def sluice_bin():
-    exe = os.path.join(ROOT, "target", "release", "sluice")
-    if not os.path.exists(exe):
-        log("building sluice (cargo build --release) ...")
-        subprocess.check_call(["cargo", "build", "--release", "-q", "-p", "sluice-cli"], cwd=ROOT)
-    return exe
+def version(state):
+    """The short form results have always carried: the commit, `-dirty` when the tree was not clean."""
+    return state["sha"][:7] + ("" if state["clean"] else "-dirty")
 
 
-def kernel_lab_bin():
-    exe = os.path.join(ROOT, "target", "release", "kernel-lab")
-    if not os.path.exists(exe):
-        subprocess.check_call(["cargo", "build", "--release", "-q", "-p", "sluice-kernels", "--bin", "kernel-lab"], cwd=ROOT)
-    return exe
+def add_common_args(ap):
+    """Arguments every benchmark script takes."""
+    ap.add_argument("--allow-dirty", action="store_true", help='run on a tree with uncommitted changes; the result is marked "clean": false and bench/readme.py will not use it')
+    ap.add_argument("--sluice-isa", choices=("avx512", "avx2", "scalar"), help="SIMD level for sluice's runs (sets SLUICE_ISA; a level the CPU lacks falls back to the best it has, and the result says which ran)")
+    ap.add_argument("--peer-bin", metavar="DIR", help="directory of the llama.cpp binaries (default: $SLUICE_PEER_BIN, else built by tools/peer/install-llama-cpp.sh); e.g. a build without AVX-512 from tools/peer/install-llama-cpp-avx2.sh")
+    ap.add_argument("--out", metavar="DIR", help="where the result goes (default: bench/results; for a dry run, a directory under /tmp)")
+    ap.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="a trial of the script itself: the binaries in target/release as they are (no cargo build), the result marked dry_run and written outside bench/results",
+    )
 
 
-def peer_dir():
-    """The llama.cpp binaries, installed (and built) on first use."""
-    d = os.environ.get("SLUICE_PEER_BIN")
-    if d:
+def out_dir(a):
+    """Where the result goes: --out, else bench/results; a dry run never writes to bench/results."""
+    if a.dry_run:
+        d = a.out or os.path.join(tempfile.gettempdir(), "sluice-bench-dry-run")
+        if os.path.abspath(d).startswith(RESULTS):
+            raise SystemExit("a dry run does not write to bench/results")
         return d
+    return a.out or RESULTS
+
+
+def check_tree(allow_dirty):
+    """The tree's state; exits when it is dirty and that was not allowed."""
+    state = git_state()
+    if not state["clean"]:
+        listing = "\n".join("  " + c for c in state["changes"][:20])
+        if not allow_dirty:
+            raise SystemExit(
+                "the tree has uncommitted changes; a result must come from a commit:\n" + listing + '\ncommit them, or pass --allow-dirty (the result is then marked "clean": false)'
+            )
+        log('WARNING: measuring a dirty tree; the result is marked "clean": false and bench/readme.py will not use it:\n' + listing)
+    return state
+
+
+def header(name, state, dry_run=False):
+    """The first keys of every result: what it is, whether it may be quoted, the commit, when, where."""
+    h = {"name": name, "clean": state["clean"]}
+    if dry_run:
+        h["dry_run"] = True
+    h["git"] = {"sha": state["sha"], "clean": state["clean"], "changes": state["changes"]}
+    h["date"] = now_iso()
+    h["machine"] = machine()
+    return h
+
+
+_BUILT = set()
+
+
+def _binary(name, cargo_args, build):
+    exe = os.path.join(ROOT, "target", "release", name)
+    if build and name not in _BUILT:
+        log(f"cargo build --release {' '.join(cargo_args)} ...")
+        subprocess.check_call(["cargo", "build", "--release", "-q"] + cargo_args, cwd=ROOT)
+        _BUILT.add(name)
+    elif not os.path.exists(exe):
+        raise SystemExit(f"{exe} is missing (a dry run does not build it)")
+    return exe
+
+
+def sluice_bin(build=True):
+    """The sluice binary, built first from the tree being measured (a no-op when it is up to
+    date), so that the commit a result records is the code that ran. A dry run (build=False)
+    takes the binary as it is."""
+    return _binary("sluice", ["-p", "sluice-cli"], build)
+
+
+def kernel_lab_bin(build=True):
+    return _binary("kernel-lab", ["-p", "sluice-kernels", "--bin", "kernel-lab"], build)
+
+
+def peer_dir(explicit=None):
+    """The llama.cpp binaries: `explicit` (--peer-bin), else $SLUICE_PEER_BIN, else installed
+    (and built) on first use."""
+    d = explicit or os.environ.get("SLUICE_PEER_BIN")
+    if d:
+        if not os.path.exists(os.path.join(d, "llama-bench")):
+            raise SystemExit(f"no llama-bench in {d}")
+        return os.path.abspath(d)
     out = subprocess.check_output(["bash", os.path.join(ROOT, "tools", "peer", "install-llama-cpp.sh")], text=True)
     return out.strip().splitlines()[-1]
 
@@ -104,6 +177,111 @@ def peer_env(d):
     env = dict(os.environ)
     env["LD_LIBRARY_PATH"] = d + (":" + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
     return env
+
+
+# The CPU features of ggml's CPU backend, in the order its system_info line prints them.
+GGML_FEATURES = ("sse3", "ssse3", "avx", "avx_vnni", "avx2", "bmi2", "f16c", "fma", "avx512", "avx512_vbmi", "avx512_vnni", "avx512_bf16", "amx_int8")
+
+
+def isa_name(features):
+    """The SIMD level of a set of x86 features, named as sluice names its own: avx512, avx2, or
+    below-avx2."""
+    f = {k for k, v in features.items() if v}
+    if "avx512" in f:
+        return "avx512"
+    if "avx2" in f:
+        return "avx2"
+    return "below-avx2"
+
+
+def parse_system_info(text):
+    """The CPU features from llama.cpp's system_info line ("CPU : SSE3 = 1 | AVX2 = 1 | ..."):
+    ggml lists the features its CPU backend was compiled with. None when there is no such line."""
+    for line in text.splitlines():
+        if "system_info" in line and "CPU :" in line:
+            feats = {}
+            for part in line.split("CPU :", 1)[1].split("|"):
+                if "=" in part:
+                    k, v = part.split("=", 1)
+                    feats[k.strip().lower()] = v.strip() == "1"
+            return {k: feats.get(k, False) for k in GGML_FEATURES}
+    return None
+
+
+_GGML_PROBE = """
+import ctypes, json, os, sys
+d = sys.argv[1]
+ctypes.CDLL(os.path.join(d, "libggml-base.so"), mode=ctypes.RTLD_GLOBAL)
+cpu = ctypes.CDLL(os.path.join(d, "libggml-cpu.so"))
+print(json.dumps({k: bool(getattr(cpu, "ggml_cpu_has_" + k)()) for k in sys.argv[2:]}))
+"""
+
+
+def peer_isa(d, model=None):
+    """The ISA the llama.cpp build in `d` was compiled for.
+
+    First from its CPU backend library: ggml_cpu_has_avx2() and friends report the compile-time
+    features, the same values its system_info line prints (asked in a child process, so an
+    illegal instruction cannot take the benchmark down). Failing that, from the system_info
+    line of a one-token llama-completion run on `model`."""
+    try:
+        out = subprocess.check_output([sys.executable, "-c", _GGML_PROBE, d] + list(GGML_FEATURES), text=True, stderr=subprocess.PIPE, timeout=60)
+        feats = json.loads(out)
+        return {"isa": isa_name(feats), "features": feats, "source": "ggml_cpu_has_*() of %s/libggml-cpu.so (compile-time features, as its system_info line prints them)" % d}
+    except subprocess.CalledProcessError as e:
+        probe_error = (e.stderr or "").strip().splitlines()[-1:] or ["exit %d" % e.returncode]
+    except (OSError, subprocess.SubprocessError, ValueError) as e:
+        probe_error = [str(e)]
+    if model:
+        exe = os.path.join(d, "llama-completion")
+        if not os.path.exists(exe):
+            exe = os.path.join(d, "llama-cli")
+        r = run([exe, "-m", model, "-n", "1", "-p", "a", "-no-cnv", "--no-warmup", "-t", "1"], env=peer_env(d), timeout=600, check=False)
+        feats = parse_system_info(r["out"] + r["err"])
+        if feats:
+            return {"isa": isa_name(feats), "features": feats, "source": "system_info line of %s" % os.path.basename(exe)}
+    return {"isa": "unknown", "features": None, "source": "not detected (%s)" % probe_error[0]}
+
+
+def sluice_env(isa=None):
+    """The environment of sluice's runs: SLUICE_ISA set when a level was asked for."""
+    env = dict(os.environ)
+    if isa:
+        env["SLUICE_ISA"] = isa
+    return env
+
+
+def _lab_matvec(env, build):
+    out = run([kernel_lab_bin(build), "--quick", "--dtype", "F32", "--json"], env=env)["out"]
+    rows = []
+    for line in out.splitlines():
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue
+        if r.get("kernel") == "matvec":
+            rows.append(r)
+    if not rows:
+        raise RuntimeError("kernel-lab printed no matvec line")
+    return rows
+
+
+def sluice_isa(isa=None, build=True):
+    """The SIMD level sluice's kernels run at with SLUICE_ISA=`isa` (or the environment's), as
+    the kernel lab reports it, beside the best the CPU has."""
+    env = sluice_env(isa)
+    best_env = {k: v for k, v in os.environ.items() if k != "SLUICE_ISA"}
+    ran = _lab_matvec(env, build)[0]["isa"]
+    best = _lab_matvec(best_env, build)[0]["isa"]
+    asked = env.get("SLUICE_ISA")
+    if asked and asked != ran:
+        log(f"WARNING: SLUICE_ISA={asked} asked for, the CPU runs {ran}")
+    return {
+        "isa": ran,
+        "requested": asked,
+        "cpu_best": best,
+        "source": ("SLUICE_ISA=%s; " % asked if asked else "") + "the isa kernel-lab reports under the same environment",
+    }
 
 
 def _first_to_kill():
@@ -131,11 +309,13 @@ def run(cmd, env=None, timeout=None, check=True):
     for r in readers:
         r.start()
     deadline = None if timeout is None else t0 + timeout
+    timed_out = False
     while True:
         pid, status, ru = os.wait4(p.pid, os.WNOHANG)
         if pid == p.pid:
             break
-        if deadline is not None and time.monotonic() > deadline:
+        if deadline is not None and time.monotonic() > deadline and not timed_out:
+            timed_out = True
             p.kill()
         time.sleep(0.02)
     for r in readers:
@@ -147,6 +327,7 @@ def run(cmd, env=None, timeout=None, check=True):
         "err": "".join(chunks["err"]),
         "seconds": time.monotonic() - t0,
         "peak_rss": ru.ru_maxrss * 1024,
+        "timed_out": timed_out,
     }
     if check and p.returncode != 0:
         raise RuntimeError(f"command failed ({p.returncode}): {' '.join(cmd)}\n{res['err'][-2000:]}")
@@ -168,15 +349,12 @@ def last_json(text):
         raise RuntimeError("no JSON in output:\n" + text[-2000:])
 
 
-def memory_bandwidth(threads):
-    """Measured memory read bandwidth (GB/s) at `threads`, from the kernel lab's own probe."""
-    out = run([kernel_lab_bin(), "--quick", "--dtype", "F32", "--json"])["out"]
-    for line in out.splitlines():
-        try:
-            r = json.loads(line)
-        except ValueError:
-            continue
-        if r.get("kernel") == "matvec" and r.get("threads") == threads:
+def memory_bandwidth(threads, build=True):
+    """Measured memory read bandwidth (GB/s) at `threads`, from the kernel lab's own probe, at
+    the best SIMD level the CPU has (the machine's bandwidth, whatever level sluice runs at)."""
+    env = {k: v for k, v in os.environ.items() if k != "SLUICE_ISA"}
+    for r in _lab_matvec(env, build):
+        if r.get("threads") == threads:
             return r["memory_gb_s"]
     raise RuntimeError("kernel-lab printed no bandwidth for %d threads" % threads)
 
@@ -214,6 +392,18 @@ def available_bytes():
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("no MemAvailable in /proc/meminfo")
+
+
+def oom_kills():
+    """The kernel's count of OOM kills so far (/proc/vmstat oom_kill), None where absent."""
+    try:
+        with open("/proc/vmstat") as f:
+            for line in f:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
 
 
 class Balloon:
@@ -279,13 +469,27 @@ class Balloon:
             self.proc.wait()
 
 
-def write_result(name, result):
-    os.makedirs(RESULTS, exist_ok=True)
+def write_result(name, result, out=None):
+    """Writes bench/results/<name>-<date>.json (or into `out`); a result from a dirty tree
+    gets a -dirty suffix in its file name as well as "clean": false inside."""
+    # The tree must still be the one measured: a commit or an edit during the run makes the
+    # result as unquotable as a dirty start.
+    end = git_state()
+    if result.get("clean") and (end["sha"] != result["git"]["sha"] or not end["clean"]):
+        result["clean"] = False
+        result["git"]["clean"] = False
+        result["git"]["changed_during_run"] = end
+        log("WARNING: the tree changed during the run; the result is marked \"clean\": false")
+    d = out or RESULTS
+    os.makedirs(d, exist_ok=True)
     day = datetime.date.today().isoformat()
-    path = os.path.join(RESULTS, f"{name}-{day}.json")
+    suffix = "" if result.get("clean") else "-dirty"
+    path = os.path.join(d, f"{name}-{day}{suffix}.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
         f.write("\n")
     print(json.dumps(result, indent=2))
-    log("wrote " + os.path.relpath(path, ROOT))
+    if not result.get("clean"):
+        log('NOTE: "clean": false: this result measured a tree with uncommitted changes; bench/readme.py will not use it')
+    log("wrote " + (os.path.relpath(path, ROOT) if os.path.abspath(path).startswith(ROOT + os.sep) else os.path.abspath(path)))
     return path

@@ -9,7 +9,14 @@ in that round; the result quotes the median ratio and its spread. Beside the dec
 stands its bound: bytes one decode step reads (sluice inspect) over the memory bandwidth the
 kernel lab measures at the same thread count.
 
+Both sides' SIMD level is recorded: sluice's as the kernel lab reports it under the same
+SLUICE_ISA (`--sluice-isa avx2` runs sluice at AVX2 on an AVX-512 machine), llama.cpp's as its
+CPU backend was compiled (`--peer-bin DIR` takes a build without AVX-512, made by
+tools/peer/install-llama-cpp-avx2.sh). The tree must be clean (or `--allow-dirty`, and the
+result says "clean": false).
+
     python3 bench/resident.py --model M.gguf [--model N.gguf] [--threads 2] [--rounds 3]
+        [--sluice-isa avx2] [--peer-bin DIR]
 """
 
 import argparse
@@ -21,8 +28,8 @@ import lib
 
 def sluice_round(exe, model, a):
     cmd = [exe, "bench", "-m", model, "-t", str(a.threads), "-p", str(a.prompt), "-n", str(a.gen), "-r", str(a.reps), "--json"]
-    r = lib.last_json(lib.run(cmd)["out"])
-    return cmd, {"prefill_tok_s": r["prefill_tok_s"], "decode_tok_s": r["decode_tok_s"]}
+    r = lib.last_json(lib.run(cmd, env=lib.sluice_env(a.sluice_isa))["out"])
+    return cmd, {"prefill_tok_s": r["prefill_tok_s"], "decode_tok_s": r["decode_tok_s"]}, r.get("experts", {}).get("routing_note")
 
 
 def peer_round(d, model, a, repack):
@@ -38,14 +45,15 @@ def peer_round(d, model, a, repack):
     return cmd, m
 
 
-def bench_model(model, a, peer, exe, bw):
+def bench_model(model, a, peer, exe, bw, state, isas):
     info = lib.last_json(lib.run([exe, "inspect", "--json", model])["out"])
     per_token = info["decode_bytes_per_token"]
     rounds = []
     cmds = {}
+    routing_note = None
     for i in range(a.rounds):
         lib.log(f"round {i + 1}/{a.rounds} {os.path.basename(model)}")
-        cmds["sluice"], s = sluice_round(exe, model, a)
+        cmds["sluice"], s, routing_note = sluice_round(exe, model, a)
         cmds["repack0"], p0 = peer_round(peer, model, a, 0)
         cmds["repack1"], p1 = peer_round(peer, model, a, 1)
         rounds.append({"sluice": s, "repack0": p0, "repack1": p1})
@@ -65,11 +73,15 @@ def bench_model(model, a, peer, exe, bw):
     }
     bound = bw * 1e9 / per_token
     decode = med("sluice", "decode_tok_s")
-    return {
-        "name": "resident-" + os.path.splitext(os.path.basename(model))[0],
-        "date": lib.now_iso(),
-        "machine": lib.machine(),
-        "model": dict(lib.model_info(model), architecture=info["architecture"], decode_bytes_per_token=per_token),
+    result = lib.header("resident-" + os.path.splitext(os.path.basename(model))[0], state, a.dry_run)
+    model_entry = dict(lib.model_info(model), architecture=info["architecture"], decode_bytes_per_token=per_token)
+    if routing_note:
+        # sluice says so for its synthetic models: their routing is not a real model's.
+        model_entry["synthetic"] = True
+        model_entry["routing_note"] = routing_note
+    result.update(
+        {
+        "model": model_entry,
         "protocol": {
             "prompt_tokens": a.prompt,
             "gen_tokens": a.gen,
@@ -79,13 +91,18 @@ def bench_model(model, a, peer, exe, bw):
             "order": "sluice, llama.cpp --repack 0, llama.cpp --repack 1, each round",
         },
         "sluice": {
-            "version": lib.git_sha(),
-            "command": " ".join(cmds["sluice"]),
+            "version": lib.version(state),
+            "isa": isas["sluice"]["isa"],
+            "isa_detail": isas["sluice"],
+            "command": ("SLUICE_ISA=%s " % a.sluice_isa if a.sluice_isa else "") + " ".join(cmds["sluice"]),
             "metrics": {"decode_tok_s": decode, "prefill_tok_s": med("sluice", "prefill_tok_s")},
         },
         "peer": {
             "name": "llama.cpp",
             "version": lib.PEER_VERSION,
+            "bin": peer,
+            "isa": isas["peer"]["isa"],
+            "isa_detail": isas["peer"],
             "command": " ".join(cmds["repack0"]) + "  |  --repack 1",
             "best_setting": best_setting,
             "metrics": {
@@ -100,7 +117,9 @@ def bench_model(model, a, peer, exe, bw):
             "basis": f"{per_token} bytes read per decode step (sluice inspect) / {bw:.1f} GB/s memory bandwidth at {a.threads} threads (kernel-lab)",
         },
         "rounds": rounds,
-    }
+        }
+    )
+    return result
 
 
 def main():
@@ -111,15 +130,20 @@ def main():
     ap.add_argument("--reps", type=int, default=2, help="timed repetitions per test per round")
     ap.add_argument("-p", "--prompt", type=int, default=128)
     ap.add_argument("-n", "--gen", type=int, default=64)
+    lib.add_common_args(ap)
     a = ap.parse_args()
-    exe = lib.sluice_bin()
-    peer = lib.peer_dir()
-    bw = lib.memory_bandwidth(a.threads)
+    state = lib.check_tree(a.allow_dirty)
+    build = not a.dry_run
+    exe = lib.sluice_bin(build)
+    peer = lib.peer_dir(a.peer_bin)
+    isas = {"sluice": lib.sluice_isa(a.sluice_isa, build), "peer": lib.peer_isa(peer, a.model[0])}
+    lib.log(f"sluice runs at {isas['sluice']['isa']}; llama.cpp in {peer} is built for {isas['peer']['isa']}")
+    bw = lib.memory_bandwidth(a.threads, build)
     lib.log(f"memory bandwidth at {a.threads} threads: {bw:.1f} GB/s")
     for m in a.model:
-        r = bench_model(m, a, peer, exe, bw)
+        r = bench_model(m, a, peer, exe, bw, state, isas)
         r["bound"]["memory_gb_s"] = bw
-        lib.write_result(r["name"], r)
+        lib.write_result(r["name"], r, lib.out_dir(a))
 
 
 if __name__ == "__main__":

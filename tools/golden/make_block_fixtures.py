@@ -29,7 +29,7 @@ recipe of kind "gguf_py", on the same f32 rows; gguf-py quantizes only some type
 type listed here is made by llama-quantize, so no fixture uses that fallback today.
 
 tests/blocks/index.json lists every fixture: type, ggml id, rows, cols, bytes per row,
-whether sluice loads the type (`sluice_loads`; the IQ fixtures are made ahead of their
+whether sluice loads the type (`sluice_loads`; a fixture may be made ahead of its
 kernels), how it was made (the exact commands, with paths shortened to file names), the
 source model and its SHA-256, and the llama.cpp and gguf-py versions.
 
@@ -120,6 +120,7 @@ RECIPES = {
 SLUICE_LOADS = {
     "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4",
+    "IQ4_NL", "IQ4_XS", "IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M",
 }
 
 

@@ -2,6 +2,7 @@
 //! Everything here reads files and validates them; nothing computes.
 
 pub mod blob;
+pub mod chat_template;
 pub mod error;
 pub mod gguf;
 pub mod gguf_tokenizer;
@@ -10,6 +11,7 @@ pub mod safetensors;
 pub mod tokenizer;
 
 pub use blob::Blob;
+pub use chat_template::{ChatTemplate, ChatTemplateError, Message, RenderOptions, ToolCall};
 pub use error::{FormatError, Result};
 pub use json_config::JsonConfig;
 pub use tokenizer::{TextStream, Tokenizer};

@@ -24,10 +24,19 @@ pub enum DType {
     Q6_K,
     Q8_K,
     MXFP4,
+    IQ4_NL,
+    IQ4_XS,
+    IQ3_XXS,
+    IQ3_S,
+    IQ2_XXS,
+    IQ2_XS,
+    IQ2_S,
+    IQ1_S,
+    IQ1_M,
 }
 
 impl DType {
-    pub const ALL: [DType; 15] = [
+    pub const ALL: [DType; 24] = [
         DType::F32,
         DType::F16,
         DType::BF16,
@@ -43,14 +52,36 @@ impl DType {
         DType::Q6_K,
         DType::Q8_K,
         DType::MXFP4,
+        DType::IQ4_NL,
+        DType::IQ4_XS,
+        DType::IQ3_XXS,
+        DType::IQ3_S,
+        DType::IQ2_XXS,
+        DType::IQ2_XS,
+        DType::IQ2_S,
+        DType::IQ1_S,
+        DType::IQ1_M,
     ];
 
     /// Elements per block (1 for plain float types).
     pub const fn block_elems(self) -> usize {
         match self {
             DType::F32 | DType::F16 | DType::BF16 => 1,
-            DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 | DType::MXFP4 => 32,
-            DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::Q8_K => 256,
+            DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 | DType::MXFP4 | DType::IQ4_NL => 32,
+            DType::Q2_K
+            | DType::Q3_K
+            | DType::Q4_K
+            | DType::Q5_K
+            | DType::Q6_K
+            | DType::Q8_K
+            | DType::IQ4_XS
+            | DType::IQ3_XXS
+            | DType::IQ3_S
+            | DType::IQ2_XXS
+            | DType::IQ2_XS
+            | DType::IQ2_S
+            | DType::IQ1_S
+            | DType::IQ1_M => 256,
         }
     }
 
@@ -71,6 +102,15 @@ impl DType {
             DType::Q5_K => 176,
             DType::Q6_K => 210,
             DType::Q8_K => 292,
+            DType::IQ4_NL => 18,
+            DType::IQ4_XS => 136,
+            DType::IQ3_XXS => 98,
+            DType::IQ3_S => 110,
+            DType::IQ2_XXS => 66,
+            DType::IQ2_XS => 74,
+            DType::IQ2_S => 82,
+            DType::IQ1_S => 50,
+            DType::IQ1_M => 56,
         }
     }
 
@@ -104,6 +144,15 @@ impl DType {
             DType::Q8_K => 15,
             DType::BF16 => 30,
             DType::MXFP4 => 39,
+            DType::IQ4_NL => 20,
+            DType::IQ4_XS => 23,
+            DType::IQ3_XXS => 18,
+            DType::IQ3_S => 21,
+            DType::IQ2_XXS => 16,
+            DType::IQ2_XS => 17,
+            DType::IQ2_S => 22,
+            DType::IQ1_S => 19,
+            DType::IQ1_M => 29,
         }
     }
 
@@ -128,6 +177,15 @@ impl DType {
             DType::Q6_K => "Q6_K",
             DType::Q8_K => "Q8_K",
             DType::MXFP4 => "MXFP4",
+            DType::IQ4_NL => "IQ4_NL",
+            DType::IQ4_XS => "IQ4_XS",
+            DType::IQ3_XXS => "IQ3_XXS",
+            DType::IQ3_S => "IQ3_S",
+            DType::IQ2_XXS => "IQ2_XXS",
+            DType::IQ2_XS => "IQ2_XS",
+            DType::IQ2_S => "IQ2_S",
+            DType::IQ1_S => "IQ1_S",
+            DType::IQ1_M => "IQ1_M",
         }
     }
 

@@ -16,8 +16,8 @@
 //!   formula and is not merely loose.
 //!
 //! A listed fixture that is missing or of the wrong size fails the test. Fixtures of types
-//! sluice does not know yet (the IQ formats) are reported; once `DType::from_name` knows such
-//! a type it is checked like the others, and the test fails until index.json says so.
+//! sluice does not know yet are reported; once `DType::from_name` knows such a type it is
+//! checked like the others, and the test fails until index.json says so.
 
 use sluice_kernels::{compare, matmul, quant, DType, MatRef, ThreadPool};
 use std::collections::BTreeMap;
@@ -357,18 +357,49 @@ fn every_format_sluice_loads_has_a_fixture_and_the_index_says_which() {
 ///   times a code of at most 5 bits stays within f32's 24; `dmin·m` is exact; the subtraction
 ///   rounds once.
 ///
+/// * IQ formats: every value is `D·s·c` — an f16 (11 bits) times a power of two, an integer
+///   scale of at most 6 bits (`2s + 1` ≤ 31, `ls − 32` in −32..31) and a code of at most 7
+///   bits (IQ4's levels ≤ 127, grid values ≤ 62, IQ1's `8·grid ± 1` ≤ 9; IQ1's `grid ± ⅛` is
+///   that code over 8): at most 24 significant bits, so every product is exact in whichever
+///   grouping (ggml's `(d·(½+s)·¼)·grid·sign`, gguf-py's, sluice's `(D·s)·c`), with no
+///   subnormal step (the smallest f16 times ⅛ is 2^-27).
+///
 /// What remains is the sign of zero, which a bitwise comparison sees. Q4_0 and Q5_0 blocks have
 /// negative `d` (llama.cpp maps the signed maximum to −8 or −16), so code 0 gives −0 on both
 /// sides. For Q3_K and Q6_K the association matters: gguf-py and ggml-quants.c compute
 /// `(d·sc)·q`, which is −0 when `d·sc < 0` and `q = 0`, where `d·(sc·q)` would give +0 (on
 /// the Q6_K fixture 208 of 12288 values differ between the two; sluice follows the reference).
+/// In the IQ formats only `d` can be zero (codes and scales never are), and a product of
+/// factors has the sign of their signs whatever the grouping, so they agree there too.
 ///
-/// A format not named here (one added later, e.g. an IQ format whose grid values are scaled
-/// in steps that may round) is held to `NEAR` of the row's largest magnitude instead, until
-/// its arithmetic is shown to leave no room either and it is added to the list.
+/// A format not named here (one added later) is held to `NEAR` of the row's largest magnitude
+/// instead, until its arithmetic is shown to leave no room either and it is added to the list.
 fn exact_dequantization(d: DType) -> bool {
     use DType::*;
-    matches!(d, F16 | BF16 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q2_K | Q3_K | Q4_K | Q5_K | Q6_K | MXFP4)
+    matches!(
+        d,
+        F16 | BF16
+            | Q4_0
+            | Q4_1
+            | Q5_0
+            | Q5_1
+            | Q8_0
+            | Q2_K
+            | Q3_K
+            | Q4_K
+            | Q5_K
+            | Q6_K
+            | MXFP4
+            | IQ4_NL
+            | IQ4_XS
+            | IQ3_XXS
+            | IQ3_S
+            | IQ2_XXS
+            | IQ2_XS
+            | IQ2_S
+            | IQ1_S
+            | IQ1_M
+    )
 }
 
 /// Tolerance of a format not known to be exact, relative to the row's largest |value|: a value
@@ -481,6 +512,12 @@ const F16_MIN_NORMAL: f64 = 1.0 / (1u64 << 14) as f64;
 ///   w = a − b it multiplies (|a| ≤ |w| + M, |b| ≤ M); gguf-py's own rounding of w (two
 ///   roundings per value) and the f64 reference are inside the same allowance:
 ///   γ = (2·blocks + 9)·u.
+/// * IQ formats: a block's values are `w = D·s·c` exactly (see `exact_dequantization`), and the
+///   kernels add `fma(D·dx, Σ s·c·q, acc)` once per block from an exact integer sum, which is
+///   the plain case above (no minimum: IQ1's ±⅛ delta is part of its integer codes, not a
+///   second term). Their scales do not enter the bound beyond `|w|`: `D·dx` rounds once
+///   (relative u) and `Σ s·c·q` converts with one rounding even where it passes 2^24 (IQ4_XS
+///   sums reach 2^27), each relative to |Σ w·x̂| ≤ Σ |w|·(|x| + e), inside γ.
 fn quant_bound(d: DType, raw: &[u8], w: &[f32], x: &[f32]) -> f64 {
     let (ab, f16_scale, block_sum) = activation_format(d).expect("a block format");
     let (be, bb) = (d.block_elems(), d.block_bytes());
@@ -759,6 +796,92 @@ fn corruptions(d: DType) -> Vec<(&'static str, Corrupt)> {
             ("neighbouring sub-block's scale", each(|b| swap_pairs(&mut b[192..208]))),
             ("high 2-bit fields swapped", each(|b| swap_crumbs(&mut b[128..192]))),
         ],
+        DType::IQ4_NL => vec![
+            ("nibbles swapped", each(|b| swap_nibbles(&mut b[2..18]))),
+            ("neighbouring block's scale", N(0..2)),
+            ("levels read in reverse", each(|b| b[2..18].iter_mut().for_each(|v| *v ^= 0xff))),
+        ],
+        DType::IQ4_XS => vec![
+            ("nibbles swapped", each(|b| swap_nibbles(&mut b[8..136]))),
+            ("neighbouring group's scale", each(|b| swap_nibbles(&mut b[4..8]))),
+            ("high scale bits dropped", each(|b| b[2..4].fill(0))),
+        ],
+        DType::IQ3_XXS => vec![
+            ("neighbouring grid indices swapped", each(|b| swap_pairs(&mut b[2..66]))),
+            ("sign fields dropped", each(|b| b[66..98].chunks_exact_mut(4).for_each(|w| w[0..3].fill(0)))),
+            ("neighbouring group's scale", each(|b| swap_u32_tops(&mut b[66..98]))),
+        ],
+        DType::IQ3_S => vec![
+            ("neighbouring grid indices swapped", each(|b| swap_pairs(&mut b[2..66]))),
+            ("ninth index bits dropped", each(|b| b[66..74].fill(0))),
+            ("sign bits dropped", each(|b| b[74..106].fill(0))),
+            ("neighbouring group's scale", each(|b| swap_nibbles(&mut b[106..110]))),
+        ],
+        DType::IQ2_XXS => vec![
+            (
+                "neighbouring grid indices swapped",
+                each(|b| b[2..66].chunks_exact_mut(8).for_each(|g| swap_pairs(&mut g[0..4]))),
+            ),
+            ("sign fields dropped", each(|b| b[2..66].chunks_exact_mut(8).for_each(|g| g[4..7].fill(0)))),
+            ("neighbouring group's scale", each(|b| swap_u32_tops_stride(&mut b[2..66]))),
+        ],
+        DType::IQ2_XS => vec![
+            ("ninth index bits dropped", each(|b| b[2..66].chunks_exact_mut(2).for_each(|q| q[1] &= 0xfe))),
+            ("sign fields dropped", each(|b| b[2..66].chunks_exact_mut(2).for_each(|q| q[1] &= 0x01))),
+            ("neighbouring half-group's scale", each(|b| swap_nibbles(&mut b[66..74]))),
+        ],
+        DType::IQ2_S => vec![
+            ("high index bits dropped", each(|b| b[66..74].fill(0))),
+            ("signs inverted", each(|b| b[34..66].iter_mut().for_each(|v| *v = !*v))),
+            ("neighbouring half-group's scale", each(|b| swap_nibbles(&mut b[74..82]))),
+        ],
+        DType::IQ1_S => vec![
+            (
+                "high index bits dropped",
+                each(|b| {
+                    b[34..50].chunks_exact_mut(2).for_each(|q| {
+                        q[0] = 0;
+                        q[1] &= 0xf0
+                    })
+                }),
+            ),
+            ("delta's sign flipped", each(|b| b[34..50].chunks_exact_mut(2).for_each(|q| q[1] ^= 0x80))),
+            ("neighbouring grid indices swapped", each(|b| swap_pairs(&mut b[2..34]))),
+        ],
+        DType::IQ1_M => vec![
+            ("high index bits dropped", each(|b| b[32..48].iter_mut().for_each(|v| *v &= 0x88))),
+            ("delta's sign flipped", each(|b| b[32..48].iter_mut().for_each(|v| *v ^= 0x88))),
+            ("neighbouring grid indices swapped", each(|b| swap_pairs(&mut b[0..32]))),
+            ("neighbouring half-group's scale", each(|b| b[48..56].chunks_exact_mut(2).for_each(swap_3bit_fields))),
+        ],
         _ => Vec::new(),
     }
+}
+
+/// Exchanges the top nibbles (the 4-bit scales) of consecutive u32 words 2k and 2k+1.
+fn swap_u32_tops(b: &mut [u8]) {
+    for p in b.chunks_exact_mut(8) {
+        let (a, c) = (p[3] & 0xf0, p[7] & 0xf0);
+        p[3] = (p[3] & 0x0f) | c;
+        p[7] = (p[7] & 0x0f) | a;
+    }
+}
+
+/// As `swap_u32_tops` for IQ2_XXS groups: the scale is the top nibble of byte 7 of each
+/// 8-byte group; groups 2k and 2k+1 exchange theirs.
+fn swap_u32_tops_stride(b: &mut [u8]) {
+    for p in b.chunks_exact_mut(16) {
+        let (a, c) = (p[7] & 0xf0, p[15] & 0xf0);
+        p[7] = (p[7] & 0x0f) | c;
+        p[15] = (p[15] & 0x0f) | a;
+    }
+}
+
+/// Exchanges the 3-bit fields 0↔1 and 2↔3 of a little-endian u16 (IQ1_M's scales), keeping
+/// the top nibble (a piece of the block's f16 scale).
+fn swap_3bit_fields(q: &mut [u8]) {
+    let v = u16::from_le_bytes([q[0], q[1]]);
+    let f = |i: u16| (v >> (3 * i)) & 7;
+    let w = (v & 0xf000) | f(1) | (f(0) << 3) | (f(3) << 6) | (f(2) << 9);
+    q.copy_from_slice(&w.to_le_bytes());
 }

@@ -8,6 +8,7 @@ use crate::error::{Result, RuntimeError};
 use crate::placement::{place, ExpertOptions, OwnedSource, Placement};
 use sluice_experts::pressure::PressureMonitor;
 use sluice_experts::StreamingExperts;
+use sluice_formats::chat_template::{ChatTemplate, Message, RenderOptions};
 use sluice_formats::{JsonConfig, Tokenizer};
 use sluice_kernels::ThreadPool;
 use sluice_model::gguf::GgufCheckpoint;
@@ -48,6 +49,8 @@ pub struct Engine {
     pub streaming: Option<Arc<StreamingExperts>>,
     /// How a synthetic model routes (`None` for a real checkpoint).
     pub synthetic_routing: Option<String>,
+    /// The model's chat template, or why there is none.
+    chat_template: std::result::Result<ChatTemplate, String>,
     _monitor: Option<PressureMonitor>,
 }
 
@@ -153,6 +156,7 @@ impl Engine {
                 (Some(Tokenizer::Gguf(Box::new(tok))), eos)
             }
         };
+        let chat_template = load_chat_template(path, &ckpt, tokenizer.as_ref(), &model);
         Ok(Engine {
             path: path.to_path_buf(),
             format,
@@ -163,6 +167,7 @@ impl Engine {
             placement: reason,
             streaming,
             synthetic_routing,
+            chat_template,
             _monitor: monitor,
         })
     }
@@ -207,6 +212,101 @@ impl Engine {
 
     pub fn new_state(&self) -> sluice_model::SeqState {
         self.model.new_state(self.options.max_context)
+    }
+
+    /// Whether prompts end with EOS (the tokenizer's own setting; GGUF only).
+    pub fn add_eos(&self) -> bool {
+        matches!(&self.tokenizer, Some(Tokenizer::Gguf(t)) if t.add_eos())
+    }
+
+    /// The model's chat template, or an error saying the model has none (or why it does not
+    /// compile).
+    pub fn chat_template(&self) -> Result<&ChatTemplate> {
+        self.chat_template.as_ref().map_err(|e| RuntimeError::Input(e.clone()))
+    }
+
+    /// Uses `t` instead of the model's own template.
+    pub fn set_chat_template(&mut self, t: ChatTemplate) {
+        self.chat_template = Ok(t);
+    }
+
+    /// The texts the template sees as `bos_token` and `eos_token`: the BOS and EOS tokens'
+    /// text, special tokens written out.
+    pub fn special_texts(&self) -> (String, String) {
+        special_texts(self.tokenizer.as_ref(), &self.model)
+    }
+
+    /// The prompt tokens of a conversation, as llama.cpp's server makes them: the template's
+    /// text (less a BOS text it starts with when the tokenizer adds BOS itself, and an EOS
+    /// text it ends with when the tokenizer adds EOS) tokenized with special tokens parsed
+    /// and the tokenizer's own BOS/EOS added.
+    pub fn chat_tokens(&self, messages: &[Message], opts: &RenderOptions) -> Result<Vec<u32>> {
+        let t = self.chat_template()?;
+        let text = t.render(messages, opts).map_err(|e| RuntimeError::Input(e.to_string()))?;
+        let mut text = text.as_str();
+        if self.add_bos() && !t.bos_token().is_empty() {
+            text = text.strip_prefix(t.bos_token()).unwrap_or(text);
+        }
+        if self.add_eos() && !t.eos_token().is_empty() {
+            text = text.strip_suffix(t.eos_token()).unwrap_or(text);
+        }
+        self.encode(text)
+    }
+
+    /// Tokens that end an assistant turn: the end-of-generation tokens, and the end-of-turn
+    /// tokens the chat template writes (`<|im_end|>`, `<end_of_turn>`, ...) where the
+    /// vocabulary has them as single tokens.
+    pub fn chat_stop_tokens(&self) -> Vec<u32> {
+        let mut stop = self.eos.clone();
+        if let (Ok(t), Some(tok)) = (&self.chat_template, &self.tokenizer) {
+            for text in t.end_of_turn_texts() {
+                if let Some(id) = tok.token_id(text) {
+                    if !stop.contains(&id) {
+                        stop.push(id);
+                    }
+                }
+            }
+        }
+        stop
+    }
+}
+
+/// The text of BOS and EOS (empty where the model has none).
+fn special_texts(tokenizer: Option<&Tokenizer>, model: &Model) -> (String, String) {
+    let Some(tok) = tokenizer else { return (String::new(), String::new()) };
+    let (bos, eos) = match tok {
+        Tokenizer::Gguf(t) => (t.bos(), t.eos_id()),
+        Tokenizer::Hf(_) => (model.cfg.bos_token, model.cfg.eos_tokens.first().copied()),
+    };
+    let text = |id: Option<u32>| id.map(|i| tok.decode(&[i], false)).unwrap_or_default();
+    (text(bos), text(eos))
+}
+
+/// The chat template of a checkpoint: GGUF metadata, or a Hugging Face directory's files.
+fn load_chat_template(
+    path: &Path,
+    ckpt: &Checkpoint,
+    tokenizer: Option<&Tokenizer>,
+    model: &Model,
+) -> std::result::Result<ChatTemplate, String> {
+    let found = match ckpt {
+        Checkpoint::Gguf(c) => {
+            let (bos, eos) = special_texts(tokenizer, model);
+            ChatTemplate::from_gguf(&c.file, &bos, &eos)
+        }
+        Checkpoint::Hf(_) => ChatTemplate::from_hf_dir(path),
+    };
+    match found {
+        Ok(Some(t)) => Ok(t),
+        Ok(None) => Err(format!(
+            "{}: the model has no chat template ({}); give one with --chat-template FILE, or `--chat-template chatml` for llama.cpp's default",
+            path.display(),
+            match ckpt {
+                Checkpoint::Gguf(_) => "no `tokenizer.chat_template` in its GGUF metadata",
+                Checkpoint::Hf(_) => "no chat_template.jinja, and no `chat_template` in tokenizer_config.json",
+            }
+        )),
+        Err(e) => Err(e.to_string()),
     }
 }
 

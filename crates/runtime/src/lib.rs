@@ -2,6 +2,7 @@
 //! generation loop with sampling.
 
 pub mod bench;
+pub mod chat;
 pub mod engine;
 pub mod error;
 pub mod generate;
@@ -9,7 +10,8 @@ pub mod perplexity;
 pub mod placement;
 pub mod sampler;
 
+pub use chat::{ChatSession, Turn};
 pub use engine::{Engine, EngineOptions, SourceFormat};
 pub use error::{Result, RuntimeError};
-pub use generate::{generate, prefill, GenerateOptions, Generation, StopReason};
+pub use generate::{generate, generate_cached, prefill, GenerateOptions, Generation, PromptCache, StopReason};
 pub use sampler::{Sampled, Sampler, SamplerConfig};

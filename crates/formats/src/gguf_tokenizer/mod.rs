@@ -527,6 +527,11 @@ impl GgufTokenizer {
         self.bos
     }
 
+    /// The end-of-sequence token, if the tokenizer has one.
+    pub fn eos_id(&self) -> Option<u32> {
+        self.eos
+    }
+
     /// The tokens that end generation: EOS first, then end-of-turn and the others llama.cpp
     /// treats as end of generation, in id order.
     pub fn eos(&self) -> Vec<u32> {

@@ -31,9 +31,17 @@ impl ActKind {
     pub fn for_weights(dtype: DType) -> Option<ActKind> {
         Some(match dtype {
             DType::Q8_0 => ActKind::Q16,
-            DType::Q4_0 | DType::Q5_0 | DType::MXFP4 => ActKind::Q8_0,
+            DType::Q4_0 | DType::Q5_0 | DType::MXFP4 | DType::IQ4_NL => ActKind::Q8_0,
             DType::Q4_1 | DType::Q5_1 => ActKind::Q8_1,
             DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K => ActKind::Q8_K,
+            DType::IQ4_XS
+            | DType::IQ3_XXS
+            | DType::IQ3_S
+            | DType::IQ2_XXS
+            | DType::IQ2_XS
+            | DType::IQ2_S
+            | DType::IQ1_S
+            | DType::IQ1_M => ActKind::Q8_K,
             _ => return None,
         })
     }

@@ -15,6 +15,8 @@
 //! | Q5_K | 256 | 176 | d, dmin, scales[12], qh[32], qs[128] |
 //! | Q6_K | 256 | 210 | ql[128], qh[64], scales[16] (i8), d; x = d·scale·(q − 32) |
 //! | MXFP4 | 32 | 17 | e (E8M0 exponent), qs[16]: nibbles index an FP4 (E2M1) table |
+//!
+//! The IQ formats (codebook quants) are laid out in `iq`.
 
 use crate::dtype::DType;
 use half::f16;
@@ -211,6 +213,15 @@ pub fn dequantize_block(dtype: DType, b: &[u8], y: &mut [f32]) {
                 y[j] = (b[4 + j] as i8) as f32 * d;
             }
         }
+        DType::IQ4_NL
+        | DType::IQ4_XS
+        | DType::IQ3_XXS
+        | DType::IQ3_S
+        | DType::IQ2_XXS
+        | DType::IQ2_XS
+        | DType::IQ2_S
+        | DType::IQ1_S
+        | DType::IQ1_M => super::iq::dequantize(dtype, b, y),
         DType::F32 | DType::F16 | DType::BF16 => unreachable!("float types have no blocks"),
     }
 }
@@ -386,6 +397,7 @@ pub fn quantize_block(dtype: DType, x: &[f32], b: &mut [u8]) {
             }
             b[0..4].copy_from_slice(&(1.0 / iscale).to_le_bytes());
         }
+        d if super::iq::is_iq(d) => super::iq::quantize(d, x, b),
         other => {
             // Q2_K, Q3_K, MXFP4: dequantize-only here; a tiny fixed block (all zero codes).
             b.fill(0);

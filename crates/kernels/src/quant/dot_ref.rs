@@ -138,6 +138,7 @@ pub fn block_ints(dtype: DType, w: &[u8], x: &[i8], bsums: &[i16]) -> BlockInts 
             }
             BlockInts { isum, mins }
         }
+        d if super::iq::is_iq(d) => BlockInts { isum: super::iq::block_isum(d, w, x), mins: 0 },
         _ => unreachable!("{dtype} is not block-quantized"),
     }
 }
@@ -165,6 +166,8 @@ pub fn block_scales(dtype: DType, w: &[u8]) -> BlockScales {
         DType::Q2_K => BlockScales { d: f16_at(w, 80), m: f16_at(w, 82) },
         DType::Q6_K => BlockScales { d: f16_at(w, 208), m: 0.0 },
         DType::Q3_K => BlockScales { d: f16_at(w, 108), m: 0.0 },
+        // IQ formats: `D`, the f16 times a power of two (see `iq`).
+        d if super::iq::is_iq(d) => BlockScales { d: super::iq::block_scale(d, w), m: 0.0 },
         _ => unreachable!("{dtype} is not block-quantized"),
     }
 }
@@ -176,7 +179,7 @@ pub fn has_min(dtype: DType) -> bool {
 
 /// One block's contribution added to `acc`:
 ///
-/// * every format: `acc = fma(d·dx, isum, acc)`;
+/// * every format: `acc = fma(d·dx, isum, acc)` (IQ formats: `d` is the block scale `D`);
 /// * Q4_1, Q5_1: then `acc = fma(m, sx, acc)` (`sx` = the activation block's `d·Σq`);
 /// * Q2_K, Q4_K, Q5_K: then `acc = fma(−(dmin·dx), mins, acc)`.
 ///

@@ -8,6 +8,10 @@
 pub mod act;
 pub mod blocks;
 pub mod dot_ref;
+pub mod iq;
+mod iq_tables;
+#[cfg(target_arch = "x86_64")]
+mod iq_x86;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 #[cfg(target_arch = "x86_64")]
@@ -76,6 +80,11 @@ pub(crate) fn matmul_quant_isa(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, x: &[
     let kind = ActKind::for_weights(w.dtype).expect("MatRef::new checks support");
     let act = QuantAct::new(kind, x, n, w.cols);
     let o = SendPtr(out.as_mut_ptr());
+    // IQ formats: their own AVX2 kernels (which serve the AVX-512 level too).
+    #[cfg(target_arch = "x86_64")]
+    if isa >= Isa::Avx2 && iq::is_iq(w.dtype) {
+        return iq_x86::matmul(pool, w, &act, n, o);
+    }
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx512 && crate::cpu::has_vnni() && n >= GEMM_MIN_TOKENS && gemm_supports(w.dtype) {
         return gemm_tiled(pool, w, &act, n, o);

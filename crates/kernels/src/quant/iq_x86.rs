@@ -1,0 +1,889 @@
+//! AVX2 kernels of the IQ formats: decode (one token, several rows at once) and prefill (one
+//! row against a range of tokens, each block unpacked once for all of them). They run at the
+//! AVX2 and the AVX-512 levels alike.
+//!
+//! Each format unpacks a 32-value group into byte magnitudes, a sign source and sixteen i16
+//! scales (`for_groups`); a group's contribution is then `vpmaddubsw` of the magnitudes with the
+//! activations (signs moved onto the activations with `vpsignb`) and `vpmaddwd` with the
+//! scales. The sums are the exact integers of `iq::block_isum`; the float side is
+//! `dot_ref::accumulate`'s `fma(D·dx, isum, acc)` block after block, so every result equals
+//! the scalar reference to the bit, whatever the batch or the thread count.
+//!
+//! Magnitudes stay where `vpmaddubsw` cannot saturate: a pair of products is at most
+//! 2·127·127 = 32258 (IQ4's levels), 2·62·127 (IQ3_XXS), less for the others. IQ1_S/IQ1_M codes
+//! `8·grid ± 1` go in offset by 9 (0..18, no signs needed) and `9·Σ s·(16-value sums)` comes off.
+
+// Index loops over groups, rows and blocks read most plainly in kernel code.
+#![allow(clippy::needless_range_loop)]
+
+use super::act::QuantAct;
+use super::iq::scale_factor;
+use super::iq_tables::*;
+use crate::dtype::DType;
+use crate::matmul::{MatRef, SendPtr};
+use crate::pool::ThreadPool;
+use std::arch::x86_64::*;
+
+/// The IQ format with GGML id `id`, at compile time.
+const fn dtype_const(id: u32) -> DType {
+    match id {
+        16 => DType::IQ2_XXS,
+        17 => DType::IQ2_XS,
+        18 => DType::IQ3_XXS,
+        19 => DType::IQ1_S,
+        20 => DType::IQ4_NL,
+        21 => DType::IQ3_S,
+        22 => DType::IQ2_S,
+        23 => DType::IQ4_XS,
+        29 => DType::IQ1_M,
+        _ => panic!("not an IQ format"),
+    }
+}
+
+/// Whether the format's codes carry signs (moved onto the activations); IQ1's are offset instead.
+const fn signed(dt: DType) -> bool {
+    !matches!(dt, DType::IQ1_S | DType::IQ1_M)
+}
+
+/// 32-value groups per block.
+const fn groups(dt: DType) -> usize {
+    dt.block_elems() / 32
+}
+
+#[inline(always)]
+fn rd_u16(p: *const u8) -> u32 {
+    // SAFETY: callers pass pointers inside a block of the format at hand.
+    unsafe { (p as *const u16).read_unaligned() as u32 }
+}
+
+#[inline(always)]
+fn rd_u32(p: *const u8) -> u32 {
+    // SAFETY: callers pass pointers inside a block of the format at hand.
+    unsafe { (p as *const u32).read_unaligned() }
+}
+
+/// Byte j of the result is 0xFF where bit j of `m` is set, 0 elsewhere.
+///
+/// # Safety
+///
+/// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
+#[inline(always)]
+unsafe fn expand_bits(m: u32) -> __m256i {
+    let v = _mm256_set1_epi32(m as i32);
+    let idx = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+    let bit = _mm256_set1_epi64x(0x8040201008040201u64 as i64);
+    _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(v, idx), bit), bit)
+}
+
+/// ±1 bytes: −1 where bit j of `m` is set (a `vpsignb` source).
+///
+/// # Safety
+///
+/// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
+#[inline(always)]
+unsafe fn signs(m: u32) -> __m256i {
+    _mm256_or_si256(expand_bits(m), _mm256_set1_epi8(1))
+}
+
+/// Eight words of four 7-bit sign fields each (bits 0..28; the rest ignored) → eight words of
+/// 32 sign bits: each field widened to a byte whose bit 7 is the parity of its low seven (the
+/// eighth sign, which makes the count of minus signs even).
+///
+/// # Safety
+///
+/// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
+#[inline(always)]
+unsafe fn sign_words(s: __m256i) -> __m256i {
+    let f = |sh: i32, m: i32| _mm256_and_si256(_mm256_sllv_epi32(s, _mm256_set1_epi32(sh)), _mm256_set1_epi32(m));
+    let x =
+        _mm256_or_si256(_mm256_or_si256(f(0, 0x7f), f(1, 0x7f00)), _mm256_or_si256(f(2, 0x7f_0000), f(3, 0x7f00_0000)));
+    with_parity(x)
+}
+
+/// Bytes whose bit 7 is clear get bit 7 = the parity of their low seven bits. Shifts run over
+/// 32-bit lanes: bits a byte receives from its neighbour land above bit 3, above bit 1 and
+/// above bit 0 after the three steps, so bit 0 of each byte ends up its own parity.
+///
+/// # Safety
+///
+/// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
+#[inline(always)]
+unsafe fn with_parity(x: __m256i) -> __m256i {
+    let mut p = _mm256_xor_si256(x, _mm256_srli_epi32(x, 4));
+    p = _mm256_xor_si256(p, _mm256_srli_epi32(p, 2));
+    p = _mm256_xor_si256(p, _mm256_srli_epi32(p, 1));
+    _mm256_or_si256(x, _mm256_slli_epi32(_mm256_and_si256(p, _mm256_set1_epi8(1)), 7))
+}
+
+/// A vector's eight u32 lanes.
+///
+/// # Safety
+///
+/// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
+#[inline(always)]
+unsafe fn words(v: __m256i) -> [u32; 8] {
+    let mut a = [0u32; 8];
+    _mm256_storeu_si256(a.as_mut_ptr() as *mut __m256i, v);
+    a
+}
+
+/// A vector's sixteen u16 lanes.
+///
+/// # Safety
+///
+/// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
+#[inline(always)]
+unsafe fn halves(v: __m256i) -> [u16; 16] {
+    let mut a = [0u16; 16];
+    _mm256_storeu_si256(a.as_mut_ptr() as *mut __m256i, v);
+    a
+}
+
+/// Sixteen odd scales `2·nibble + 1` of 8 bytes at `p` (low nibble first), as i16.
+///
+/// # Safety
+///
+/// `p` is valid for reading 8 bytes; the CPU has AVX2 (checked by `cpu::isa()`).
+#[inline(always)]
+unsafe fn odd_scales16(p: *const u8) -> [u16; 16] {
+    let v = _mm_loadl_epi64(p as *const __m128i);
+    let m = _mm_set1_epi8(0x0f);
+    let n = _mm_unpacklo_epi8(_mm_and_si128(v, m), _mm_and_si128(_mm_srli_epi16(v, 4), m));
+    let s = _mm256_cvtepu8_epi16(n);
+    halves(_mm256_add_epi16(_mm256_add_epi16(s, s), _mm256_set1_epi16(1)))
+}
+
+/// Entry `i` of a codebook whose index was assembled from as many bits as the book has
+/// entries (see `iq`: 8, 9, 10 or 11 bits into 256, 512, 1024 or 2048 entries), so it is in
+/// range by construction and the bounds check is left out.
+///
+/// # Safety
+///
+/// `i < N`.
+#[inline(always)]
+unsafe fn entry<T: Copy, const N: usize>(t: &[T; N], i: usize) -> T {
+    debug_assert!(i < N);
+    *t.get_unchecked(i)
+}
+
+/// Four eight-byte codebook entries as one vector (entry l → bytes 8l..8l+8).
+///
+/// # Safety
+///
+/// Every index is below N (see `entry`); the CPU has AVX2 (checked by `cpu::isa()`).
+#[inline(always)]
+unsafe fn grid4<const N: usize>(t: &[u64; N], i0: usize, i1: usize, i2: usize, i3: usize) -> __m256i {
+    let lo = _mm_set_epi64x(entry(t, i1) as i64, entry(t, i0) as i64);
+    let hi = _mm_set_epi64x(entry(t, i3) as i64, entry(t, i2) as i64);
+    _mm256_set_m128i(hi, lo)
+}
+
+/// Eight four-byte codebook entries as one vector (entry j → bytes 4j..4j+4).
+///
+/// # Safety
+///
+/// Every index `i(j)` is below N (see `entry`); the CPU has AVX2 (checked by `cpu::isa()`).
+#[inline(always)]
+unsafe fn grid8<const N: usize>(t: &[u32; N], i: impl Fn(usize) -> usize) -> __m256i {
+    let e = |j: usize| entry(t, i(j)) as i32;
+    _mm256_set_m128i(_mm_set_epi32(e(7), e(6), e(5), e(4)), _mm_set_epi32(e(3), e(2), e(1), e(0)))
+}
+
+/// Two i16 scales: lanes 0..8 (values 0..16 of a group) `lo`, lanes 8..16 `hi`.
+///
+/// # Safety
+///
+/// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
+#[inline(always)]
+unsafe fn scales2(lo: u16, hi: u16) -> __m256i {
+    _mm256_set_m128i(_mm_set1_epi16(hi as i16), _mm_set1_epi16(lo as i16))
+}
+
+/// 32 four-bit codes of 16 bytes at `q`: low nibbles (values 0..16), then high nibbles.
+///
+/// # Safety
+///
+/// `q` is valid for reading 16 bytes; the CPU has AVX2 (checked by `cpu::isa()`).
+#[inline(always)]
+unsafe fn nibbles(q: *const u8) -> __m256i {
+    let v = _mm_loadu_si128(q as *const __m128i);
+    let m = _mm_set1_epi8(0x0F);
+    _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m))
+}
+
+/// IQ4's levels in both 128-bit lanes (a `vpshufb` table).
+///
+/// # Safety
+///
+/// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
+#[inline(always)]
+unsafe fn iq4_table() -> __m256i {
+    let t = _mm_loadu_si128(IQ4NL_VALUES.as_ptr() as *const __m128i);
+    _mm256_set_m128i(t, t)
+}
+
+/// Byte l of `d4` repeated over bytes 8l..8l+8.
+///
+/// # Safety
+///
+/// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
+#[inline(always)]
+unsafe fn spread4(d4: u32) -> __m256i {
+    let spread = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+    _mm256_shuffle_epi8(_mm256_set1_epi32(d4 as i32), spread)
+}
+
+/// Runs `$body` eight times with `$k` the constants 0..8.
+macro_rules! unroll8 {
+    ($k:ident, $body:block) => {{
+        {
+            const $k: usize = 0;
+            $body
+        }
+        {
+            const $k: usize = 1;
+            $body
+        }
+        {
+            const $k: usize = 2;
+            $body
+        }
+        {
+            const $k: usize = 3;
+            $body
+        }
+        {
+            const $k: usize = 4;
+            $body
+        }
+        {
+            const $k: usize = 5;
+            $body
+        }
+        {
+            const $k: usize = 6;
+            $body
+        }
+        {
+            const $k: usize = 7;
+            $body
+        }
+    }};
+}
+
+/// Calls `f(k, magnitudes, sign source, scales)` for each 32-value group k of block `b`: what
+/// serves all eight groups (indices, sign words, scales) is unpacked for the block at once.
+///
+/// # Safety
+///
+/// `b` points to one whole block of the format; the CPU has AVX2 (checked by `cpu::isa()`).
+#[inline(always)]
+unsafe fn for_groups<const DT: u32>(b: *const u8, mut f: impl FnMut(usize, __m256i, __m256i, __m256i)) {
+    let dt = const { dtype_const(DT) };
+    let one = _mm256_set1_epi8(1);
+    match dt {
+        DType::IQ4_NL => {
+            let c = _mm256_shuffle_epi8(iq4_table(), nibbles(b.add(2)));
+            f(0, _mm256_abs_epi8(c), c, _mm256_set1_epi16(1));
+        }
+        DType::IQ4_XS => {
+            let t = iq4_table();
+            // ls − 32 of each group: 4 low bits from scales_l, 2 high bits from scales_h.
+            let sh = rd_u16(b.add(2));
+            let sl = rd_u32(b.add(4));
+            let mut ls = [0u16; 8];
+            for (k, l) in ls.iter_mut().enumerate() {
+                *l = ((((sl >> (4 * k)) & 0xf) | (((sh >> (2 * k)) & 3) << 4)) as i32 - 32) as u16;
+            }
+            unroll8!(K, {
+                let c = _mm256_shuffle_epi8(t, nibbles(b.add(8 + 16 * K)));
+                f(K, _mm256_abs_epi8(c), c, _mm256_set1_epi16(ls[K] as i16));
+            });
+        }
+        DType::IQ2_XXS => {
+            // Per group a word of four 8-bit indices, then a word of sign fields and scale.
+            let v0 = _mm256_loadu_si256(b.add(2) as *const __m256i);
+            let v1 = _mm256_loadu_si256(b.add(34) as *const __m256i);
+            let odd = _mm256_castps_si256(_mm256_shuffle_ps(_mm256_castsi256_ps(v0), _mm256_castsi256_ps(v1), 0xDD));
+            let aux = _mm256_permute4x64_epi64(odd, 0xD8);
+            let sg = words(sign_words(aux));
+            let ls = words(_mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(aux, 28), 1), _mm256_set1_epi32(1)));
+            unroll8!(K, {
+                let g = b.add(2 + 8 * K);
+                let i = |l: usize| *g.add(l) as usize;
+                let mag = grid4(&IQ2XXS_GRID, i(0), i(1), i(2), i(3));
+                f(K, mag, signs(sg[K]), _mm256_set1_epi16(ls[K] as i16));
+            });
+        }
+        DType::IQ2_XS => {
+            // u16 per sub-block: 9-bit index, 7-bit sign field.
+            let v0 = _mm256_loadu_si256(b.add(2) as *const __m256i);
+            let v1 = _mm256_loadu_si256(b.add(34) as *const __m256i);
+            let m9 = _mm256_set1_epi16(511);
+            let mut idx = [0u16; 32];
+            _mm256_storeu_si256(idx.as_mut_ptr() as *mut __m256i, _mm256_and_si256(v0, m9));
+            _mm256_storeu_si256(idx.as_mut_ptr().add(16) as *mut __m256i, _mm256_and_si256(v1, m9));
+            // Sign fields as bytes, groups in order (packus interleaves the 128-bit halves).
+            let s7 = _mm256_packus_epi16(_mm256_srli_epi16(v0, 9), _mm256_srli_epi16(v1, 9));
+            let sg = words(with_parity(_mm256_permute4x64_epi64(s7, 0xD8)));
+            let sc = odd_scales16(b.add(66));
+            unroll8!(K, {
+                let i = |l: usize| idx[4 * K + l] as usize;
+                let mag = grid4(&IQ2XS_GRID, i(0), i(1), i(2), i(3));
+                f(K, mag, signs(sg[K]), scales2(sc[2 * K], sc[2 * K + 1]));
+            });
+        }
+        DType::IQ2_S => {
+            // Index = qs byte | 2 bits of the group's qh byte (bits 2l, 2l+1 for sub-block l):
+            // in u16 lanes, qh · 2^(8 − 2l) masked to bits 8..10.
+            let qh = _mm_loadl_epi64(b.add(66) as *const __m128i);
+            let qh = _mm256_set_m128i(qh, qh);
+            // Lane j of the first vector takes qh byte j/4 (j < 16), of the second j/4 + 4.
+            let pick = |a: i8| {
+                let (c, e, g, z) = (a + 1, a + 2, a + 3, -1i8);
+                _mm256_setr_epi8(
+                    a, z, a, z, a, z, a, z, c, z, c, z, c, z, c, z, e, z, e, z, e, z, e, z, g, z, g, z, g, z, g, z,
+                )
+            };
+            let mul = _mm256_set_epi16(4, 16, 64, 256, 4, 16, 64, 256, 4, 16, 64, 256, 4, 16, 64, 256);
+            let m3 = _mm256_set1_epi16(0x300);
+            let hi = |sel: __m256i| _mm256_and_si256(_mm256_mullo_epi16(_mm256_shuffle_epi8(qh, sel), mul), m3);
+            let lo0 = _mm256_cvtepu8_epi16(_mm_loadu_si128(b.add(2) as *const __m128i));
+            let lo1 = _mm256_cvtepu8_epi16(_mm_loadu_si128(b.add(18) as *const __m128i));
+            let mut idx = [0u16; 32];
+            _mm256_storeu_si256(idx.as_mut_ptr() as *mut __m256i, _mm256_or_si256(lo0, hi(pick(0))));
+            _mm256_storeu_si256(idx.as_mut_ptr().add(16) as *mut __m256i, _mm256_or_si256(lo1, hi(pick(4))));
+            let sc = odd_scales16(b.add(74));
+            unroll8!(K, {
+                let i = |l: usize| idx[4 * K + l] as usize;
+                let mag = grid4(&IQ2S_GRID, i(0), i(1), i(2), i(3));
+                f(K, mag, signs(rd_u32(b.add(34 + 4 * K))), scales2(sc[2 * K], sc[2 * K + 1]));
+            });
+        }
+        DType::IQ3_XXS => {
+            let aux = _mm256_loadu_si256(b.add(66) as *const __m256i);
+            let sg = words(sign_words(aux));
+            let ls = words(_mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(aux, 28), 1), _mm256_set1_epi32(1)));
+            unroll8!(K, {
+                // Eight 8-bit indices into a table of 256 entries.
+                let q = b.add(2 + 8 * K);
+                let mag = grid8(&IQ3XXS_GRID, |j| *q.add(j) as usize);
+                f(K, mag, signs(sg[K]), _mm256_set1_epi16(ls[K] as i16));
+            });
+        }
+        DType::IQ3_S => {
+            // Index j of group k: qs byte 8k + j, its 9th bit bit j of qh byte k; in u16 lanes,
+            // qh byte k · 2^(8 − j) masked to bit 8. Two groups per vector.
+            let qh = _mm_loadl_epi64(b.add(66) as *const __m128i);
+            let qh = _mm256_set_m128i(qh, qh);
+            let pick = |a: i8| {
+                let (c, z) = (a + 1, -1i8);
+                _mm256_setr_epi8(
+                    a, z, a, z, a, z, a, z, a, z, a, z, a, z, a, z, c, z, c, z, c, z, c, z, c, z, c, z, c, z, c, z,
+                )
+            };
+            let mul = _mm256_setr_epi16(256, 128, 64, 32, 16, 8, 4, 2, 256, 128, 64, 32, 16, 8, 4, 2);
+            let m1 = _mm256_set1_epi16(0x100);
+            let mut idx = [0u16; 64];
+            for p in 0..4 {
+                let lo = _mm256_cvtepu8_epi16(_mm_loadu_si128(b.add(2 + 16 * p) as *const __m128i));
+                let hi = _mm256_and_si256(_mm256_mullo_epi16(_mm256_shuffle_epi8(qh, pick(2 * p as i8)), mul), m1);
+                _mm256_storeu_si256(idx.as_mut_ptr().add(16 * p) as *mut __m256i, _mm256_or_si256(lo, hi));
+            }
+            let sc = rd_u32(b.add(106));
+            unroll8!(K, {
+                let mag = grid8(&IQ3S_GRID, |j| idx[8 * K + j] as usize);
+                let ls = ((sc >> (4 * K)) & 0xf) * 2 + 1;
+                f(K, mag, signs(rd_u32(b.add(74 + 4 * K))), _mm256_set1_epi16(ls as i16));
+            });
+        }
+        DType::IQ1_S => {
+            // Index = qs byte | 3 bits of the group's qh word (bits 3l..3l+3 for sub-block l),
+            // in u32 lanes two groups at a time.
+            let shifts = _mm256_set_epi32(9, 6, 3, 0, 9, 6, 3, 0);
+            let mut idx = [0u32; 32];
+            for p in 0..4 {
+                let lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(b.add(2 + 8 * p) as *const __m128i));
+                let h = _mm256_set_m128i(
+                    _mm_set1_epi32(rd_u16(b.add(36 + 4 * p)) as i32),
+                    _mm_set1_epi32(rd_u16(b.add(34 + 4 * p)) as i32),
+                );
+                let hi = _mm256_and_si256(_mm256_srlv_epi32(h, shifts), _mm256_set1_epi32(7));
+                let v = _mm256_or_si256(lo, _mm256_slli_epi32(hi, 8));
+                _mm256_storeu_si256(idx.as_mut_ptr().add(8 * p) as *mut __m256i, v);
+            }
+            // Per group the odd scale (lanes 0..8) and 2 where the delta is +1 (bit 15 clear),
+            // 0 where −1 (lanes 8..16).
+            let qh = _mm_loadu_si128(b.add(34) as *const __m128i);
+            let dpos = _mm_cmpgt_epi16(qh, _mm_set1_epi16(-1));
+            let dl = halves(_mm256_set_m128i(
+                _mm_and_si128(dpos, _mm_set1_epi16(2)),
+                _mm_or_si128(_mm_and_si128(_mm_srli_epi16(qh, 11), _mm_set1_epi16(0xe)), _mm_set1_epi16(1)),
+            ));
+            unroll8!(K, {
+                let i = |l: usize| idx[4 * K + l] as usize;
+                let g = grid4(&IQ1S_GRID8, i(0), i(1), i(2), i(3));
+                let u = _mm256_add_epi8(g, _mm256_set1_epi8(dl[8 + K] as i8));
+                f(K, u, one, _mm256_set1_epi16(dl[K] as i16));
+            });
+        }
+        DType::IQ1_M => {
+            // A nibble per sub-block (qh byte j/2, low nibble for even j): 3 high index bits
+            // and the delta's sign. Index in u16 lanes: qs | (nibble · 2^8 or 2^4) & 0x700.
+            let qh = _mm_loadu_si128(b.add(32) as *const __m128i);
+            let dup = _mm256_set_m128i(_mm_unpackhi_epi8(qh, qh), _mm_unpacklo_epi8(qh, qh));
+            let lo0 = _mm256_cvtepu8_epi16(_mm_loadu_si128(b as *const __m128i));
+            let lo1 = _mm256_cvtepu8_epi16(_mm_loadu_si128(b.add(16) as *const __m128i));
+            let mul = _mm256_set1_epi32(0x0010_0100);
+            let m7 = _mm256_set1_epi16(0x700);
+            let h0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(dup));
+            let h1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(dup, 1));
+            let mut idx = [0u16; 32];
+            let i0 = _mm256_or_si256(lo0, _mm256_and_si256(_mm256_mullo_epi16(h0, mul), m7));
+            let i1 = _mm256_or_si256(lo1, _mm256_and_si256(_mm256_mullo_epi16(h1, mul), m7));
+            _mm256_storeu_si256(idx.as_mut_ptr() as *mut __m256i, i0);
+            _mm256_storeu_si256(idx.as_mut_ptr().add(16) as *mut __m256i, i1);
+            // 2 where the delta is +1 (its sign bit clear), 0 where −1: a byte per sub-block.
+            let dbit = _mm256_and_si256(dup, _mm256_set1_epi16(0x8008u16 as i16));
+            let dsub = words(_mm256_and_si256(_mm256_cmpeq_epi8(dbit, _mm256_setzero_si256()), _mm256_set1_epi8(2)));
+            let sc = iq1m_scales(b);
+            unroll8!(K, {
+                let i = |l: usize| idx[4 * K + l] as usize;
+                let g = grid4(&IQ1S_GRID8, i(0), i(1), i(2), i(3));
+                let u = _mm256_add_epi8(g, spread4(dsub[K]));
+                f(K, u, one, scales2(sc[2 * K], sc[2 * K + 1]));
+            });
+        }
+        _ => unreachable!(),
+    }
+}
+
+/// IQ1_M's sixteen odd scales `2s + 1` (3-bit fields 0..4 of each of its four scale words).
+///
+/// # Safety
+///
+/// `b` points to one whole IQ1_M block; the CPU has AVX2 (checked by `cpu::isa()`).
+#[inline(always)]
+unsafe fn iq1m_scales(b: *const u8) -> [u16; 16] {
+    // Word w to lanes 4w..4w+4, then field j of lane 4w+j to bits 12..15 through a multiply by
+    // 2^(12 − 3j), and down by 12.
+    let w = _mm_loadl_epi64(b.add(48) as *const __m128i);
+    let w = _mm256_set_m128i(w, w);
+    let sel = _mm256_setr_epi8(
+        0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 4, 5, 4, 5, 4, 5, 4, 5, 6, 7, 6, 7, 6, 7, 6, 7,
+    );
+    let mul = _mm256_setr_epi16(4096, 512, 64, 8, 4096, 512, 64, 8, 4096, 512, 64, 8, 4096, 512, 64, 8);
+    let f = _mm256_and_si256(_mm256_mullo_epi16(_mm256_shuffle_epi8(w, sel), mul), _mm256_set1_epi16(0x7000));
+    let s = _mm256_srli_epi16(f, 12);
+    halves(_mm256_add_epi16(_mm256_add_epi16(s, s), _mm256_set1_epi16(1)))
+}
+
+/// IQ1_S/IQ1_M: the sixteen scales (one per 16 values) as i16 lanes, to take the offset off.
+///
+/// # Safety
+///
+/// `b` points to one whole block of the format; the CPU has AVX2 (checked by `cpu::isa()`).
+#[inline(always)]
+unsafe fn iq1_scales16<const DT: u32>(b: *const u8) -> __m256i {
+    let mut s = [0i16; 16];
+    if const { dtype_const(DT) } == DType::IQ1_S {
+        for k in 0..8 {
+            let v = (2 * ((rd_u16(b.add(34 + 2 * k)) >> 12) & 7) + 1) as i16;
+            s[2 * k] = v;
+            s[2 * k + 1] = v;
+        }
+    } else {
+        for w in 0..4 {
+            let sc = rd_u16(b.add(48 + 2 * w));
+            for j in 0..4 {
+                s[4 * w + j] = (2 * ((sc >> (3 * j)) & 7) + 1) as i16;
+            }
+        }
+    }
+    _mm256_loadu_si256(s.as_ptr() as *const __m256i)
+}
+
+/// The f16 bits of the block's `d`.
+///
+/// # Safety
+///
+/// `b` points to one whole block of the format.
+#[inline(always)]
+unsafe fn d_bits<const DT: u32>(b: *const u8) -> u16 {
+    if const { dtype_const(DT) } == DType::IQ1_M {
+        super::iq::iq1m_d_bits(std::slice::from_raw_parts(b, 56))
+    } else {
+        rd_u16(b) as u16
+    }
+}
+
+/// One group's contribution: Σ scale·magnitude·(signed) activation, in 8 i32 lanes.
+///
+/// # Safety
+///
+/// `x` is valid for reading 32 bytes; the CPU has AVX2 (checked by `cpu::isa()`).
+#[inline(always)]
+unsafe fn group_dot<const DT: u32>(mag: __m256i, sgn: __m256i, scl: __m256i, x: *const i8) -> __m256i {
+    let x = _mm256_loadu_si256(x as *const __m256i);
+    let xs = if const { signed(dtype_const(DT)) } { _mm256_sign_epi8(x, sgn) } else { x };
+    _mm256_madd_epi16(_mm256_maddubs_epi16(mag, xs), scl)
+}
+
+/// The offset correction of IQ1 formats: 9·Σ scale·(16-value sum), in 8 i32 lanes.
+///
+/// # Safety
+///
+/// `bs` is valid for reading 16 i16; the CPU has AVX2 (checked by `cpu::isa()`).
+#[inline(always)]
+unsafe fn offset_sums(sc16: __m256i, bs: *const i16) -> __m256i {
+    let v = _mm256_madd_epi16(sc16, _mm256_loadu_si256(bs as *const __m256i));
+    _mm256_add_epi32(_mm256_slli_epi32(v, 3), v)
+}
+
+/// A whole block against activation block `xq` (`bs`: its 16-value sums), in 8 i32 lanes.
+///
+/// # Safety
+///
+/// `b` is one whole block, `xq` its activation codes, `bs` (IQ1 formats) their sums; AVX2.
+#[inline(always)]
+unsafe fn block_dot<const DT: u32>(b: *const u8, xq: *const i8, bs: *const i16) -> __m256i {
+    let mut acc = _mm256_setzero_si256();
+    for_groups::<DT>(b, |k, mag, sgn, scl| {
+        acc = _mm256_add_epi32(acc, group_dot::<DT>(mag, sgn, scl, xq.add(32 * k)));
+    });
+    if const { !signed(dtype_const(DT)) } {
+        acc = _mm256_sub_epi32(acc, offset_sums(iq1_scales16::<DT>(b), bs));
+    }
+    acc
+}
+
+/// Eight vectors of 8 partial sums → one vector of their 8 totals, in order.
+///
+/// # Safety
+///
+/// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
+#[inline(always)]
+unsafe fn reduce8x8(a: &[__m256i; 8]) -> __m256i {
+    let h1 = _mm256_hadd_epi32(a[0], a[1]);
+    let h2 = _mm256_hadd_epi32(a[2], a[3]);
+    let h3 = _mm256_hadd_epi32(a[4], a[5]);
+    let h4 = _mm256_hadd_epi32(a[6], a[7]);
+    let g1 = _mm256_hadd_epi32(h1, h2);
+    let g2 = _mm256_hadd_epi32(h3, h4);
+    _mm256_add_epi32(_mm256_permute2x128_si256(g1, g2, 0x20), _mm256_permute2x128_si256(g1, g2, 0x31))
+}
+
+/// # Safety
+///
+/// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
+#[inline(always)]
+unsafe fn hsum8(v: __m256i) -> i32 {
+    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    _mm_cvtsi128_si32(s)
+}
+
+/// Asks for the cache lines of `len` bytes at `p`.
+///
+/// # Safety
+///
+/// Prefetches never fault, but the caller keeps `p .. p + len` inside one allocation (pointer
+/// arithmetic); the CPU has AVX2 (checked by `cpu::isa()`).
+#[inline(always)]
+unsafe fn prefetch(p: *const u8, len: usize) {
+    let mut o = 0;
+    while o < len {
+        _mm_prefetch(p.wrapping_add(o) as *const i8, _MM_HINT_T0);
+        o += 64;
+    }
+}
+
+/// Decode (one token) over R rows at once, eight blocks at a time: each block's integer sums
+/// stay in vector lanes until the eight are reduced together, the scale products are formed
+/// eight at a time, and the R rows' per-block float additions are R independent chains — the
+/// operations of `accumulate`, in its order.
+///
+/// # Safety
+///
+/// The CPU has AVX2, FMA and F16C (checked by `cpu::isa()`); `w` holds R whole rows of
+/// `row_bytes` of the format; `act` is one token's activations for rows of this width, padded
+/// to whole groups of eight blocks (as `QuantAct` pads them).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn rows_decode<const R: usize, const DT: u32>(
+    w: &[u8],
+    row_bytes: usize,
+    act: &QuantAct,
+    out: &mut [f32; 4],
+) {
+    let dt = const { dtype_const(DT) };
+    let (bb, bl) = (dt.block_bytes(), dt.block_elems());
+    let factor = _mm256_set1_ps(scale_factor(dt));
+    let nb = act.blocks_per_row();
+    debug_assert!(w.len() >= R * row_bytes && act.cols == row_bytes / bb * bl);
+    let mut acc = [0f32; R];
+    let mut b0 = 0;
+    while b0 < nb {
+        let m = (nb - b0).min(8);
+        let i0 = act.idx(0, b0);
+        let dx = _mm256_loadu_ps(act.d.as_ptr().add(i0));
+        let mut ddx = [[0f32; 8]; R];
+        let mut isf = [[0f32; 8]; R];
+        for r in 0..R {
+            let base = w.as_ptr().add(r * row_bytes + b0 * bb);
+            // The same blocks of the row R rows further down: the next pass reads them.
+            prefetch(base.wrapping_add(R * row_bytes), m * bb);
+            let mut a = [_mm256_setzero_si256(); 8];
+            let mut dbits = [0u16; 8];
+            for j in 0..m {
+                let blk = base.add(j * bb);
+                let xi = i0 + j;
+                let bs = if signed(dt) { std::ptr::null() } else { act.bsums.as_ptr().add(xi * 16) };
+                a[j] = block_dot::<DT>(blk, act.qs.as_ptr().add(xi * bl), bs);
+                dbits[j] = d_bits::<DT>(blk);
+            }
+            // D = f16 · 2^-k (exact), then D·dx rounded once, as `accumulate` forms it.
+            let dw = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(dbits.as_ptr() as *const __m128i)), factor);
+            _mm256_storeu_ps(ddx[r].as_mut_ptr(), _mm256_mul_ps(dw, dx));
+            _mm256_storeu_ps(isf[r].as_mut_ptr(), _mm256_cvtepi32_ps(reduce8x8(&a)));
+        }
+        for j in 0..m {
+            for r in 0..R {
+                acc[r] = ddx[r][j].mul_add(isf[r][j], acc[r]);
+            }
+        }
+        b0 += m;
+    }
+    out[..R].copy_from_slice(&acc);
+}
+
+/// One row against tokens `toks` of `act` (prefill): each block unpacked once, then every
+/// token's sums from the unpacked groups.
+///
+/// # Safety
+///
+/// The CPU has AVX2, FMA and F16C (checked by `cpu::isa()`); `row` is one whole row of the
+/// format for `act`'s width; `toks` lie within `act`'s rows; `out` holds `toks.len()` values.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn row_tokens<const DT: u32>(row: &[u8], act: &QuantAct, toks: std::ops::Range<usize>, out: &mut [f32]) {
+    let dt = const { dtype_const(DT) };
+    let (bb, bl, ng) = (dt.block_bytes(), dt.block_elems(), groups(dt));
+    let nb = act.blocks_per_row();
+    debug_assert!(row.len() == nb * bb && toks.end <= act.rows && out.len() >= toks.len());
+    let (t0, n) = (toks.start, toks.len());
+    out[..n].fill(0.0);
+    let mut mag = [_mm256_setzero_si256(); 8];
+    let mut sgn = [_mm256_setzero_si256(); 8];
+    let mut scl = [_mm256_setzero_si256(); 8];
+    for b in 0..nb {
+        let blk = row.as_ptr().add(b * bb);
+        for_groups::<DT>(blk, |k, m, s, c| {
+            mag[k] = m;
+            sgn[k] = s;
+            scl[k] = c;
+        });
+        let sc16 = if signed(dt) { _mm256_setzero_si256() } else { iq1_scales16::<DT>(blk) };
+        let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(d_bits::<DT>(blk) as i32))) * scale_factor(dt);
+        for t in 0..n {
+            let xi = act.idx(t0 + t, b);
+            let xq = act.qs.as_ptr().add(xi * bl);
+            let mut acc = _mm256_setzero_si256();
+            for k in 0..ng {
+                acc = _mm256_add_epi32(acc, group_dot::<DT>(mag[k], sgn[k], scl[k], xq.add(32 * k)));
+            }
+            if !signed(dt) {
+                acc = _mm256_sub_epi32(acc, offset_sums(sc16, act.bsums.as_ptr().add(xi * 16)));
+            }
+            out[t] = (d * *act.d.get_unchecked(xi)).mul_add(hsum8(acc) as f32, out[t]);
+        }
+    }
+}
+
+macro_rules! by_dtype {
+    ($dtype:expr, $go:ident) => {
+        match $dtype {
+            DType::IQ2_XXS => $go!(16),
+            DType::IQ2_XS => $go!(17),
+            DType::IQ3_XXS => $go!(18),
+            DType::IQ1_S => $go!(19),
+            DType::IQ4_NL => $go!(20),
+            DType::IQ3_S => $go!(21),
+            DType::IQ2_S => $go!(22),
+            DType::IQ4_XS => $go!(23),
+            DType::IQ1_M => $go!(29),
+            d => unreachable!("{d} is not an IQ format"),
+        }
+    };
+}
+
+/// `out = x · Wᵀ` for IQ weights with AVX2: the caller checked the CPU (`isa() ≥ Avx2`), and
+/// `act` holds `n` tokens quantized for `w` (`ActKind::for_weights`); `o` is `n × w.rows`.
+pub(crate) fn matmul(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, n: usize, o: SendPtr) {
+    assert!(super::iq::is_iq(w.dtype) && act.rows == n && act.cols == w.cols);
+    let rb = w.row_bytes();
+    if n == 1 {
+        // Decode: four rows at a time (fewer at a range's end).
+        pool.for_ranges(w.rows, 4, &|rows| {
+            let mut vals = [0f32; 4];
+            let mut r = rows.start;
+            while r < rows.end {
+                let k = (rows.end - r).min(4);
+                let wr = &w.data[r * rb..(r + k) * rb];
+                macro_rules! go {
+                    ($dt:literal) => {
+                        match k {
+                            4 => rows_decode::<4, $dt>(wr, rb, act, &mut vals),
+                            3 => rows_decode::<3, $dt>(wr, rb, act, &mut vals),
+                            2 => rows_decode::<2, $dt>(wr, rb, act, &mut vals),
+                            _ => rows_decode::<1, $dt>(wr, rb, act, &mut vals),
+                        }
+                    };
+                }
+                // SAFETY: AVX2/FMA/F16C were detected (the caller's contract); `wr` holds k
+                // whole rows (MatRef::new checked the size); `act` is padded by QuantAct.
+                unsafe { by_dtype!(w.dtype, go) };
+                for (i, v) in vals.iter().enumerate().take(k) {
+                    // SAFETY: this thread owns rows `rows` of the single output row.
+                    unsafe { *o.get().add(r + i) = *v };
+                }
+                r += k;
+            }
+        });
+        return;
+    }
+    // Prefill: rows in blocks of ROWS, tokens in chunks of TOKENS, so a block of weight rows
+    // and a chunk of activations stay in cache while every pair is computed.
+    const ROWS: usize = 16;
+    const TOKENS: usize = 32;
+    pool.for_ranges(w.rows, 4, &|rows| {
+        let mut vals = [0f32; TOKENS];
+        let mut r0 = rows.start;
+        while r0 < rows.end {
+            let r1 = (r0 + ROWS).min(rows.end);
+            let mut t0 = 0;
+            while t0 < n {
+                let t1 = (t0 + TOKENS).min(n);
+                for r in r0..r1 {
+                    macro_rules! go {
+                        ($dt:literal) => {
+                            row_tokens::<$dt>(w.row(r), act, t0..t1, &mut vals)
+                        };
+                    }
+                    // SAFETY: AVX2/FMA/F16C were detected (the caller's contract); the row is
+                    // whole (MatRef::new) and tokens t0..t1 are rows of `act`.
+                    unsafe { by_dtype!(w.dtype, go) };
+                    for (i, v) in vals[..t1 - t0].iter().enumerate() {
+                        // SAFETY: this thread owns row r's column of the n × rows output.
+                        unsafe { *o.get().add((t0 + i) * w.rows + r) = *v };
+                    }
+                }
+                t0 = t1;
+            }
+            r0 = r1;
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::cpu::Isa;
+    use crate::matmul::matmul_with_isa;
+    use crate::{DType, MatRef, ThreadPool};
+
+    const IQ: [DType; 9] = [
+        DType::IQ4_NL,
+        DType::IQ4_XS,
+        DType::IQ3_XXS,
+        DType::IQ3_S,
+        DType::IQ2_XXS,
+        DType::IQ2_XS,
+        DType::IQ2_S,
+        DType::IQ1_S,
+        DType::IQ1_M,
+    ];
+
+    fn lcg(seed: u64) -> impl FnMut() -> u32 {
+        let mut s = seed;
+        move || {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (s >> 33) as u32
+        }
+    }
+
+    /// Random bytes (every index, sign and scale pattern) with a sane f16 scale.
+    fn random_rows(dtype: DType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+        let mut next = lcg(seed);
+        let mut v: Vec<u8> = (0..rows * dtype.row_bytes(cols).unwrap()).map(|_| next() as u8).collect();
+        for b in v.chunks_exact_mut(dtype.block_bytes()) {
+            let d = half::f16::from_f32(((next() % 1000) as f32 + 1.0) * 1e-5).to_bits();
+            if dtype == DType::IQ1_M {
+                for w in 0..4 {
+                    b[49 + 2 * w] = (b[49 + 2 * w] & 0x0f) | ((((d >> (4 * w)) & 0xf) as u8) << 4);
+                }
+            } else {
+                b[0..2].copy_from_slice(&d.to_le_bytes());
+            }
+        }
+        v
+    }
+
+    /// Rows quantized from smooth values (the codes a real quantizer picks).
+    fn quantized_rows(dtype: DType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+        let v: Vec<f32> =
+            (0..rows * cols).map(|i| (i as f32 * 0.37 + seed as f32).sin() * (1.0 + (i % 97) as f32 * 0.02)).collect();
+        crate::quant::quantize_rows(dtype, &v, cols)
+    }
+
+    fn xs(n: usize, seed: u64) -> Vec<f32> {
+        let mut next = lcg(seed);
+        (0..n).map(|i| (next() as f32 / (1u64 << 31) as f32 - 1.0) * [1.0, 0.02, 7.0][i / 256 % 3]).collect()
+    }
+
+    fn check(dtype: DType, w: &[u8], rows: usize, cols: usize, n: usize, pool: &ThreadPool) {
+        let m = MatRef::new(dtype, rows, cols, w).unwrap();
+        let x = xs(n * cols, 9 + n as u64);
+        let mut want = vec![0f32; n * rows];
+        crate::matmul_ref(m, &x, n, &mut want);
+        for isa in Isa::supported() {
+            let got = matmul_with_isa(isa, pool, m, &x, n);
+            for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(a.to_bits(), b.to_bits(), "{dtype} {isa:?} {rows}x{cols} n={n} element {i}: {a} vs {b}");
+            }
+        }
+    }
+
+    #[test]
+    fn every_isa_matches_the_reference_bit_for_bit() {
+        let pool = ThreadPool::new(2);
+        for dtype in IQ {
+            // Rows left over after groups of four; blocks left over after groups of eight.
+            for (rows, cols) in [(1, 256), (5, 512), (9, 2304), (17, 768)] {
+                let w = random_rows(dtype, rows, cols, rows as u64 * 31 + cols as u64);
+                for n in [1, 3, 7, 33] {
+                    check(dtype, &w, rows, cols, n, &pool);
+                }
+            }
+            let w = quantized_rows(dtype, 6, 1280, 4);
+            for n in [1, 3, 7, 33] {
+                check(dtype, &w, 6, 1280, n, &pool);
+            }
+        }
+    }
+
+    #[test]
+    fn batch_and_threads_do_not_change_a_row() {
+        for dtype in IQ {
+            let (rows, cols) = (13, 512);
+            let w = random_rows(dtype, rows, cols, 77);
+            let m = MatRef::new(dtype, rows, cols, &w).unwrap();
+            let x = xs(7 * cols, 1);
+            let mut all = vec![0f32; 7 * rows];
+            crate::matmul(&ThreadPool::new(2), m, &x, 7, &mut all);
+            for t in 0..7 {
+                let mut one = vec![0f32; rows];
+                crate::matmul(&ThreadPool::new(1), m, &x[t * cols..(t + 1) * cols], 1, &mut one);
+                assert!(crate::compare::same_bits(&one, &all[t * rows..(t + 1) * rows]), "{dtype} token {t}");
+            }
+        }
+    }
+}
