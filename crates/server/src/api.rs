@@ -267,9 +267,16 @@ mod tests {
         assert_eq!(p(r#"{"top_p": 0}"#).unwrap_err().param.as_deref(), Some("top_p"));
         assert_eq!(p(r#"{"stop": [1]}"#).unwrap_err().param.as_deref(), Some("stop"));
         assert_eq!(p(r#"{"top_logprobs": 3}"#).unwrap_err().param.as_deref(), Some("top_logprobs"));
-        assert_eq!(p(r#"{"stream_options": {"include_usage": true}}"#).unwrap_err().param.as_deref(), Some("stream_options"));
-        let ok = p(r#"{"max_tokens": 5, "stop": "x", "logprobs": true, "top_logprobs": 2, "seed": 9, "n": 1}"#).unwrap();
-        assert_eq!((ok.max_tokens, ok.stop, ok.logprobs, ok.sampler.seed), (Some(5), vec!["x".to_string()], Some(2), 9));
+        assert_eq!(
+            p(r#"{"stream_options": {"include_usage": true}}"#).unwrap_err().param.as_deref(),
+            Some("stream_options")
+        );
+        let ok =
+            p(r#"{"max_tokens": 5, "stop": "x", "logprobs": true, "top_logprobs": 2, "seed": 9, "n": 1}"#).unwrap();
+        assert_eq!(
+            (ok.max_tokens, ok.stop, ok.logprobs, ok.sampler.seed),
+            (Some(5), vec!["x".to_string()], Some(2), 9)
+        );
         // Completions: logprobs is a count.
         let c = params(&body(r#"{"logprobs": 3}"#).unwrap(), false).unwrap();
         assert_eq!(c.logprobs, Some(3));

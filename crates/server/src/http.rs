@@ -222,6 +222,7 @@ struct Prepared {
     stop_tokens: Vec<u32>,
     stop_texts: Vec<String>,
     tools: bool,
+    literal_tokens: Vec<(u32, String)>,
 }
 
 async fn handle(app: Arc<App>, body: Result<Bytes, BytesRejection>, kind: Kind) -> Result<Response, ApiError> {
@@ -280,22 +281,52 @@ fn prepare(engine: &sluice_runtime::Engine, input: Input, ignore_eos: bool) -> R
             let template = engine.chat_template().map_err(|e| ApiError::invalid("messages", e.to_string()))?;
             let has_tools = tools.is_some();
             let opts = RenderOptions { tools, ..RenderOptions::default() };
-            let prompt = engine.chat_tokens(&messages, &opts).map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+            let prompt =
+                engine.chat_tokens(&messages, &opts).map_err(|e| ApiError::invalid("messages", e.to_string()))?;
             // End-of-turn texts that are not single tokens in this vocabulary stop as text.
-            let stop_texts =
-                template.end_of_turn_texts().into_iter().filter(|t| tok.token_id(t).is_none()).map(String::from).collect();
-            Prepared { prompt, stop_tokens: engine.chat_stop_tokens(), stop_texts, tools: has_tools }
+            let stop_texts = template
+                .end_of_turn_texts()
+                .into_iter()
+                .filter(|t| tok.token_id(t).is_none())
+                .map(String::from)
+                .collect();
+            // Tool-call tags some vocabularies mark as control tokens (dropped when decoding).
+            let literal_tokens = if has_tools {
+                ["<tool_call>", "</tool_call>"]
+                    .iter()
+                    .filter_map(|t| tok.token_id(t).map(|id| (id, t.to_string())))
+                    .filter(|(id, _)| tok.decode(&[*id], true).is_empty())
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            Prepared { prompt, stop_tokens: engine.chat_stop_tokens(), stop_texts, tools: has_tools, literal_tokens }
         }
         Input::Completion(Prompt::Text(s)) => {
             let prompt = engine.encode(&s).map_err(|e| ApiError::invalid("prompt", e.to_string()))?;
-            Prepared { prompt, stop_tokens: engine.eos.clone(), stop_texts: Vec::new(), tools: false }
+            Prepared {
+                prompt,
+                stop_tokens: engine.eos.clone(),
+                stop_texts: Vec::new(),
+                tools: false,
+                literal_tokens: Vec::new(),
+            }
         }
         Input::Completion(Prompt::Tokens(t)) => {
             let vocab = engine.model.cfg.vocab_size;
             if let Some(bad) = t.iter().find(|id| **id as usize >= vocab) {
-                return Err(ApiError::invalid("prompt", format!("token id {bad} is outside the vocabulary of {vocab}")));
+                return Err(ApiError::invalid(
+                    "prompt",
+                    format!("token id {bad} is outside the vocabulary of {vocab}"),
+                ));
             }
-            Prepared { prompt: t, stop_tokens: engine.eos.clone(), stop_texts: Vec::new(), tools: false }
+            Prepared {
+                prompt: t,
+                stop_tokens: engine.eos.clone(),
+                stop_texts: Vec::new(),
+                tools: false,
+                literal_tokens: Vec::new(),
+            }
         }
     };
     Ok(Prepared { stop_tokens: if ignore_eos { Vec::new() } else { p.stop_tokens }, ..p })
@@ -367,6 +398,7 @@ fn make_job(
         stop_tokens: p.stop_tokens.clone(),
         stop_strings: stop,
         logprobs: params.logprobs,
+        literal_tokens: p.literal_tokens.clone(),
         reserve,
         events: tx,
         arrived,
@@ -590,7 +622,8 @@ impl Formatter {
         match self.kind {
             Kind::Chat => {
                 let content = self.content_to_send(&c.text);
-                let logprobs = if self.logprobs { json!({"content": self.chat_logprobs(&c.tokens)}) } else { Value::Null };
+                let logprobs =
+                    if self.logprobs { json!({"content": self.chat_logprobs(&c.tokens)}) } else { Value::Null };
                 if content.is_empty() && (!self.logprobs || c.tokens.is_empty()) {
                     return Vec::new();
                 }
@@ -682,7 +715,14 @@ impl Formatter {
                 })
             }
             Kind::Completion => {
-                let mut me = Formatter { offset: 0, text: String::new(), engine: self.engine.clone(), id: self.id.clone(), model: self.model.clone(), ..*self };
+                let mut me = Formatter {
+                    offset: 0,
+                    text: String::new(),
+                    engine: self.engine.clone(),
+                    id: self.id.clone(),
+                    model: self.model.clone(),
+                    ..*self
+                };
                 let logprobs = if self.logprobs { me.completion_logprobs(tokens) } else { Value::Null };
                 json!({
                     "id": self.id, "object": "text_completion", "created": self.created, "model": self.model,

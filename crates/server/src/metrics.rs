@@ -121,7 +121,11 @@ impl Metrics {
                 "Sequences in each forward pass",
                 vec![1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 48.0, 64.0],
             ),
-            batch_tokens: hist("sluice_batch_tokens", "Tokens in each forward pass", must(exponential_buckets(1.0, 2.0, 12))),
+            batch_tokens: hist(
+                "sluice_batch_tokens",
+                "Tokens in each forward pass",
+                must(exponential_buckets(1.0, 2.0, 12)),
+            ),
             step_seconds: hist("sluice_step_seconds", "Duration of each forward pass and sampling step", secs()),
             queue_depth: gauge("sluice_queue_depth", "Requests waiting to be admitted"),
             active: gauge("sluice_active_requests", "Requests in the running batch"),

@@ -4,10 +4,12 @@
 //!
 //! Attention state can be cut back to any common prefix (`SeqState::truncate`); a recurrent
 //! state cannot, so an entry also keeps a snapshot at the end of its prompt, with that
-//! position's logits: a request can continue from the whole sequence (its prompt extends every
-//! token the state holds), from the snapshot (its prompt extends the old prompt), or, with the
-//! same prompt, sample from the kept logits without running anything. The results are the
-//! same bits as recomputing: a state's contents do not depend on how its tokens were chunked.
+//! position's logits, and snapshots where earlier turns ended (checkpoints): a request can
+//! continue from the whole sequence (its prompt extends every token the state holds), from a
+//! snapshot (its prompt extends the tokens up to it: an earlier prompt, a branch of the
+//! conversation), or, with the same prompt, sample from the kept logits without running
+//! anything. The results are the same bits as recomputing: a state's contents do not depend on
+//! how its tokens were chunked.
 
 use sluice_model::{SeqState, Snapshot};
 
@@ -28,9 +30,14 @@ struct Entry {
     tokens: Vec<u32>,
     state: SeqState,
     prompt_end: Option<PromptEnd>,
+    /// Recurrent states at earlier lengths (where earlier turns ended), oldest first.
+    checkpoints: Vec<Snapshot>,
     bytes: u64,
     used: u64,
 }
+
+/// Most checkpoints kept per sequence.
+pub const MAX_CHECKPOINTS: usize = 4;
 
 /// What a new request continues from.
 pub struct Reuse {
@@ -40,6 +47,8 @@ pub struct Reuse {
     /// The logits after the whole prompt, when the prompt was an earlier one exactly.
     pub logits: Option<Vec<f32>>,
     pub prompt_end: Option<PromptEnd>,
+    /// Snapshots at or before `len` (recurrent state), to keep with the sequence.
+    pub checkpoints: Vec<Snapshot>,
 }
 
 pub struct PrefixCache {
@@ -68,11 +77,23 @@ impl PrefixCache {
     }
 
     /// Keeps a finished sequence's state (`tokens`: what it holds).
-    pub fn insert(&mut self, tokens: Vec<u32>, state: SeqState, prompt_end: Option<PromptEnd>) {
+    pub fn insert(
+        &mut self,
+        tokens: Vec<u32>,
+        state: SeqState,
+        prompt_end: Option<PromptEnd>,
+        mut checkpoints: Vec<Snapshot>,
+    ) {
         if tokens.is_empty() || self.max_entries == 0 || tokens.len() != state.len() {
             return;
         }
-        let bytes = (state.bytes() + 4 * tokens.len()) as u64 + prompt_end.as_ref().map_or(0, |p| p.bytes());
+        checkpoints.retain(|c| c.len() <= tokens.len());
+        if checkpoints.len() > MAX_CHECKPOINTS {
+            checkpoints.drain(..checkpoints.len() - MAX_CHECKPOINTS);
+        }
+        let bytes = (state.bytes() + 4 * tokens.len()) as u64
+            + prompt_end.as_ref().map_or(0, |p| p.bytes())
+            + checkpoints.iter().map(|c| c.bytes() as u64).sum::<u64>();
         if bytes > self.max_bytes {
             return;
         }
@@ -86,7 +107,7 @@ impl PrefixCache {
             }
         }
         self.tick += 1;
-        self.entries.push(Entry { tokens, state, prompt_end, bytes, used: self.tick });
+        self.entries.push(Entry { tokens, state, prompt_end, checkpoints, bytes, used: self.tick });
         self.bytes += bytes;
         self.evict_to(self.max_bytes);
         while self.entries.len() > self.max_entries {
@@ -134,6 +155,11 @@ impl PrefixCache {
                 if let Some(p) = pe_len.filter(|p| *p <= common && *p < n) {
                     cands.push((p, Plan::Snapshot));
                 }
+                for (k, c) in e.checkpoints.iter().enumerate() {
+                    if c.len() <= common && c.len() < n {
+                        cands.push((c.len(), Plan::Checkpoint(k)));
+                    }
+                }
             }
             for (len, plan) in cands {
                 let better = match &best {
@@ -146,7 +172,7 @@ impl PrefixCache {
             }
         }
         let (len, i, plan) = best?;
-        let Entry { mut state, prompt_end, .. } = self.remove(i);
+        let Entry { mut state, prompt_end, mut checkpoints, .. } = self.remove(i);
         let mut logits = None;
         let mut keep_end = None;
         let ok = match plan {
@@ -158,10 +184,23 @@ impl PrefixCache {
                 r
             }
             Plan::Truncate => state.truncate(len).is_ok(),
-            Plan::Whole => true,
-            Plan::Snapshot => prompt_end.is_some_and(|pe| state.restore(&pe.snapshot).is_ok()),
+            Plan::Whole => {
+                checkpoints.extend(prompt_end.map(|p| p.snapshot));
+                true
+            }
+            Plan::Snapshot => prompt_end.is_some_and(|pe| {
+                let r = state.restore(&pe.snapshot).is_ok();
+                checkpoints.push(pe.snapshot);
+                r
+            }),
+            Plan::Checkpoint(k) => state.restore(&checkpoints[k]).is_ok(),
         };
-        (ok && state.len() == len).then_some(Reuse { state, len, logits, prompt_end: keep_end })
+        // Snapshots past the point of return describe tokens the sequence no longer holds.
+        checkpoints.retain(|c| c.len() <= len);
+        checkpoints.sort_by_key(|c| c.len());
+        checkpoints.dedup_by_key(|c| c.len());
+        let checkpoints = if state.has_recurrent() { checkpoints } else { Vec::new() };
+        (ok && state.len() == len).then_some(Reuse { state, len, logits, prompt_end: keep_end, checkpoints })
     }
 }
 
@@ -175,4 +214,6 @@ enum Plan {
     Whole,
     /// Back to the snapshot at the old prompt's end.
     Snapshot,
+    /// Back to an earlier checkpoint.
+    Checkpoint(usize),
 }

@@ -16,6 +16,7 @@ use crate::error::ApiError;
 use crate::metrics::Metrics;
 use crate::prefix::{PrefixCache, PromptEnd};
 use crate::text::{Chunk, OutputText, TokenInfo};
+use sluice_model::Snapshot;
 use sluice_model::{BatchItem, Logits, SeqState};
 use sluice_runtime::{Engine, Sampler, SamplerConfig};
 use std::collections::VecDeque;
@@ -36,6 +37,8 @@ pub struct Job {
     pub stop_tokens: Vec<u32>,
     /// Texts that end the output (not part of it).
     pub stop_strings: Vec<String>,
+    /// Special tokens whose text is part of the output (tool-call tags).
+    pub literal_tokens: Vec<(u32, String)>,
     /// Report log-probabilities with this many top tokens.
     pub logprobs: Option<usize>,
     /// Bytes of sequence state reserved for it while it runs.
@@ -119,6 +122,8 @@ struct Seq {
     /// Logits to sample from without running the model (a prompt seen before).
     ready: Option<Vec<f32>>,
     prompt_end: Option<PromptEnd>,
+    /// Recurrent-state snapshots where earlier turns ended (for the prefix cache).
+    checkpoints: Vec<Snapshot>,
     cached: usize,
     last_token: Option<Instant>,
 }
@@ -270,14 +275,18 @@ impl Scheduler {
             self.shared.queued.fetch_sub(1, Ordering::SeqCst);
             let reuse = self.prefix.take(&job.prompt);
             self.prefix.evict_to(self.cfg.state_budget.saturating_sub(held + job.reserve));
-            let (state, cached, ready, prompt_end) = match reuse {
-                Some(r) => (r.state, r.len, r.logits, r.prompt_end),
-                None => (self.engine.model.new_state(self.cfg.ctx_size), 0, None, None),
+            let (state, cached, ready, prompt_end, mut checkpoints) = match reuse {
+                Some(r) => (r.state, r.len, r.logits, r.prompt_end, r.checkpoints),
+                None => (self.engine.model.new_state(self.cfg.ctx_size), 0, None, None, Vec::new()),
             };
+            // Where this turn continues from is where a branch of the conversation may return.
+            if state.has_recurrent() && cached > 0 && checkpoints.last().is_none_or(|c| c.len() < cached) {
+                checkpoints.push(state.snapshot());
+            }
             self.metrics.prompt_tokens.inc_by(job.prompt.len() as u64);
             self.metrics.reused_prompt_tokens.inc_by(cached as u64);
             let sampler = Sampler::new(job.sampler.clone());
-            let out = OutputText::new(job.stop_strings.clone());
+            let out = OutputText::with_literals(job.stop_strings.clone(), job.literal_tokens.clone());
             self.active.push(Seq {
                 job,
                 state,
@@ -286,6 +295,7 @@ impl Scheduler {
                 generated: Vec::new(),
                 ready,
                 prompt_end,
+                checkpoints,
                 cached,
                 last_token: None,
             });
@@ -469,7 +479,7 @@ impl Scheduler {
 
     /// A sequence leaves the batch: its state goes to the prefix cache.
     fn retire(&mut self, s: Seq) {
-        let Seq { job, state, generated, prompt_end, .. } = s;
+        let Seq { job, state, generated, prompt_end, checkpoints, .. } = s;
         let n = state.len();
         let mut tokens = job.prompt;
         tokens.truncate(n);
@@ -477,7 +487,7 @@ impl Scheduler {
             tokens.extend_from_slice(&generated[..(n - tokens.len()).min(generated.len())]);
         }
         let prompt_end = prompt_end.filter(|p| p.snapshot.len() <= n);
-        self.prefix.insert(tokens, state, prompt_end);
+        self.prefix.insert(tokens, state, prompt_end, checkpoints);
         let room = self.cfg.state_budget.saturating_sub(self.reserved());
         self.prefix.evict_to(room);
     }

@@ -38,11 +38,20 @@ pub struct OutputText {
     /// Where the text of the last released token ends.
     last_end: usize,
     stopped: bool,
+    /// Tokens written out as this text although the tokenizer drops them as special.
+    literals: Vec<(u32, String)>,
 }
 
 impl OutputText {
     pub fn new(stops: Vec<String>) -> OutputText {
+        OutputText::with_literals(stops, Vec::new())
+    }
+
+    /// `new`, with tokens whose text is kept although they are special (`<tool_call>` where
+    /// a vocabulary marks it as a control token).
+    pub fn with_literals(stops: Vec<String>, literals: Vec<(u32, String)>) -> OutputText {
         OutputText {
+            literals,
             stream: TextStream::new(),
             stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
             text: String::new(),
@@ -66,6 +75,9 @@ impl OutputText {
         }
         let delta = self.stream.push(tok, info.id);
         self.text.push_str(&delta);
+        if let Some((_, lit)) = self.literals.iter().find(|(id, _)| *id == info.id) {
+            self.text.push_str(lit);
+        }
         self.pending.push((info, self.text.len()));
         self.release(false)
     }
