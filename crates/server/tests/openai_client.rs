@@ -9,9 +9,9 @@ use sluice_server::ServerOptions;
 use std::path::PathBuf;
 
 fn pylib() -> PathBuf {
-    std::env::var_os("SLUICE_PYLIB").map(PathBuf::from).unwrap_or_else(|| {
-        PathBuf::from(std::env::var_os("HOME").expect("HOME is set")).join(".cache/sluice/pylib")
-    })
+    std::env::var_os("SLUICE_PYLIB")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").expect("HOME is set")).join(".cache/sluice/pylib"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -28,12 +28,7 @@ async fn the_openai_python_client_works() {
         lib.display(),
         String::from_utf8_lossy(&probe.stderr)
     );
-    let o = ServerOptions {
-        api_key: Some("test-key".into()),
-        model_id: "qwen".into(),
-        ctx_size: 1024,
-        ..opts()
-    };
+    let o = ServerOptions { api_key: Some("test-key".into()), model_id: "qwen".into(), ctx_size: 1024, ..opts() };
     let s = start(real_model("qwen2.5-coder-0.5b-q4_k_m.gguf"), o, ExpertOptions::default()).await;
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/openai_client.py");
     let base = s.base.clone();
