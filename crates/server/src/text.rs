@@ -178,7 +178,10 @@ mod tests {
             "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false},
             "decoder": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false},
         });
-        let dir = std::env::temp_dir().join(format!("sluice-text-test-{}", std::process::id()));
+        // A file per call: tests run in parallel.
+        static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let dir = std::env::temp_dir().join(format!("sluice-text-test-{}-{n}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let p = dir.join("tokenizer.json");
         std::fs::write(&p, j.to_string()).unwrap();
