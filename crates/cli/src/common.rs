@@ -63,6 +63,15 @@ pub struct SamplingArgs {
     /// Keep only the k most likely tokens (0: all).
     #[arg(long, default_value_t = 0)]
     pub top_k: usize,
+    /// Drop tokens less likely than this fraction of the most likely one (0: off).
+    #[arg(long, default_value_t = 0.0)]
+    pub min_p: f32,
+    /// Subtracted once from the logit of every token already generated (0: off).
+    #[arg(long, default_value_t = 0.0)]
+    pub presence_penalty: f32,
+    /// Subtracted from a token's logit once per time it was generated (0: off).
+    #[arg(long, default_value_t = 0.0)]
+    pub frequency_penalty: f32,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Do not stop at end-of-sequence tokens.
@@ -79,6 +88,9 @@ impl SamplingArgs {
                 top_p: self.top_p,
                 top_k: self.top_k,
                 seed: self.seed,
+                min_p: self.min_p,
+                presence_penalty: self.presence_penalty,
+                frequency_penalty: self.frequency_penalty,
             },
             ignore_eos: self.ignore_eos,
             ..Default::default()

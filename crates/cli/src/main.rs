@@ -9,6 +9,7 @@ mod cmd_logits;
 mod cmd_pack;
 mod cmd_perplexity;
 mod cmd_run;
+mod cmd_serve;
 mod cmd_synth;
 mod cmd_tokenize;
 mod cmd_trace;
@@ -34,6 +35,8 @@ enum Cmd {
     /// Talk with a model through its chat template: one message per line of standard input,
     /// replies streamed, history kept (/reset, /exit).
     Chat(cmd_chat::Args),
+    /// An OpenAI-compatible HTTP server with continuous batching (and a web page at /).
+    Serve(cmd_serve::Args),
     /// Print float32 logits for every position of a token sequence.
     Logits(cmd_logits::Args),
     /// Describe a model: architecture, dimensions, tensors, bytes of dense weights vs experts.
@@ -61,6 +64,7 @@ fn main() {
         Cmd::Demo(a) => cmd_demo::main(a),
         Cmd::Run(a) => cmd_run::main(a),
         Cmd::Chat(a) => cmd_chat::main(a),
+        Cmd::Serve(a) => cmd_serve::main(a),
         Cmd::Logits(a) => cmd_logits::main(a),
         Cmd::Inspect(a) => cmd_inspect::main(a),
         Cmd::Tokenize(a) => cmd_tokenize::main(a),

@@ -189,6 +189,11 @@ impl Cache {
         }
     }
 
+    /// Keys of the experts resident now (read and ready), in slot order.
+    pub fn resident_keys(&self) -> impl Iterator<Item = Key> + '_ {
+        self.slots.iter().filter(|s| s.state == SlotState::Ready).filter_map(|s| s.key)
+    }
+
     pub fn slot_of(&self, key: Key) -> Option<usize> {
         self.map.get(&key).copied()
     }
@@ -489,6 +494,20 @@ mod tests {
         c.unpin(x);
         c.unpin(y);
         c.check();
+    }
+
+    #[test]
+    fn resident_keys_are_the_ready_slots() {
+        let mut c = Cache::new(3 * 10, 10, Policy::Lru).unwrap();
+        let Lookup::Reserved(a) = c.acquire((1, 4)) else { panic!() };
+        let Lookup::Reserved(b) = c.acquire((0, 2)) else { panic!() };
+        assert_eq!(c.resident_keys().count(), 0, "loading is not resident");
+        c.loaded(a.slot());
+        c.unpin(a);
+        assert_eq!(c.resident_keys().collect::<Vec<_>>(), vec![(1, 4)]);
+        c.failed(b.slot());
+        c.unpin(b);
+        assert_eq!(c.resident_keys().collect::<Vec<_>>(), vec![(1, 4)]);
     }
 
     #[test]

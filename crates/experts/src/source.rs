@@ -428,6 +428,19 @@ impl StreamingExperts {
         self.changed.notify_all();
     }
 
+    /// The experts resident now, per layer (index: layer), each list sorted: what the cache
+    /// holds at this moment, for display. Read-only; takes the bookkeeping lock briefly.
+    pub fn resident_experts(&self) -> Vec<Vec<u32>> {
+        let mut out = vec![Vec::new(); self.layout.experts.len()];
+        for (l, e) in self.book().cache.resident_keys() {
+            if let Some(v) = out.get_mut(l as usize) {
+                v.push(e);
+            }
+        }
+        out.iter_mut().for_each(|v| v.sort_unstable());
+        out
+    }
+
     /// Checks the cache's invariants (tests).
     pub fn check(&self) {
         self.book().cache.check();

@@ -14,4 +14,4 @@ pub use chat::{ChatSession, Turn};
 pub use engine::{Engine, EngineOptions, SourceFormat};
 pub use error::{Result, RuntimeError};
 pub use generate::{generate, generate_cached, prefill, GenerateOptions, Generation, PromptCache, StopReason};
-pub use sampler::{Sampler, SamplerConfig};
+pub use sampler::{Sampled, Sampler, SamplerConfig};

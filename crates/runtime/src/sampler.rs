@@ -1,5 +1,11 @@
-//! Token sampling: greedy, or temperature + top-k + top-p from a seeded generator, so a given
-//! seed always picks the same tokens from the same logits.
+//! Token sampling: greedy, or temperature + top-k + top-p + min-p from a seeded generator, so a
+//! given seed always picks the same tokens from the same logits. Presence and frequency
+//! penalties (OpenAI's definition) lower the logits of tokens this sampler has already picked;
+//! log-probabilities of the pick and of the most likely tokens come from the penalized logits
+//! before temperature (the model's own distribution, as the API reports it).
+//!
+//! A sampler's state is its generator and the counts of the tokens it picked, nothing else: a
+//! sequence sampled with its own sampler gets the same tokens whatever else runs beside it.
 
 /// SplitMix64: tiny, fast, and reproducible across platforms.
 #[derive(Clone, Debug)]
@@ -33,11 +39,25 @@ pub struct SamplerConfig {
     /// Keep the `top_k` most likely tokens (0 = off).
     pub top_k: usize,
     pub seed: u64,
+    /// Drop tokens whose probability is below `min_p` times the most likely one's (0 = off).
+    pub min_p: f32,
+    /// Subtracted once from the logit of every token picked before (0 = off).
+    pub presence_penalty: f32,
+    /// Subtracted from a token's logit once per time it was picked before (0 = off).
+    pub frequency_penalty: f32,
 }
 
 impl Default for SamplerConfig {
     fn default() -> Self {
-        SamplerConfig { temperature: 0.0, top_p: 1.0, top_k: 0, seed: 0 }
+        SamplerConfig {
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 0,
+            seed: 0,
+            min_p: 0.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+        }
     }
 }
 
@@ -49,26 +69,88 @@ impl SamplerConfig {
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return Err(format!("top_p must be in (0, 1], got {}", self.top_p));
         }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return Err(format!("min_p must be in [0, 1], got {}", self.min_p));
+        }
+        for (name, v) in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)] {
+            if !v.is_finite() {
+                return Err(format!("{name} must be a finite number, got {v}"));
+            }
+        }
         Ok(())
     }
+
+    fn penalized(&self) -> bool {
+        self.presence_penalty != 0.0 || self.frequency_penalty != 0.0
+    }
+}
+
+/// A token a sampler picked, with log-probabilities when asked for.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sampled {
+    pub token: u32,
+    /// log p(token) under the penalized logits before temperature (NaN when not asked for).
+    pub logprob: f32,
+    /// The most likely tokens and their log-probabilities, best first (ties: lower id first).
+    pub top: Vec<(u32, f32)>,
 }
 
 pub struct Sampler {
     cfg: SamplerConfig,
     rng: Rng,
+    /// How often each token was picked (kept only when a penalty is set).
+    counts: std::collections::HashMap<u32, u32>,
+    /// The penalized logits of the current step.
+    scratch: Vec<f32>,
 }
 
 impl Sampler {
     pub fn new(cfg: SamplerConfig) -> Sampler {
         let rng = Rng::new(cfg.seed);
-        Sampler { cfg, rng }
+        Sampler { cfg, rng, counts: Default::default(), scratch: Vec::new() }
     }
 
     pub fn is_greedy(&self) -> bool {
         self.cfg.temperature == 0.0
     }
 
+    pub fn config(&self) -> &SamplerConfig {
+        &self.cfg
+    }
+
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        self.sample_full(logits, None).token
+    }
+
+    /// Picks a token from `logits` after the penalties; with `logprobs` = Some(n), also
+    /// reports the pick's log-probability and the `n` most likely tokens'.
+    pub fn sample_full(&mut self, logits: &[f32], logprobs: Option<usize>) -> Sampled {
+        let mut scratch = std::mem::take(&mut self.scratch);
+        let x: &[f32] = if self.cfg.penalized() && !self.counts.is_empty() {
+            scratch.clear();
+            scratch.extend_from_slice(logits);
+            for (&t, &c) in &self.counts {
+                if let Some(v) = scratch.get_mut(t as usize) {
+                    *v -= self.cfg.presence_penalty + c as f32 * self.cfg.frequency_penalty;
+                }
+            }
+            &scratch
+        } else {
+            logits
+        };
+        let token = self.pick(x);
+        let (logprob, top) = match logprobs {
+            Some(n) => log_probs(x, token, n),
+            None => (f32::NAN, Vec::new()),
+        };
+        self.scratch = scratch;
+        if self.cfg.penalized() {
+            *self.counts.entry(token).or_insert(0) += 1;
+        }
+        Sampled { token, logprob, top }
+    }
+
+    fn pick(&mut self, logits: &[f32]) -> u32 {
         if self.is_greedy() {
             return sluice_kernels::ops::argmax(logits) as u32;
         }
@@ -93,6 +175,11 @@ impl Sampler {
                 }
             }
         }
+        if self.cfg.min_p > 0.0 {
+            // p is sorted, best first: keep the head at or above min_p × the best.
+            let floor = p[0] * self.cfg.min_p as f64;
+            keep = p[..keep].iter().take_while(|v| **v >= floor).count().max(1);
+        }
         let total: f64 = p[..keep].iter().sum();
         let mut u = self.rng.next_f64() * total;
         for i in 0..keep {
@@ -103,6 +190,27 @@ impl Sampler {
         }
         idx[keep - 1]
     }
+}
+
+/// log-softmax of `logits` at `token`, and the `n` largest entries (best first, ties by id).
+pub fn log_probs(logits: &[f32], token: u32, n: usize) -> (f32, Vec<(u32, f32)>) {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let lse = max + logits.iter().map(|v| (*v as f64 - max).exp()).sum::<f64>().ln();
+    let lp = |i: u32| (logits[i as usize] as f64 - lse) as f32;
+    let mut top: Vec<u32> = Vec::with_capacity(n + 1);
+    if n > 0 {
+        // One pass keeping the n best in order (n is small).
+        for i in 0..logits.len() as u32 {
+            let better = |a: u32, b: u32| logits[a as usize] > logits[b as usize];
+            if top.len() == n && !better(i, top[n - 1]) {
+                continue;
+            }
+            let at = top.iter().position(|&t| better(i, t)).unwrap_or(top.len());
+            top.insert(at, i);
+            top.truncate(n);
+        }
+    }
+    (lp(token), top.into_iter().map(|t| (t, lp(t))).collect())
 }
 
 #[cfg(test)]
@@ -118,7 +226,7 @@ mod tests {
     #[test]
     fn same_seed_same_tokens_and_top_p_excludes_tail() {
         let logits: Vec<f32> = (0..50).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
-        let cfg = SamplerConfig { temperature: 0.8, top_p: 0.9, top_k: 0, seed: 42 };
+        let cfg = SamplerConfig { temperature: 0.8, top_p: 0.9, top_k: 0, seed: 42, ..Default::default() };
         let a: Vec<u32> = {
             let mut s = Sampler::new(cfg.clone());
             (0..100).map(|_| s.sample(&logits)).collect()
@@ -138,7 +246,7 @@ mod tests {
     fn sampling_follows_the_distribution() {
         // Two tokens with probabilities 0.25 / 0.75 at temperature 1.
         let logits = [0.0f32, (3.0f32).ln()];
-        let mut s = Sampler::new(SamplerConfig { temperature: 1.0, top_p: 1.0, top_k: 0, seed: 7 });
+        let mut s = Sampler::new(SamplerConfig { temperature: 1.0, seed: 7, ..Default::default() });
         let n = 20000;
         let ones = (0..n).filter(|_| s.sample(&logits) == 1).count();
         let frac = ones as f64 / n as f64;
@@ -150,5 +258,54 @@ mod tests {
         assert!(SamplerConfig { temperature: -1.0, ..Default::default() }.validate().is_err());
         assert!(SamplerConfig { top_p: 0.0, ..Default::default() }.validate().is_err());
         assert!(SamplerConfig { top_p: 1.5, ..Default::default() }.validate().is_err());
+        assert!(SamplerConfig { min_p: -0.1, ..Default::default() }.validate().is_err());
+        assert!(SamplerConfig { presence_penalty: f32::NAN, ..Default::default() }.validate().is_err());
+    }
+
+    #[test]
+    fn min_p_drops_unlikely_tokens() {
+        // Probabilities 0.6, 0.3, 0.1 at temperature 1: min_p 0.4 keeps only the first two.
+        let logits = [0.6f32.ln(), 0.3f32.ln(), 0.1f32.ln()];
+        let cfg = SamplerConfig { temperature: 1.0, min_p: 0.4, seed: 3, ..Default::default() };
+        let mut s = Sampler::new(cfg.clone());
+        let picks: Vec<u32> = (0..5000).map(|_| s.sample(&logits)).collect();
+        assert!(!picks.contains(&2));
+        let ones = picks.iter().filter(|t| **t == 1).count() as f64 / 5000.0;
+        assert!((ones - 1.0 / 3.0).abs() < 0.03, "{ones}");
+        // Without min_p the third token shows up.
+        let mut s = Sampler::new(SamplerConfig { min_p: 0.0, ..cfg });
+        assert!((0..5000).any(|_| s.sample(&logits) == 2));
+    }
+
+    #[test]
+    fn penalties_lower_repeated_tokens() {
+        let logits = [1.0f32, 0.9, 0.0];
+        // Greedy with a presence penalty: the best token once, then the runner-up.
+        let mut s = Sampler::new(SamplerConfig { presence_penalty: 0.5, ..Default::default() });
+        assert_eq!((0..3).map(|_| s.sample(&logits)).collect::<Vec<_>>(), vec![0, 1, 0]);
+        // A frequency penalty grows with each use.
+        let mut s = Sampler::new(SamplerConfig { frequency_penalty: 0.06, ..Default::default() });
+        assert_eq!((0..4).map(|_| s.sample(&logits)).collect::<Vec<_>>(), vec![0, 0, 1, 0]);
+        // Unpenalized, greedy repeats.
+        let mut s = Sampler::new(SamplerConfig::default());
+        assert!((0..4).all(|_| s.sample(&logits) == 0));
+    }
+
+    #[test]
+    fn logprobs_are_log_softmax_and_top_is_sorted() {
+        let logits = [2.0f32, 0.5, 2.0, -1.0];
+        let mut s = Sampler::new(SamplerConfig::default());
+        let r = s.sample_full(&logits, Some(3));
+        assert_eq!(r.token, 0);
+        let z: f64 = logits.iter().map(|v| (*v as f64).exp()).sum();
+        assert!((r.logprob as f64 - (2.0 - z.ln())).abs() < 1e-6);
+        assert_eq!(r.top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![0, 2, 1]);
+        assert_eq!(r.top[0].1, r.logprob);
+        // Penalized logits are what the log-probabilities describe.
+        let mut s = Sampler::new(SamplerConfig { presence_penalty: 10.0, ..Default::default() });
+        s.sample(&logits);
+        let r = s.sample_full(&logits, Some(1));
+        assert_eq!(r.token, 2);
+        assert_eq!(r.top[0].0, 2);
     }
 }

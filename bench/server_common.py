@@ -1,0 +1,100 @@
+"""Helpers for the server benchmarks: start a server, stream a completion over HTTP."""
+
+import http.client
+import json
+import os
+import socket
+import subprocess
+import time
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_health(port, proc, timeout=300):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with {proc.returncode}")
+        try:
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            c.request("GET", "/health")
+            if c.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit("the server did not become ready")
+
+
+def start(cmd, port, env=None, log_path=None):
+    log = open(log_path or os.devnull, "w")
+    p = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    wait_health(port, p)
+    return p
+
+
+def rss_bytes(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def stream_completion(port, body, disconnect_after=None, timeout=600):
+    """POSTs a streamed /v1/completions request. Returns (status, text, ttft_s, gaps_s, tokens
+    seen as chunks, disconnected)."""
+    body = dict(body, stream=True)
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    t0 = time.time()
+    c.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    r = c.getresponse()
+    if r.status != 200:
+        return r.status, r.read().decode(errors="replace"), None, [], 0, False
+    text, ttft, gaps, last, chunks, done = "", None, [], None, 0, False
+    buf = b""
+    while True:
+        line = r.readline()
+        if not line:
+            break
+        line = line.strip()
+        if not line.startswith(b"data: "):
+            continue
+        data = line[6:]
+        if data == b"[DONE]":
+            done = True
+            break
+        v = json.loads(data)
+        if "error" in v:
+            return 500, json.dumps(v), ttft, gaps, chunks, False
+        ch = v.get("choices") or []
+        if ch and ch[0].get("text"):
+            now = time.time()
+            if ttft is None:
+                ttft = now - t0
+            else:
+                gaps.append(now - last)
+            last = now
+            text += ch[0]["text"]
+            chunks += 1
+            if disconnect_after is not None and chunks >= disconnect_after:
+                c.sock.shutdown(socket.SHUT_RDWR)
+                c.close()
+                return 200, text, ttft, gaps, chunks, True
+    c.close()
+    if not done:
+        return 599, "stream ended without [DONE]", ttft, gaps, chunks, False
+    del buf
+    return 200, text, ttft, gaps, chunks, False
+
+
+def percentile(xs, q):
+    if not xs:
+        return None
+    xs = sorted(xs)
+    k = min(len(xs) - 1, max(0, int(round(q / 100 * (len(xs) - 1)))))
+    return xs[k]

@@ -1,0 +1,411 @@
+//! `sluice serve` end to end: a server on an ephemeral port with golden checkpoints (and the
+//! real Qwen2.5-Coder GGUF where a slow model is needed), driven over HTTP.
+
+mod common;
+
+use common::*;
+use serde_json::{json, Value};
+use sluice_runtime::placement::{ExpertMode, ExpertOptions};
+use sluice_server::ServerOptions;
+use std::time::{Duration, Instant};
+
+const CHAT: &str = "/v1/chat/completions";
+const COMP: &str = "/v1/completions";
+
+/// Eight requests of different lengths and kinds: chat and completions, streamed and not,
+/// greedy and sampled, all with log-probabilities.
+fn mixed_requests() -> Vec<(&'static str, Value)> {
+    let mut v = Vec::new();
+    for i in 0..8usize {
+        let stream = i % 3 != 0;
+        let temp = if i % 2 == 0 { 0.0 } else { 0.9 };
+        let n = 6 + 9 * i;
+        if i % 2 == 0 {
+            let words = "the quick brown fox ".repeat(1 + i / 2);
+            v.push((
+                COMP,
+                json!({"prompt": format!("{i}: {words}"), "max_tokens": n, "temperature": temp, "seed": 100 + i,
+                       "logprobs": 3, "stream": stream, "ignore_eos": true}),
+            ));
+        } else {
+            v.push((
+                CHAT,
+                json!({"messages": [{"role": "system", "content": "be brief"},
+                                    {"role": "user", "content": format!("question {i}: {}", "why? ".repeat(i))}],
+                       "max_tokens": n, "temperature": temp, "top_p": 0.95, "top_k": 40, "min_p": 0.01, "seed": 7 * i,
+                       "presence_penalty": 0.3, "frequency_penalty": 0.2,
+                       "logprobs": true, "top_logprobs": 2, "stream": stream, "ignore_eos": true}),
+            ));
+        }
+    }
+    v
+}
+
+async fn run_alone(s: &Srv, reqs: &[(&'static str, Value)]) -> Vec<Out> {
+    let mut out = Vec::new();
+    for (p, b) in reqs {
+        out.push(complete(s, p, b).await);
+    }
+    out
+}
+
+async fn run_together(s: &Srv, reqs: &[(&'static str, Value)]) -> Vec<Out> {
+    let futs = reqs.iter().map(|(p, b)| complete(s, p, b));
+    futures_join_all(futs).await
+}
+
+/// Awaits all futures concurrently (on this task), in order.
+async fn futures_join_all<F: std::future::Future>(futs: impl IntoIterator<Item = F>) -> Vec<F::Output> {
+    let handles: Vec<_> = futs.into_iter().map(Box::pin).collect();
+    let mut results: Vec<Option<F::Output>> = handles.iter().map(|_| None).collect();
+    let mut pending: Vec<(usize, std::pin::Pin<Box<F>>)> = handles.into_iter().enumerate().collect();
+    std::future::poll_fn(|cx| {
+        pending.retain_mut(|(i, f)| match f.as_mut().poll(cx) {
+            std::task::Poll::Ready(v) => {
+                results[*i] = Some(v);
+                false
+            }
+            std::task::Poll::Pending => true,
+        });
+        if pending.is_empty() {
+            std::task::Poll::Ready(())
+        } else {
+            std::task::Poll::Pending
+        }
+    })
+    .await;
+    results.into_iter().map(|r| r.expect("every future finished")).collect()
+}
+
+fn with_stream(b: &Value, stream: bool) -> Value {
+    let mut b = b.clone();
+    b["stream"] = json!(stream);
+    if stream {
+        b["stream_options"] = json!({"include_usage": true});
+    } else if let Some(o) = b.as_object_mut() {
+        o.remove("stream_options");
+    }
+    b
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn streamed_text_is_the_non_streamed_text() {
+    let s = start(golden("qwen3_moe"), opts(), resident()).await;
+    for (path, body) in mixed_requests().into_iter().take(4) {
+        let whole = complete(&s, path, &with_stream(&body, false)).await;
+        let streamed = complete(&s, path, &with_stream(&body, true)).await;
+        assert!(!whole.text.is_empty());
+        assert_eq!(whole.text, streamed.text, "{path}");
+        assert_eq!(whole.logprobs, streamed.logprobs, "{path}");
+        assert_eq!(whole.finish, streamed.finish);
+        assert_eq!(whole.logprobs.len() as u64, whole.usage["completion_tokens"].as_u64().unwrap());
+        // include_usage: the last chunk carries the same counts.
+        assert_eq!(whole.usage["completion_tokens"], streamed.usage["completion_tokens"]);
+        assert_eq!(whole.usage["prompt_tokens"], streamed.usage["prompt_tokens"]);
+    }
+    s.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_requests_get_the_bits_they_get_alone() {
+    let s = start(golden("qwen3_moe"), ServerOptions { prefix_cache_bytes: 0, ..opts() }, resident()).await;
+    let reqs = mixed_requests();
+    let alone = run_alone(&s, &reqs).await;
+    let (b0, c0) = (s.metric("sluice_batch_size_sum", &[]).await, s.metric("sluice_batch_size_count", &[]).await);
+    let together = run_together(&s, &reqs).await;
+    let (b1, c1) = (s.metric("sluice_batch_size_sum", &[]).await, s.metric("sluice_batch_size_count", &[]).await);
+    for (i, (a, t)) in alone.iter().zip(&together).enumerate() {
+        assert_eq!(a, t, "request {i} differs when run beside the others");
+        assert!(!a.logprobs.is_empty());
+    }
+    // They did share forward passes.
+    assert!((b1 - b0) / (c1 - c0) > 1.5, "mean batch size {}", (b1 - b0) / (c1 - c0));
+    // Sampled requests with different seeds differ (the samplers are per request).
+    let mut r = reqs[1].1.clone();
+    r["seed"] = json!(12345);
+    let other = complete(&s, CHAT, &with_stream(&r, false)).await;
+    assert_ne!(other.logprobs, alone[1].logprobs);
+    s.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
+    let s = start(golden("qwen3_moe"), ServerOptions { max_body_bytes: 16 << 10, ..opts() }, resident()).await;
+    let check = |status: u16, v: &Value, want: u16, param: Option<&str>| {
+        assert_eq!(status, want, "{v}");
+        let e = &v["error"];
+        assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
+        assert!(e["type"].is_string() && e["code"].is_string(), "{v}");
+        if let Some(p) = param {
+            assert_eq!(e["param"], p, "{v}");
+        }
+    };
+    // Malformed JSON.
+    let r = s.post(CHAT).header("content-type", "application/json").body("{\"messages\": [").send().await.unwrap();
+    let status = r.status().as_u16();
+    check(status, &r.json::<Value>().await.unwrap(), 400, None);
+    // Negative max_tokens, a type error, missing messages, n > 1, bad prompt tokens.
+    let (st, v) = s.post_json(CHAT, &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -5})).await;
+    check(st, &v, 400, Some("max_tokens"));
+    let (st, v) = s.post_json(COMP, &json!({"prompt": "hi", "temperature": "hot"})).await;
+    check(st, &v, 400, Some("temperature"));
+    let (st, v) = s.post_json(CHAT, &json!({"model": "x"})).await;
+    check(st, &v, 400, Some("messages"));
+    let (st, v) = s.post_json(CHAT, &json!({"messages": [{"role": "user", "content": "hi"}], "n": 3})).await;
+    check(st, &v, 400, Some("n"));
+    let (st, v) = s.post_json(COMP, &json!({"prompt": [1, 2, 999999]})).await;
+    check(st, &v, 400, Some("prompt"));
+    let (st, v) = s.post_json(CHAT, &json!({"messages": [{"content": "no role"}]})).await;
+    check(st, &v, 400, Some("messages"));
+    // More than the context: the prompt alone, and prompt + max_tokens.
+    let (st, v) = s.post_json(COMP, &json!({"prompt": "word ".repeat(400)})).await;
+    check(st, &v, 400, Some("prompt"));
+    let (st, v) = s.post_json(COMP, &json!({"prompt": "hi", "max_tokens": 10_000})).await;
+    check(st, &v, 400, Some("max_tokens"));
+    // An oversize body.
+    let big = json!({"prompt": "x".repeat(64 << 10)});
+    let (st, v) = s.post_json(COMP, &big).await;
+    check(st, &v, 413, None);
+    // Unknown endpoint, wrong method.
+    let (st, text) = s.get_text("/v1/nothing").await;
+    check(st, &serde_json::from_str(&text).unwrap(), 404, None);
+    let (st, text) = s.get_text(CHAT).await;
+    check(st, &serde_json::from_str(&text).unwrap(), 405, None);
+    // Still serving.
+    let ok = complete(&s, COMP, &json!({"prompt": "hello", "max_tokens": 4, "ignore_eos": true})).await;
+    assert_eq!(ok.usage["completion_tokens"], 4);
+    assert!(s.metric("sluice_http_requests_total", &["status=\"400\""]).await >= 8.0);
+    s.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn api_key_is_required_on_v1() {
+    let mut s =
+        start(golden("qwen3_moe"), ServerOptions { api_key: Some("sekrit".into()), ..opts() }, resident()).await;
+    let body = json!({"prompt": "hi", "max_tokens": 2});
+    let r = s.client.post(format!("{}{COMP}", s.base)).json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 401);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "invalid_api_key");
+    let r = s.client.post(format!("{}{COMP}", s.base)).bearer_auth("wrong").json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 401);
+    let r = s.client.get(format!("{}/v1/models", s.base)).send().await.unwrap();
+    assert_eq!(r.status(), 401);
+    // /health, /metrics and the page need no key.
+    assert_eq!(s.client.get(format!("{}/health", s.base)).send().await.unwrap().status(), 200);
+    assert_eq!(s.client.get(format!("{}/", s.base)).send().await.unwrap().status(), 200);
+    // The right key works.
+    let (st, v) = s.post_json(COMP, &body).await;
+    assert_eq!(st, 200, "{v}");
+    let (st, models) = s.get_text("/v1/models").await;
+    assert_eq!(st, 200);
+    assert!(models.contains("test-model"));
+    s.key = None;
+    s.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn health_is_503_while_loading_and_requests_wait_for_nothing() {
+    let model = golden("qwen3_moe");
+    let loader: sluice_server::Loader = Box::new(move || {
+        std::thread::sleep(Duration::from_millis(1500));
+        load(model, resident())
+    });
+    let handle = sluice_server::spawn(opts(), loader).unwrap();
+    let base = format!("http://{}", handle.addr);
+    let c = reqwest::Client::new();
+    let r = c.get(format!("{base}/health")).send().await.unwrap();
+    assert_eq!(r.status(), 503);
+    let r = c.post(format!("{base}{COMP}")).json(&json!({"prompt": "hi"})).send().await.unwrap();
+    assert_eq!(r.status(), 503);
+    assert!(r.headers().contains_key("retry-after"));
+    let v: Value = r.json().await.unwrap();
+    assert!(v["error"]["message"].as_str().unwrap().contains("loading"));
+    let s = Srv { handle: Some(handle), base, client: c, key: None };
+    s.wait_ready().await;
+    s.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn queue_limit_and_memory_admission() {
+    // One slot, no queue: a second request while one runs is turned away with 429.
+    let model = real_model("qwen2.5-coder-0.5b-q4_k_m.gguf");
+    let o = ServerOptions { parallel: 1, max_queue: 0, ctx_size: 512, ..opts() };
+    let s = start(model.clone(), o, ExpertOptions::default()).await;
+    let long =
+        json!({"prompt": "def fib(n):", "max_tokens": 200, "ignore_eos": true, "temperature": 0, "stream": true});
+    let r = s.post(COMP).json(&long).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let (st, v) = s.post_json(COMP, &json!({"prompt": "hi", "max_tokens": 2})).await;
+    assert_eq!(st, 429, "{v}");
+    assert_eq!(v["error"]["type"], "rate_limit_error");
+    drop(r);
+    s.shutdown();
+    // Memory for one sequence of 300 positions: a request needing more is a 400 naming
+    // max_tokens; two that fit one at a time run one after the other.
+    let cfg_bytes = |n: usize| {
+        let e = load(model.clone(), ExpertOptions::default()).unwrap();
+        e.model.cfg.state_bytes(n)
+    };
+    let budget = cfg_bytes(300);
+    let o = ServerOptions { parallel: 4, ctx_size: 512, state_memory: Some(budget), prefix_cache_bytes: 0, ..opts() };
+    let s = start(model, o, ExpertOptions::default()).await;
+    let (st, v) = s.post_json(COMP, &json!({"prompt": "hi", "max_tokens": 400})).await;
+    assert_eq!(st, 400, "{v}");
+    assert_eq!(v["error"]["param"], "max_tokens");
+    let b = json!({"prompt": "def add(a, b):", "max_tokens": 150, "ignore_eos": true, "temperature": 0});
+    let alone = complete(&s, COMP, &b).await;
+    let both = futures_join_all([complete(&s, COMP, &b), complete(&s, COMP, &b)]).await;
+    assert_eq!(both[0], alone);
+    assert_eq!(both[1], alone);
+    // They never ran together.
+    assert_eq!(
+        s.metric("sluice_batch_size_bucket", &["le=\"1\""]).await,
+        s.metric("sluice_batch_size_count", &[]).await
+    );
+    s.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_client_that_leaves_frees_its_slot() {
+    // A model slow enough that 400 tokens take seconds; one slot.
+    let o = ServerOptions { parallel: 1, ctx_size: 512, ..opts() };
+    let s = start(real_model("qwen2.5-coder-0.5b-q4_k_m.gguf"), o, ExpertOptions::default()).await;
+    let long = json!({"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": true, "stream": true});
+    let mut r = s.post(COMP).json(&long).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let mut got = 0;
+    while got < 3 {
+        let c = r.chunk().await.unwrap().expect("stream goes on");
+        got += String::from_utf8_lossy(&c).matches("data: ").count();
+    }
+    drop(r); // the client goes away mid-stream
+    let t0 = Instant::now();
+    let next = complete(&s, COMP, &json!({"prompt": "Hello", "max_tokens": 5, "ignore_eos": true})).await;
+    assert_eq!(next.usage["completion_tokens"], 5);
+    assert!(t0.elapsed() < Duration::from_secs(6), "the slot was not freed: {:?}", t0.elapsed());
+    assert!(s.metric("sluice_requests_cancelled_total", &[]).await >= 1.0);
+    // A non-streamed request whose client gives up is cancelled too.
+    let before = s.metric("sluice_requests_cancelled_total", &[]).await;
+    let slow = s.post(COMP).json(&json!({"prompt": "Once", "max_tokens": 400, "ignore_eos": true})).send();
+    let _ = tokio::time::timeout(Duration::from_millis(700), slow).await;
+    let t0 = Instant::now();
+    let next = complete(&s, COMP, &json!({"prompt": "Hi", "max_tokens": 3, "ignore_eos": true})).await;
+    assert_eq!(next.usage["completion_tokens"], 3);
+    assert!(t0.elapsed() < Duration::from_secs(6), "the slot was not freed: {:?}", t0.elapsed());
+    assert!(s.metric("sluice_requests_cancelled_total", &[]).await >= before + 1.0);
+    assert_eq!(s.metric("sluice_active_requests", &[]).await, 0.0);
+    s.shutdown();
+}
+
+/// A chat's turns, run on a server that reuses prefixes and on one that does not.
+async fn prefix_reuse(model: &str) {
+    let with = start(golden(model), opts(), resident()).await;
+    let without = start(golden(model), ServerOptions { prefix_cache_bytes: 0, ..opts() }, resident()).await;
+    let turn = |msgs: &Value| {
+        json!({"messages": msgs, "max_tokens": 12, "temperature": 0.7, "seed": 5, "logprobs": true, "top_logprobs": 2,
+               "ignore_eos": true})
+    };
+    let m1 = json!([{"role": "user", "content": "tell me about the sea"}]);
+    let a1 = complete(&with, CHAT, &turn(&m1)).await;
+    let b1 = complete(&without, CHAT, &turn(&m1)).await;
+    assert_eq!(a1, b1);
+    let m2 = json!([{"role": "user", "content": "tell me about the sea"},
+                    {"role": "assistant", "content": a1.text},
+                    {"role": "user", "content": "and the mountains"}]);
+    // The next turn continues from the first's state; the same prompt again from its end;
+    // a different branch from where it parts.
+    let m3 = json!([{"role": "user", "content": "tell me about the sea"},
+                    {"role": "assistant", "content": a1.text},
+                    {"role": "user", "content": "and rivers"}]);
+    for (i, m) in [&m2, &m2, &m3].into_iter().enumerate() {
+        for stream in [false, true] {
+            let a = complete(&with, CHAT, &with_stream(&turn(m), stream)).await;
+            let b = complete(&without, CHAT, &with_stream(&turn(m), stream)).await;
+            assert_eq!(a.text, b.text, "{model} turn {i}");
+            assert_eq!(a.logprobs, b.logprobs, "{model} turn {i}");
+            let cached = a.usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+            assert!(cached > 0, "{model} turn {i}: nothing reused: {}", a.usage);
+            assert_eq!(b.usage["prompt_tokens_details"]["cached_tokens"], 0);
+            if i == 1 {
+                // The same prompt as before: nothing of it runs again.
+                assert_eq!(a.usage["prompt_tokens_details"]["cached_tokens"], a.usage["prompt_tokens"]);
+            }
+        }
+    }
+    assert!(with.metric("sluice_prompt_tokens_reused_total", &[]).await > 0.0);
+    with.shutdown();
+    without.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn prefix_reuse_gives_the_bits_of_recomputing_attention() {
+    prefix_reuse("qwen3_moe").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn prefix_reuse_gives_the_bits_of_recomputing_recurrent() {
+    prefix_reuse("qwen3_next").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn streaming_experts_through_a_small_cache_gives_the_resident_bits() {
+    let model = golden("qwen3_moe");
+    // The slot size of this model's experts, from a streaming load with room to spare.
+    let probe = load(
+        model.clone(),
+        ExpertOptions { mode: ExpertMode::Stream, cache_bytes: Some(1 << 30), ..Default::default() },
+    )
+    .unwrap();
+    let slot = probe.streaming.as_ref().expect("streams").slot_bytes() as u64;
+    drop(probe);
+    let reqs = mixed_requests();
+    let resident_srv = start(model.clone(), opts(), resident()).await;
+    let want = run_together(&resident_srv, &reqs).await;
+    resident_srv.shutdown();
+    let experts =
+        ExpertOptions { mode: ExpertMode::Stream, cache_bytes: Some(3 * slot), pressure: false, ..Default::default() };
+    let s = start(model, opts(), experts).await;
+    let got = run_together(&s, &reqs).await;
+    for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+        assert_eq!(w, g, "request {i}: streamed through 3 slots differs from resident");
+    }
+    let (_, stats) = s.get_text("/v1/sluice/stats").await;
+    let v: Value = serde_json::from_str(&stats).unwrap();
+    assert_eq!(v["experts"]["streaming"], true);
+    assert!(v["experts"]["misses"].as_u64().unwrap() > 0);
+    assert!(v["experts"]["resident"].as_array().unwrap().iter().flat_map(|l| l.as_array().unwrap()).count() <= 3);
+    assert!(s.metric("sluice_expert_cache_events_total", &["event=\"miss\"", "model=\"test-model\""]).await > 0.0);
+    assert!(s.metric("sluice_expert_cache_bytes", &["kind=\"quota\""]).await > 0.0);
+    s.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn metrics_page_and_stats_are_served() {
+    let s = start(golden("qwen3_moe"), opts(), resident()).await;
+    complete(&s, COMP, &json!({"prompt": "hi", "max_tokens": 3, "ignore_eos": true})).await;
+    let (st, m) = s.get_text("/metrics").await;
+    assert_eq!(st, 200);
+    for name in [
+        "sluice_http_requests_total",
+        "sluice_request_duration_seconds",
+        "sluice_time_to_first_token_seconds",
+        "sluice_generated_tokens_total",
+        "sluice_batch_size",
+        "sluice_queue_depth",
+        "sluice_expert_cache_events_total",
+        "sluice_expert_cache_stall_nanoseconds_total",
+    ] {
+        assert!(m.contains(name), "{name} missing from /metrics");
+    }
+    assert_eq!(s.metric("sluice_generated_tokens_total", &[]).await, 3.0);
+    let (st, page) = s.get_text("/").await;
+    assert_eq!(st, 200);
+    assert!(page.contains("/v1/chat/completions") && page.contains("/v1/sluice/stats"));
+    let (st, stats) = s.get_text("/v1/sluice/stats").await;
+    assert_eq!(st, 200);
+    let v: Value = serde_json::from_str(&stats).unwrap();
+    assert_eq!(v["experts"]["n_layer"], 3);
+    assert!(v["scheduler"]["tokens_generated"].as_u64().unwrap() >= 3);
+    s.shutdown();
+}
