@@ -397,9 +397,33 @@ pub fn quantize_block(dtype: DType, x: &[f32], b: &mut [u8]) {
             }
             b[0..4].copy_from_slice(&(1.0 / iscale).to_le_bytes());
         }
+        DType::MXFP4 => {
+            // The smallest power-of-two scale that brings max|x| within the table's ±12, then
+            // each value to its nearest entry (the first of equals).
+            let a = amax(x);
+            let e = if a > 0.0 { (128.0 + (a as f64 / 12.0).log2().ceil()).clamp(1.0, 254.0) as u8 } else { 127 };
+            let s = e8m0_half(e);
+            b[0] = e;
+            let code = |v: f32| {
+                let m = (v / s).abs();
+                let k = (0..8).min_by(|&i, &j| {
+                    let (di, dj) = ((MXFP4_VALUES[i] as f32 - m).abs(), (MXFP4_VALUES[j] as f32 - m).abs());
+                    di.total_cmp(&dj).then(i.cmp(&j))
+                });
+                let k = k.expect("eight entries") as u8;
+                if v < 0.0 && k != 0 {
+                    k | 8
+                } else {
+                    k
+                }
+            };
+            for j in 0..16 {
+                b[1 + j] = code(x[j]) | (code(x[j + 16]) << 4);
+            }
+        }
         d if super::iq::is_iq(d) => super::iq::quantize(d, x, b),
         other => {
-            // Q2_K, Q3_K, MXFP4: dequantize-only here; a tiny fixed block (all zero codes).
+            // Q2_K, Q3_K: dequantize-only here; a tiny fixed block (all zero codes).
             b.fill(0);
             let _ = other;
         }
@@ -445,6 +469,8 @@ mod tests {
             (DType::Q5_K, 0.1),
             (DType::Q6_K, 0.05),
             (DType::Q8_K, 0.02),
+            // max|x| ≈ 1.97 takes the scale 2^-2 (doubled values up to 8 here, gaps at most 2).
+            (DType::MXFP4, 0.26),
         ] {
             let n = dtype.block_elems();
             let x = wave(n, 0.3);

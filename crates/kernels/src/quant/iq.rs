@@ -381,8 +381,8 @@ fn odd_scales(group_max: &[f32], top: f32, factor: f32, smax: u32) -> (f32, Vec<
     (d, s)
 }
 
-/// Fills in the sign bits of eight values of `x` (bit j: x_j < 0); with `even`, flips the
-/// smallest value's sign if needed so the count of minus signs is even (the 7-bit fields).
+/// The sign bits of eight values of `x` (bit j: x_j < 0); with `even`, the smallest value's
+/// sign flipped where needed so the count of minus signs is even (the 7-bit fields).
 fn sign_bits(x: &[f32], even: bool) -> u8 {
     let mut s = 0u8;
     for (j, v) in x.iter().enumerate() {

@@ -50,16 +50,24 @@ const fn groups(dt: DType) -> usize {
     dt.block_elems() / 32
 }
 
+/// The little-endian u16 at `p`.
+///
+/// # Safety
+///
+/// `p` is valid for reading 2 bytes (callers pass pointers inside a block of the format).
 #[inline(always)]
-fn rd_u16(p: *const u8) -> u32 {
-    // SAFETY: callers pass pointers inside a block of the format at hand.
-    unsafe { (p as *const u16).read_unaligned() as u32 }
+unsafe fn rd_u16(p: *const u8) -> u32 {
+    (p as *const u16).read_unaligned() as u32
 }
 
+/// The little-endian u32 at `p`.
+///
+/// # Safety
+///
+/// `p` is valid for reading 4 bytes (callers pass pointers inside a block of the format).
 #[inline(always)]
-fn rd_u32(p: *const u8) -> u32 {
-    // SAFETY: callers pass pointers inside a block of the format at hand.
-    unsafe { (p as *const u32).read_unaligned() }
+unsafe fn rd_u32(p: *const u8) -> u32 {
+    (p as *const u32).read_unaligned()
 }
 
 /// Byte j of the result is 0xFF where bit j of `m` is set, 0 elsewhere.
