@@ -11,11 +11,15 @@ use std::path::PathBuf;
 #[derive(clap::Args)]
 pub struct Args {
     /// A named real shape: qwen3-30b-a3b, olmoe-1b-7b, qwen3-next-80b-a3b, qwen3.5-35b-a3b,
-    /// tiny-moe, demo-moe. The dimension flags below shrink or change it (e.g. `--layers 12
-    /// --experts 128` for a benchmark that must fit in memory).
+    /// gpt-oss-20b, gpt-oss-120b, glm-4.5-air, deepseek-v3, tiny-moe, demo-moe. The dimension
+    /// flags below shrink or change it (e.g. `--layers 12 --experts 128` for a benchmark that
+    /// must fit in memory); a shrunk shape keeps at least one routed layer after its leading
+    /// dense ones, at most every expert per token and router groups llama.cpp accepts.
+    /// deepseek-v3 is 404 GB at Q4_K_M; for a disk of about 60 GB, `--layers 10` (3 dense and 7
+    /// routed layers of all 256 experts: 51.6 GB) or `--experts 24` (all 61 layers: 47.1 GB).
     #[arg(long)]
     shape: Option<String>,
-    /// Architecture for explicit dims: qwen3moe, olmoe, qwen3next or qwen35moe.
+    /// Architecture for explicit dims: qwen3moe, olmoe, qwen3next, qwen35moe, gpt-oss, glm4moe or deepseek2.
     #[arg(long)]
     arch: Option<String>,
     #[arg(long)]
@@ -37,9 +41,13 @@ pub struct Args {
     /// Vocabulary size (ignored with --tokenizer-from, whose vocabulary decides).
     #[arg(long)]
     vocab: Option<usize>,
-    /// Quantization: q4_k_m (llama.cpp's mix) or one format for every matrix (q4_k, q6_k, q8_0, q4_0, bf16, ...).
-    #[arg(long, default_value = "q4_k_m")]
-    quant: String,
+    /// Quantization: q4_k_m (llama.cpp's mix), mxfp4_moe (MXFP4 experts, Q8_0 elsewhere: the
+    /// published gpt-oss files) or one format for every matrix (q4_k, q6_k, q8_0, q4_0, mxfp4,
+    /// bf16, ...). Default: the shape's own (mxfp4_moe for gpt-oss, q4_k_m otherwise). Where a
+    /// K-quant's 256-value blocks do not divide a tensor's rows, llama.cpp's fallback is written
+    /// (Q4_K → Q5_0, Q5_K → Q5_1, Q6_K → Q8_0).
+    #[arg(long)]
+    quant: Option<String>,
     /// Copy the tokenizer (all `tokenizer.*` metadata) from this GGUF file.
     #[arg(long)]
     tokenizer_from: Option<PathBuf>,
@@ -57,18 +65,20 @@ fn spec_from(a: &Args) -> Result<SynthSpec> {
         (Some(n), _) => SynthSpec::named(n)
             .with_context(|| format!("unknown shape `{n}` (known: {})", SynthSpec::NAMES.join(", ")))?,
         (None, Some(arch)) => {
-            let mut s = match arch.as_str() {
-                "qwen3next" | "qwen35moe" => SynthSpec::named("qwen3-next-80b-a3b").expect("built in"),
-                _ => SynthSpec::named("tiny-moe").expect("built in"),
+            let Some(synth_arch) = SynthArch::from_gguf_name(arch) else {
+                bail!("unknown --arch `{arch}` (qwen3moe, olmoe, qwen3next, qwen35moe, gpt-oss, glm4moe or deepseek2)")
             };
+            // Start from a shape of the family, whose own dimensions the flags then change.
+            let base = match synth_arch {
+                SynthArch::Qwen3Next | SynthArch::Qwen35Moe => "qwen3-next-80b-a3b",
+                SynthArch::GptOss => "gpt-oss-20b",
+                SynthArch::Glm4Moe => "glm-4.5-air",
+                SynthArch::DeepseekV3 => "deepseek-v3",
+                SynthArch::Qwen3Moe | SynthArch::Olmoe => "tiny-moe",
+            };
+            let mut s = SynthSpec::named(base).expect("built in");
             s.name = "custom".into();
-            s.arch = match arch.as_str() {
-                "qwen3moe" => SynthArch::Qwen3Moe,
-                "olmoe" => SynthArch::Olmoe,
-                "qwen3next" => SynthArch::Qwen3Next,
-                "qwen35moe" => SynthArch::Qwen35Moe,
-                o => bail!("unknown --arch `{o}` (qwen3moe, olmoe, qwen3next or qwen35moe)"),
-            };
+            s.arch = synth_arch;
             s
         }
         (None, None) => bail!("give --shape NAME or --arch with explicit dimensions"),
@@ -84,10 +94,16 @@ fn spec_from(a: &Args) -> Result<SynthSpec> {
     set(&mut s.n_head_kv, a.kv_heads);
     set(&mut s.head_dim, a.head_dim);
     set(&mut s.n_expert, a.experts);
-    set(&mut s.n_expert_used, a.experts_used);
     set(&mut s.expert_ff, a.expert_ff);
     set(&mut s.vocab, a.vocab);
-    s.quant = QuantMix::parse(&a.quant).with_context(|| format!("unknown --quant `{}`", a.quant))?;
+    for note in s.conform() {
+        eprintln!("shrunk shape: {note}");
+    }
+    // Given explicitly, experts per token are taken as they are (and validated).
+    set(&mut s.n_expert_used, a.experts_used);
+    if let Some(q) = &a.quant {
+        s.quant = QuantMix::parse(q).with_context(|| format!("unknown --quant `{q}`"))?;
+    }
     s.seed = a.seed;
     Ok(s)
 }
@@ -172,7 +188,8 @@ fn report_entropy(path: &std::path::Path, spec: &SynthSpec, n_tokens: usize, see
     }
     let hmax = (spec.n_expert as f64).log2();
     let mut rel = Vec::new();
-    for counts in &usage.counts {
+    // Dense layers route nothing.
+    for counts in usage.counts.iter().filter(|c| c.iter().any(|n| *n > 0)) {
         let total: u64 = counts.iter().sum();
         let h: f64 = counts
             .iter()
@@ -192,6 +209,6 @@ fn report_entropy(path: &std::path::Path, spec: &SynthSpec, n_tokens: usize, see
         rel.iter().sum::<f64>() / rel.len() as f64
     );
     let line: Vec<String> = rel.iter().map(|r| format!("{r:.3}")).collect();
-    eprintln!("per layer: {}", line.join(" "));
+    eprintln!("per routed layer: {}", line.join(" "));
     Ok(())
 }

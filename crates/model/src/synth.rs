@@ -9,6 +9,10 @@
 //! * layer outputs stay small next to the token embedding, so routing is driven by the token:
 //!   each token's experts are pseudo-random and uniform over the experts (reproducible, and
 //!   pessimistic for a cache).
+//!
+//! Tensors are laid out as llama.cpp's converter writes each architecture (names, GGML shapes,
+//! F32 norms, biases and routers), in the formats its quantizer would choose: where a format's
+//! blocks do not divide a tensor's rows, the quantizer's fallback (`fit_rows`).
 
 use crate::weights::ExpertPart;
 use sluice_formats::gguf::{Array, Value};
@@ -36,6 +40,15 @@ pub enum SynthArch {
     Qwen3Next,
     /// Qwen3.5-MoE: as Qwen3-Next, with separate DeltaNet projections (llama.cpp's layout).
     Qwen35Moe,
+    /// gpt-oss: attention with q/k/v/o biases and sinks, sliding windows on even layers, YaRN;
+    /// a biased router and biased experts in every layer.
+    GptOss,
+    /// GLM-4.5: q/k/v biases, rotary on half of each head, leading dense layers, then
+    /// DeepSeek's router (`SynthGrouped`) and a shared expert.
+    Glm4Moe,
+    /// DeepSeek-V3: multi-head latent attention (`SynthMla`) in every layer, DeepSeek's
+    /// router (`SynthGrouped`), leading dense layers.
+    DeepseekV3,
 }
 
 impl SynthArch {
@@ -45,11 +58,42 @@ impl SynthArch {
             SynthArch::Olmoe => "olmoe",
             SynthArch::Qwen3Next => "qwen3next",
             SynthArch::Qwen35Moe => "qwen35moe",
+            SynthArch::GptOss => "gpt-oss",
+            SynthArch::Glm4Moe => "glm4moe",
+            SynthArch::DeepseekV3 => "deepseek2",
         }
+    }
+
+    /// The architecture with GGUF name `name`.
+    pub fn from_gguf_name(name: &str) -> Option<SynthArch> {
+        [
+            SynthArch::Qwen3Moe,
+            SynthArch::Olmoe,
+            SynthArch::Qwen3Next,
+            SynthArch::Qwen35Moe,
+            SynthArch::GptOss,
+            SynthArch::Glm4Moe,
+            SynthArch::DeepseekV3,
+        ]
+        .into_iter()
+        .find(|a| a.gguf_name() == name)
     }
 
     pub fn is_hybrid(self) -> bool {
         matches!(self, SynthArch::Qwen3Next | SynthArch::Qwen35Moe)
+    }
+
+    /// Whether routing is DeepSeek's (leading dense layers, grouped router, shared experts).
+    pub fn is_grouped(self) -> bool {
+        matches!(self, SynthArch::Glm4Moe | SynthArch::DeepseekV3)
+    }
+
+    /// RMSNorm ε of the published models.
+    fn rms_eps(self) -> f32 {
+        match self {
+            SynthArch::GptOss | SynthArch::Glm4Moe => 1e-5,
+            _ => 1e-6,
+        }
     }
 }
 
@@ -69,12 +113,41 @@ pub struct SynthDelta {
     pub shared_ff: usize,
 }
 
+/// DeepSeek-style routing (DeepSeek-V3, GLM-4.5): the first `dense_layers` layers have a dense
+/// FFN; the others a sigmoid router with a selection-only bias choosing within the best
+/// `topk_group` of `n_group` expert groups, weights normalized and scaled, plus shared experts.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SynthGrouped {
+    pub dense_layers: usize,
+    /// Width of the dense layers' FFN.
+    pub dense_ff: usize,
+    /// Shared experts, each as wide as a routed one.
+    pub n_shared: usize,
+    pub n_group: usize,
+    pub topk_group: usize,
+    /// The routed experts' weights are multiplied by this (`routed_scaling_factor`).
+    pub scale: f32,
+}
+
+/// Multi-head latent attention (DeepSeek-V3). The spec's `head_dim` is a query/key head's
+/// size (`qk_nope + qk_rope`) and `n_head_kv` is 1: every head attends over one latent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SynthMla {
+    pub q_lora_rank: usize,
+    pub kv_lora_rank: usize,
+    /// The rotated part of each query/key head (the rest, `head_dim − qk_rope`, is not).
+    pub qk_rope: usize,
+    pub v_head: usize,
+}
+
 /// How tensors are quantized.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum QuantMix {
     /// llama.cpp's Q4_K_M recipe: Q4_K, with Q6_K for the output, and for attn_v and
     /// ffn_down in the layers that recipe favours.
     Q4KM,
+    /// The published gpt-oss files: routed experts in MXFP4, every other matrix in Q8_0.
+    Mxfp4Moe,
     /// Every matrix in one format.
     Uniform(DType),
 }
@@ -84,14 +157,33 @@ impl QuantMix {
         if s.eq_ignore_ascii_case("q4_k_m") {
             return Some(QuantMix::Q4KM);
         }
+        if s.eq_ignore_ascii_case("mxfp4_moe") {
+            return Some(QuantMix::Mxfp4Moe);
+        }
         DType::from_name(s).filter(|d| *d != DType::Q8_K).map(QuantMix::Uniform)
     }
 
     pub fn name(self) -> String {
         match self {
             QuantMix::Q4KM => "Q4_K_M".into(),
+            QuantMix::Mxfp4Moe => "MXFP4_MOE".into(),
             QuantMix::Uniform(d) => d.name().into(),
         }
+    }
+}
+
+/// The format llama.cpp's quantizer writes where rows of `ne0` elements are not whole blocks
+/// of `d`: Q4_K → Q5_0, Q5_K → Q5_1, Q6_K → Q8_0 (formats of 32-element blocks). Other
+/// formats are kept (and `SynthSpec::validate` rejects what does not fit).
+pub fn fit_rows(d: DType, ne0: u64) -> DType {
+    if ne0.is_multiple_of(d.block_elems() as u64) {
+        return d;
+    }
+    match d {
+        DType::Q4_K => DType::Q5_0,
+        DType::Q5_K => DType::Q5_1,
+        DType::Q6_K => DType::Q8_0,
+        other => other,
     }
 }
 
@@ -114,6 +206,22 @@ pub struct SynthSpec {
     pub seed: u64,
     /// Hybrid shapes: the DeltaNet layers' dimensions.
     pub delta: Option<SynthDelta>,
+    /// DeepSeek-style routing (GLM-4.5, DeepSeek-V3).
+    pub grouped: Option<SynthGrouped>,
+    /// Latent attention (DeepSeek-V3).
+    pub mla: Option<SynthMla>,
+}
+
+/// gpt-oss's fixed settings: the sliding window of its even layers and its YaRN stretch.
+const GPT_OSS_WINDOW: usize = 128;
+const GPT_OSS_YARN: Yarn = Yarn { factor: 32.0, original: 4096, log_multiplier: None };
+/// DeepSeek-V3's YaRN (mscale_all_dim 1: the converter's log multiplier 0.1).
+const DEEPSEEK_YARN: Yarn = Yarn { factor: 40.0, original: 4096, log_multiplier: Some(0.1) };
+
+struct Yarn {
+    factor: f32,
+    original: usize,
+    log_multiplier: Option<f32>,
 }
 
 impl SynthSpec {
@@ -136,6 +244,8 @@ impl SynthSpec {
             quant: QuantMix::Q4KM,
             seed: 1,
             delta: None,
+            grouped: None,
+            mla: None,
         };
         let next = SynthSpec {
             arch: SynthArch::Qwen3Next,
@@ -159,6 +269,23 @@ impl SynthSpec {
                 rotary_dim: 64,
                 shared_ff: 512,
             }),
+            ..base.clone()
+        };
+        // gpt-oss-20b's published config (experts in MXFP4, the rest as ggml-org's GGUFs).
+        let oss = SynthSpec {
+            arch: SynthArch::GptOss,
+            n_layer: 24,
+            hidden: 2880,
+            n_head: 64,
+            n_head_kv: 8,
+            head_dim: 64,
+            n_expert: 32,
+            n_expert_used: 4,
+            expert_ff: 2880,
+            vocab: 201_088,
+            context: 131_072,
+            rope_theta: 150_000.0,
+            quant: QuantMix::Mxfp4Moe,
             ..base.clone()
         };
         Some(match name {
@@ -215,16 +342,114 @@ impl SynthSpec {
                 vocab: 248_320,
                 ..next
             },
+            "gpt-oss-20b" => oss,
+            "gpt-oss-120b" => SynthSpec { n_layer: 36, n_expert: 128, ..oss },
+            // GLM-4.5-Air without its multi-token-prediction layer.
+            "glm-4.5-air" => SynthSpec {
+                arch: SynthArch::Glm4Moe,
+                n_layer: 46,
+                hidden: 4096,
+                n_head: 96,
+                n_head_kv: 8,
+                head_dim: 128,
+                n_expert: 128,
+                n_expert_used: 8,
+                expert_ff: 1408,
+                vocab: 151_552,
+                context: 131_072,
+                rope_theta: 1_000_000.0,
+                grouped: Some(SynthGrouped {
+                    dense_layers: 1,
+                    dense_ff: 10_944,
+                    n_shared: 1,
+                    n_group: 1,
+                    topk_group: 1,
+                    scale: 1.0,
+                }),
+                ..base
+            },
+            // DeepSeek-V3 (671B) as llama.cpp converts it (no multi-token-prediction layer).
+            "deepseek-v3" => SynthSpec {
+                arch: SynthArch::DeepseekV3,
+                n_layer: 61,
+                hidden: 7168,
+                n_head: 128,
+                n_head_kv: 1,
+                head_dim: 192,
+                n_expert: 256,
+                n_expert_used: 8,
+                expert_ff: 2048,
+                vocab: 129_280,
+                context: 163_840,
+                rope_theta: 10_000.0,
+                grouped: Some(SynthGrouped {
+                    dense_layers: 3,
+                    dense_ff: 18_432,
+                    n_shared: 1,
+                    n_group: 8,
+                    topk_group: 4,
+                    scale: 2.5,
+                }),
+                mla: Some(SynthMla { q_lora_rank: 1536, kv_lora_rank: 512, qk_rope: 64, v_head: 128 }),
+                ..base
+            },
             _ => return None,
         })
     }
 
-    pub const NAMES: [&'static str; 6] =
-        ["qwen3-30b-a3b", "olmoe-1b-7b", "tiny-moe", "demo-moe", "qwen3-next-80b-a3b", "qwen3.5-35b-a3b"];
+    pub const NAMES: [&'static str; 10] = [
+        "qwen3-30b-a3b",
+        "olmoe-1b-7b",
+        "tiny-moe",
+        "demo-moe",
+        "qwen3-next-80b-a3b",
+        "qwen3.5-35b-a3b",
+        "gpt-oss-20b",
+        "gpt-oss-120b",
+        "glm-4.5-air",
+        "deepseek-v3",
+    ];
 
     /// Whether layer `l` is a Gated DeltaNet layer (hybrid shapes).
     pub fn is_delta_layer(&self, l: usize) -> bool {
         self.delta.is_some_and(|d| !(l + 1).is_multiple_of(d.full_every))
+    }
+
+    /// Whether layer `l` has a dense FFN instead of routed experts.
+    pub fn is_dense_layer(&self, l: usize) -> bool {
+        self.grouped.is_some_and(|g| l < g.dense_layers)
+    }
+
+    /// Fits the family's structure to dimensions changed after `named` (the `--layers` and
+    /// `--experts` shrinks): leading dense layers leave at least one routed layer, a token uses
+    /// at most every expert, and the router's groups stay ones llama.cpp accepts (groups
+    /// dividing the experts, fewer groups than experts, `0 < topk_group < n_group`, and enough
+    /// experts in the chosen groups for a token's top k) — otherwise a single group. Returns
+    /// a line for each change.
+    pub fn conform(&mut self) -> Vec<String> {
+        let mut notes = Vec::new();
+        if self.n_expert > 0 && self.n_expert_used > self.n_expert {
+            notes.push(format!("experts per token {} → {}", self.n_expert_used, self.n_expert));
+            self.n_expert_used = self.n_expert;
+        }
+        let (ne, used, n_layer) = (self.n_expert, self.n_expert_used, self.n_layer);
+        if let Some(g) = &mut self.grouped {
+            let dense = g.dense_layers.min(n_layer.saturating_sub(1));
+            if dense != g.dense_layers {
+                notes.push(format!("leading dense layers {} → {dense}", g.dense_layers));
+                g.dense_layers = dense;
+            }
+            if g.n_group > 1 && !groups_fit(ne, used, g.n_group, g.topk_group) {
+                let (n, k) = (2..=g.n_group)
+                    .rev()
+                    .find_map(|n| (g.topk_group.min(n - 1)..n).find(|k| groups_fit(ne, used, n, *k)).map(|k| (n, k)))
+                    .unwrap_or((1, 1));
+                notes.push(format!("router groups {} (top {}) → {n} (top {k})", g.n_group, g.topk_group));
+                g.n_group = n;
+                g.topk_group = k;
+            }
+        }
+        notes
     }
 
     pub fn validate(&self) -> Result<(), String> {
@@ -244,6 +469,15 @@ impl SynthSpec {
         if self.arch.is_hybrid() != self.delta.is_some() {
             return Err("the hybrid architectures (and only they) need DeltaNet dimensions".into());
         }
+        if self.arch.is_grouped() != self.grouped.is_some() {
+            return Err("glm4moe and deepseek2 (and only they) need DeepSeek-style routing dimensions".into());
+        }
+        if (self.arch == SynthArch::DeepseekV3) != self.mla.is_some() {
+            return Err("deepseek2 (and only it) needs latent-attention dimensions".into());
+        }
+        if !self.head_dim.is_multiple_of(2) || (self.arch == SynthArch::Glm4Moe && !self.head_dim.is_multiple_of(4)) {
+            return Err(format!("head_dim {} leaves no whole rotary pairs", self.head_dim));
+        }
         if let Some(d) = &self.delta {
             if [d.n_k_heads, d.n_v_heads, d.head_dim, d.conv_kernel, d.full_every, d.shared_ff].contains(&0) {
                 return Err("every DeltaNet dimension must be positive".into());
@@ -258,15 +492,83 @@ impl SynthSpec {
                 return Err("the DeltaNet value width and the shared expert width must be multiples of 256".into());
             }
         }
-        for (what, n) in
-            [("hidden", self.hidden), ("expert FFN", self.expert_ff), ("heads × head_dim", self.n_head * self.head_dim)]
-        {
-            if !n.is_multiple_of(256) {
-                return Err(format!("{what} size {n} must be a multiple of 256 (whole K-quant blocks)"));
+        if let Some(g) = &self.grouped {
+            if g.dense_layers >= self.n_layer {
+                return Err(format!("{} leading dense layers leave none of {} routed", g.dense_layers, self.n_layer));
+            }
+            if g.dense_ff == 0 || g.n_shared == 0 || g.n_group == 0 || !(g.scale.is_finite() && g.scale > 0.0) {
+                return Err("the dense width, shared experts, router groups and scale must be positive".into());
+            }
+            if g.n_group == 1 && g.topk_group != 1 {
+                return Err("one router group means topk_group 1".into());
+            }
+            if g.n_group > 1 && !groups_fit(self.n_expert, self.n_expert_used, g.n_group, g.topk_group) {
+                return Err(format!(
+                    "{} router groups (top {}) do not fit {} experts top-{}: llama.cpp needs groups dividing the experts, fewer groups than experts and 0 < topk_group < groups, and the chosen groups must hold the top k",
+                    g.n_group, g.topk_group, self.n_expert, self.n_expert_used
+                ));
+            }
+        }
+        if let Some(m) = &self.mla {
+            if m.q_lora_rank == 0 || m.kv_lora_rank == 0 || m.v_head == 0 {
+                return Err("every latent-attention dimension must be positive".into());
+            }
+            if m.qk_rope == 0 || !m.qk_rope.is_multiple_of(2) || m.qk_rope >= self.head_dim {
+                return Err(format!(
+                    "rotary part {} does not fit head_dim {} with a non-rotary part",
+                    m.qk_rope, self.head_dim
+                ));
+            }
+            if self.n_head_kv != 1 {
+                return Err("latent attention has one KV head".into());
+            }
+        }
+        if self.arch == SynthArch::GptOss && self.n_head_kv > self.n_head {
+            return Err("more KV heads than heads".into());
+        }
+        for t in plan(self) {
+            if !WRITABLE.contains(&t.dtype) {
+                return Err(format!("tensor {}: random {} blocks cannot be written", t.name, t.dtype.name()));
+            }
+            let be = t.dtype.block_elems() as u64;
+            if !t.dims[0].is_multiple_of(be) {
+                return Err(format!(
+                    "tensor {}: rows of {} values are not whole {} blocks of {be}",
+                    t.name,
+                    t.dims[0],
+                    t.dtype.name()
+                ));
             }
         }
         Ok(())
     }
+}
+
+/// The formats `fill_rows` makes random blocks of.
+const WRITABLE: [DType; 12] = [
+    DType::F32,
+    DType::F16,
+    DType::BF16,
+    DType::Q4_0,
+    DType::Q4_1,
+    DType::Q5_0,
+    DType::Q5_1,
+    DType::Q8_0,
+    DType::Q4_K,
+    DType::Q5_K,
+    DType::Q6_K,
+    DType::MXFP4,
+];
+
+/// Whether `n_group` router groups choosing `topk_group` of them suit `n_expert` experts with
+/// top-`used` routing, as llama.cpp requires (and with room for the top k in the chosen groups).
+fn groups_fit(n_expert: usize, used: usize, n_group: usize, topk_group: usize) -> bool {
+    n_group > 1
+        && n_group < n_expert
+        && n_expert.is_multiple_of(n_group)
+        && topk_group > 0
+        && topk_group < n_group
+        && topk_group * (n_expert / n_group) >= used
 }
 
 /// What a tensor is, which decides its values.
@@ -278,6 +580,7 @@ pub enum Role {
     Embedding,
     Output,
     Router,
+    /// Random zero-mean values of the tensor's `sigma` (matrices, and biases and sinks).
     Matrix,
 }
 
@@ -302,24 +605,31 @@ fn use_more_bits(i: usize, n: usize) -> bool {
     i < n / 8 || i >= 7 * n / 8 || (i as i64 - (n / 8) as i64).rem_euclid(3) == 2
 }
 
+/// The format of a matrix: `role` names it for the Q4_K_M recipe, `expert` says whether it
+/// holds routed experts, `ne0` is its row length.
+fn matrix_dtype(s: &SynthSpec, layer: Option<usize>, role: &str, expert: bool, ne0: u64) -> DType {
+    let d = match s.quant {
+        QuantMix::Uniform(d) => d,
+        QuantMix::Mxfp4Moe if expert => DType::MXFP4,
+        QuantMix::Mxfp4Moe => DType::Q8_0,
+        QuantMix::Q4KM => match (role, layer) {
+            ("output", _) => DType::Q6_K,
+            ("attn_v" | "ffn_down", Some(i)) if use_more_bits(i, s.n_layer) => DType::Q6_K,
+            _ => DType::Q4_K,
+        },
+    };
+    fit_rows(d, ne0)
+}
+
 /// Every tensor of the model, in file order.
 pub fn plan(s: &SynthSpec) -> Vec<TensorPlan> {
     let (h, qd, kvd) = (s.hidden as u64, (s.n_head * s.head_dim) as u64, (s.n_head_kv * s.head_dim) as u64);
     let w_sigma = 0.5 / (s.hidden as f32).sqrt();
-    let mat = |layer: Option<usize>, role: &str| -> DType {
-        match s.quant {
-            QuantMix::Uniform(d) => d,
-            QuantMix::Q4KM => match (role, layer) {
-                ("output", _) => DType::Q6_K,
-                ("attn_v" | "ffn_down", Some(i)) if use_more_bits(i, s.n_layer) => DType::Q6_K,
-                _ => DType::Q4_K,
-            },
-        }
-    };
+    let mat = |layer: Option<usize>, role: &str, ne0: u64| matrix_dtype(s, layer, role, false, ne0);
     let mut v = vec![TensorPlan {
         name: "token_embd.weight".into(),
         dims: vec![h, s.vocab as u64],
-        dtype: mat(None, "embd"),
+        dtype: mat(None, "embd", h),
         role: Role::Embedding,
         sigma: 1.0,
     }];
@@ -327,19 +637,23 @@ pub fn plan(s: &SynthSpec) -> Vec<TensorPlan> {
     for l in 0..s.n_layer {
         let b = |n: &str| format!("blk.{l}.{n}");
         v.push(t(b("attn_norm.weight"), vec![h], DType::F32, Role::Norm, 0.0));
+        if matches!(s.arch, SynthArch::GptOss | SynthArch::Glm4Moe | SynthArch::DeepseekV3) {
+            grouped_or_oss_layer(s, l, &mut v);
+            continue;
+        }
         if s.is_delta_layer(l) {
-            delta_tensors(s, l, &mut v, &|role| mat(Some(l), role), w_sigma);
+            delta_tensors(s, l, &mut v, &|role, ne0| mat(Some(l), role, ne0), w_sigma);
         } else {
             // Hybrids gate the attention output: each head's q projection is [q | gate].
             let q_rows = if s.arch.is_hybrid() { 2 * qd } else { qd };
-            v.push(t(b("attn_q.weight"), vec![h, q_rows], mat(Some(l), "attn_q"), Role::Matrix, w_sigma));
-            v.push(t(b("attn_k.weight"), vec![h, kvd], mat(Some(l), "attn_k"), Role::Matrix, w_sigma));
-            v.push(t(b("attn_v.weight"), vec![h, kvd], mat(Some(l), "attn_v"), Role::Matrix, w_sigma));
+            v.push(t(b("attn_q.weight"), vec![h, q_rows], mat(Some(l), "attn_q", h), Role::Matrix, w_sigma));
+            v.push(t(b("attn_k.weight"), vec![h, kvd], mat(Some(l), "attn_k", h), Role::Matrix, w_sigma));
+            v.push(t(b("attn_v.weight"), vec![h, kvd], mat(Some(l), "attn_v", h), Role::Matrix, w_sigma));
             // Attention averages over the same context for every position; at full weight its
             // share of the residual grows with depth until late layers route most tokens alike
             // (measured: expert-usage entropy fell to 0.71 of uniform by layer 48). A quarter
             // keeps routing driven by the token at every depth (≥ 0.99 of uniform).
-            v.push(t(b("attn_output.weight"), vec![qd, h], mat(Some(l), "attn_o"), Role::Matrix, w_sigma * 0.25));
+            v.push(t(b("attn_output.weight"), vec![qd, h], mat(Some(l), "attn_o", qd), Role::Matrix, w_sigma * 0.25));
             let (qn, kn) = match s.arch {
                 SynthArch::Olmoe => (qd, kvd),
                 _ => (s.head_dim as u64, s.head_dim as u64),
@@ -358,9 +672,10 @@ pub fn plan(s: &SynthSpec) -> Vec<TensorPlan> {
                 Role::Router,
                 1.0 / (s.hidden as f32).sqrt(),
             ));
-            v.push(t(b("ffn_gate_shexp.weight"), vec![h, sf], mat(Some(l), "ffn_gate"), Role::Matrix, w_sigma));
-            v.push(t(b("ffn_up_shexp.weight"), vec![h, sf], mat(Some(l), "ffn_gate"), Role::Matrix, w_sigma));
-            v.push(t(b("ffn_down_shexp.weight"), vec![sf, h], mat(Some(l), "ffn_down"), Role::Matrix, w_sigma));
+            v.push(t(b("ffn_gate_shexp.weight"), vec![h, sf], mat(Some(l), "ffn_gate", h), Role::Matrix, w_sigma));
+            v.push(t(b("ffn_up_shexp.weight"), vec![h, sf], mat(Some(l), "ffn_gate", h), Role::Matrix, w_sigma));
+            let down = matrix_dtype(s, Some(l), "ffn_down", false, sf);
+            v.push(t(b("ffn_down_shexp.weight"), vec![sf, h], down, Role::Matrix, w_sigma));
         }
         if s.delta.is_none() {
             v.push(t(b("ffn_norm.weight"), vec![h], DType::F32, Role::Norm, 0.0));
@@ -372,21 +687,13 @@ pub fn plan(s: &SynthSpec) -> Vec<TensorPlan> {
             Role::Router,
             2.0 / (s.hidden as f32).sqrt(),
         ));
-        let (ff, e) = (s.expert_ff as u64, s.n_expert as u64);
-        for part in ExpertPart::ALL {
-            let name = crate::families::gguf_names::experts(part, l);
-            let (dims, role) = match part {
-                ExpertPart::Down => (vec![ff, h, e], "ffn_down"),
-                _ => (vec![h, ff, e], "ffn_gate"),
-            };
-            v.push(t(name, dims, mat(Some(l), role), Role::Matrix, w_sigma));
-        }
+        expert_tensors(s, l, &mut v, w_sigma);
     }
     v.push(t("output_norm.weight".into(), vec![h], DType::F32, Role::Norm, 0.0));
     v.push(t(
         "output.weight".into(),
         vec![h, s.vocab as u64],
-        mat(None, "output"),
+        mat(None, "output", h),
         Role::Output,
         2.0 / (s.hidden as f32).sqrt(),
     ));
@@ -394,15 +701,123 @@ pub fn plan(s: &SynthSpec) -> Vec<TensorPlan> {
     v
 }
 
+/// Layer `l`'s stacked routed experts (`ffn_{gate,up,down}_exps`).
+fn expert_tensors(s: &SynthSpec, l: usize, v: &mut Vec<TensorPlan>, w_sigma: f32) {
+    let (h, ff, e) = (s.hidden as u64, s.expert_ff as u64, s.n_expert as u64);
+    for part in ExpertPart::ALL {
+        let name = crate::families::gguf_names::experts(part, l);
+        let (dims, role) = match part {
+            ExpertPart::Down => (vec![ff, h, e], "ffn_down"),
+            _ => (vec![h, ff, e], "ffn_gate"),
+        };
+        let dtype = matrix_dtype(s, Some(l), role, true, dims[0]);
+        v.push(TensorPlan { name, dims, dtype, role: Role::Matrix, sigma: w_sigma });
+    }
+}
+
+/// A layer after its `attn_norm` in the gpt-oss, GLM-4.5 and DeepSeek-V3 layouts of llama.cpp's
+/// converter (gpt-oss and GLM file the pre-FFN norm as `post_attention_norm`).
+fn grouped_or_oss_layer(s: &SynthSpec, l: usize, v: &mut Vec<TensorPlan>) {
+    let (h, hd) = (s.hidden as u64, s.head_dim as u64);
+    let (qd, kvd) = (s.n_head as u64 * hd, s.n_head_kv as u64 * hd);
+    let w_sigma = 0.5 / (s.hidden as f32).sqrt();
+    // Biases small beside the products they are added to; the router's and the selection
+    // bias small enough to leave routing uniform.
+    let bias_sigma = w_sigma;
+    let b = |n: &str| format!("blk.{l}.{n}");
+    let mat = |name: &str, dims: Vec<u64>, role: &str, sigma: f32| {
+        let dtype = matrix_dtype(s, Some(l), role, false, dims[0]);
+        TensorPlan { name: b(name), dims, dtype, role: Role::Matrix, sigma }
+    };
+    let f32v = |name: &str, dims: Vec<u64>, role: Role, sigma: f32| TensorPlan {
+        name: b(name),
+        dims,
+        dtype: DType::F32,
+        role,
+        sigma,
+    };
+    match (s.arch, s.mla) {
+        (SynthArch::DeepseekV3, Some(m)) => {
+            let (qr, r, dr, dv) = (m.q_lora_rank as u64, m.kv_lora_rank as u64, m.qk_rope as u64, m.v_head as u64);
+            let (dn, nh) = (hd - dr, s.n_head as u64);
+            let fan = |n: u64| 0.5 / (n as f32).sqrt();
+            v.push(mat("attn_q_a.weight", vec![h, qr], "attn_q", w_sigma));
+            v.push(f32v("attn_q_a_norm.weight", vec![qr], Role::Norm, 0.0));
+            v.push(mat("attn_q_b.weight", vec![qr, qd], "attn_q", fan(qr)));
+            v.push(mat("attn_kv_a_mqa.weight", vec![h, r + dr], "attn_k", w_sigma));
+            v.push(f32v("attn_kv_a_norm.weight", vec![r], Role::Norm, 0.0));
+            // Per head W_UKᵀ (rank rows of nope values) and W_UV (v_head rows of rank values).
+            v.push(mat("attn_k_b.weight", vec![dn, r, nh], "attn_k", fan(dn)));
+            v.push(mat("attn_v_b.weight", vec![r, dv, nh], "attn_v_b", fan(r)));
+            // A quarter weight, as for the other families' attention output.
+            v.push(mat("attn_output.weight", vec![nh * dv, h], "attn_o", w_sigma * 0.25));
+            v.push(f32v("ffn_norm.weight", vec![h], Role::Norm, 0.0));
+        }
+        _ => {
+            let oss = s.arch == SynthArch::GptOss;
+            v.push(mat("attn_q.weight", vec![h, qd], "attn_q", w_sigma));
+            v.push(f32v("attn_q.bias", vec![qd], Role::Matrix, bias_sigma));
+            v.push(mat("attn_k.weight", vec![h, kvd], "attn_k", w_sigma));
+            v.push(f32v("attn_k.bias", vec![kvd], Role::Matrix, bias_sigma));
+            v.push(mat("attn_v.weight", vec![h, kvd], "attn_v", w_sigma));
+            v.push(f32v("attn_v.bias", vec![kvd], Role::Matrix, bias_sigma));
+            v.push(mat("attn_output.weight", vec![qd, h], "attn_o", w_sigma * 0.25));
+            if oss {
+                v.push(f32v("attn_output.bias", vec![h], Role::Matrix, bias_sigma));
+                // Sink logits: the share of attention that goes nowhere.
+                v.push(f32v("attn_sinks.weight", vec![s.n_head as u64], Role::Matrix, 1.0));
+            }
+            v.push(f32v("post_attention_norm.weight", vec![h], Role::Norm, 0.0));
+        }
+    }
+    let ff = s.expert_ff as u64;
+    match s.grouped {
+        Some(g) if l < g.dense_layers => {
+            let df = g.dense_ff as u64;
+            v.push(mat("ffn_gate.weight", vec![h, df], "ffn_gate", w_sigma));
+            v.push(mat("ffn_up.weight", vec![h, df], "ffn_gate", w_sigma));
+            v.push(mat("ffn_down.weight", vec![df, h], "ffn_down", w_sigma));
+        }
+        Some(g) => {
+            v.push(f32v(
+                "ffn_gate_inp.weight",
+                vec![h, s.n_expert as u64],
+                Role::Router,
+                2.0 / (s.hidden as f32).sqrt(),
+            ));
+            v.push(f32v("exp_probs_b.bias", vec![s.n_expert as u64], Role::Matrix, 0.01));
+            expert_tensors(s, l, v, w_sigma);
+            let sf = ff * g.n_shared as u64;
+            v.push(mat("ffn_gate_shexp.weight", vec![h, sf], "ffn_gate", w_sigma));
+            v.push(mat("ffn_up_shexp.weight", vec![h, sf], "ffn_gate", w_sigma));
+            v.push(mat("ffn_down_shexp.weight", vec![sf, h], "ffn_down", w_sigma));
+        }
+        None => {
+            v.push(f32v(
+                "ffn_gate_inp.weight",
+                vec![h, s.n_expert as u64],
+                Role::Router,
+                2.0 / (s.hidden as f32).sqrt(),
+            ));
+            v.push(f32v("ffn_gate_inp.bias", vec![s.n_expert as u64], Role::Matrix, 0.02));
+            expert_tensors(s, l, v, w_sigma);
+            let e = s.n_expert as u64;
+            v.push(f32v("ffn_gate_exps.bias", vec![ff, e], Role::Matrix, bias_sigma));
+            v.push(f32v("ffn_up_exps.bias", vec![ff, e], Role::Matrix, bias_sigma));
+            v.push(f32v("ffn_down_exps.bias", vec![h, e], Role::Matrix, bias_sigma));
+        }
+    }
+}
+
 /// A Gated DeltaNet layer's tensors in llama.cpp's layout.
-fn delta_tensors(s: &SynthSpec, l: usize, v: &mut Vec<TensorPlan>, mat: &dyn Fn(&str) -> DType, w_sigma: f32) {
+fn delta_tensors(s: &SynthSpec, l: usize, v: &mut Vec<TensorPlan>, mat: &dyn Fn(&str, u64) -> DType, w_sigma: f32) {
     let d = s.delta.expect("a hybrid shape");
     let (h, nv) = (s.hidden as u64, d.n_v_heads as u64);
     let (kd, vd) = ((d.n_k_heads * d.head_dim) as u64, (d.n_v_heads * d.head_dim) as u64);
     let b = |n: &str| format!("blk.{l}.{n}");
     let t = |name: String, dims: Vec<u64>, dtype, role, sigma| TensorPlan { name, dims, dtype, role, sigma };
-    v.push(t(b("attn_qkv.weight"), vec![h, 2 * kd + vd], mat("attn_qkv"), Role::Matrix, w_sigma));
-    v.push(t(b("attn_gate.weight"), vec![h, vd], mat("attn_gate"), Role::Matrix, w_sigma));
+    v.push(t(b("attn_qkv.weight"), vec![h, 2 * kd + vd], mat("attn_qkv", h), Role::Matrix, w_sigma));
+    v.push(t(b("attn_gate.weight"), vec![h, vd], mat("attn_gate", h), Role::Matrix, w_sigma));
     match s.arch {
         SynthArch::Qwen3Next => v.push(t(b("ssm_ba.weight"), vec![h, 2 * nv], DType::F32, Role::Matrix, w_sigma)),
         _ => {
@@ -416,7 +831,7 @@ fn delta_tensors(s: &SynthSpec, l: usize, v: &mut Vec<TensorPlan>, mat: &dyn Fn(
     v.push(t(b("ssm_a"), vec![nv], DType::F32, Role::Fill(-0.5), 0.0));
     v.push(t(b("ssm_norm.weight"), vec![d.head_dim as u64], DType::F32, Role::Norm, 0.0));
     // A quarter weight, like attention's output, keeps routing token-driven.
-    v.push(t(b("ssm_out.weight"), vec![vd, h], mat("attn_o"), Role::Matrix, w_sigma * 0.25));
+    v.push(t(b("ssm_out.weight"), vec![vd, h], mat("attn_o", vd), Role::Matrix, w_sigma * 0.25));
 }
 
 /// The model's metadata (without tokenizer keys).
@@ -434,9 +849,10 @@ pub fn metadata(s: &SynthSpec) -> Vec<(String, Value)> {
         (k("embedding_length"), u(s.hidden)),
         (k("attention.head_count"), u(s.n_head)),
         (k("attention.head_count_kv"), u(s.n_head_kv)),
-        (k("attention.key_length"), u(s.head_dim)),
-        (k("attention.value_length"), u(s.head_dim)),
-        (k("attention.layer_norm_rms_epsilon"), Value::F32(1e-6)),
+        // deepseek2's key and value lengths are its latent's (576, 512 for DeepSeek-V3).
+        (k("attention.key_length"), u(s.mla.map_or(s.head_dim, |m| m.kv_lora_rank + m.qk_rope))),
+        (k("attention.value_length"), u(s.mla.map_or(s.head_dim, |m| m.kv_lora_rank))),
+        (k("attention.layer_norm_rms_epsilon"), Value::F32(s.arch.rms_eps())),
         (k("rope.freq_base"), Value::F32(s.rope_theta)),
         (k("expert_count"), u(s.n_expert)),
         (k("expert_used_count"), u(s.n_expert_used)),
@@ -466,8 +882,56 @@ pub fn metadata(s: &SynthSpec) -> Vec<(String, Value)> {
                 m.push((k("rope.dimension_sections"), Value::Array(Array::I32(sections))));
             }
         }
+        SynthArch::GptOss => {
+            m.push((k("feed_forward_length"), u(s.expert_ff)));
+            m.push((k("expert_feed_forward_length"), u(s.expert_ff)));
+            m.push((k("attention.sliding_window"), u(GPT_OSS_WINDOW)));
+            yarn_keys(&mut m, &k, &GPT_OSS_YARN);
+        }
+        SynthArch::Glm4Moe | SynthArch::DeepseekV3 => {
+            let g = s.grouped.expect("a grouped shape");
+            m.push((k("feed_forward_length"), u(g.dense_ff)));
+            m.push((k("expert_feed_forward_length"), u(s.expert_ff)));
+            m.push((k("expert_shared_count"), u(g.n_shared)));
+            m.push((k("leading_dense_block_count"), u(g.dense_layers)));
+            m.push((k("expert_group_count"), u(g.n_group)));
+            m.push((k("expert_group_used_count"), u(g.topk_group)));
+            // Sigmoid scores, normalized top k, scaled.
+            m.push((k("expert_gating_func"), u(2)));
+            m.push((k("expert_weights_norm"), Value::Bool(true)));
+            m.push((k("expert_weights_scale"), Value::F32(g.scale)));
+            match s.mla {
+                Some(ml) => {
+                    m.push((k("vocab_size"), u(s.vocab)));
+                    m.push((k("attention.q_lora_rank"), u(ml.q_lora_rank)));
+                    m.push((k("attention.kv_lora_rank"), u(ml.kv_lora_rank)));
+                    // The per-head sizes; their presence marks the absorbed (split k_b/v_b) layout.
+                    m.push((k("attention.key_length_mla"), u(s.head_dim)));
+                    m.push((k("attention.value_length_mla"), u(ml.v_head)));
+                    m.push((k("rope.dimension_count"), u(ml.qk_rope)));
+                    yarn_keys(&mut m, &k, &DEEPSEEK_YARN);
+                }
+                None => {
+                    // Rotary on half of each head, as every GLM-4.5 model; no MTP layer.
+                    m.push((k("rope.dimension_count"), u(s.head_dim / 2)));
+                    m.push((k("nextn_predict_layers"), u(0)));
+                }
+            }
+        }
     }
     m
+}
+
+/// YaRN's keys as llama.cpp's converter writes them.
+fn yarn_keys(m: &mut Vec<(String, Value)>, k: &dyn Fn(&str) -> String, y: &Yarn) {
+    m.push((k("rope.scaling.type"), Value::String("yarn".into())));
+    m.push((k("rope.scaling.factor"), Value::F32(y.factor)));
+    m.push((k("rope.scaling.original_context_length"), Value::U32(y.original as u32)));
+    m.push((k("rope.scaling.yarn_beta_fast"), Value::F32(32.0)));
+    m.push((k("rope.scaling.yarn_beta_slow"), Value::F32(1.0)));
+    if let Some(lm) = y.log_multiplier {
+        m.push((k("rope.scaling.yarn_log_multiplier"), Value::F32(lm)));
+    }
 }
 
 /// A byte-level tokenizer for models made without `--tokenizer-from`: the 256 byte tokens,
@@ -611,6 +1075,7 @@ pub fn fill_rows(t: &TensorPlan, rng: &mut FastRng, rows: usize, out: &mut Vec<u
     let start = out.len();
     out.resize(start + n / be * bb, 0);
     let sigma = t.sigma;
+    let mx = (t.dtype == DType::MXFP4).then(|| mxfp4_exponents(sigma));
     for (i, b) in out[start..].chunks_exact_mut(bb).enumerate() {
         rng.fill(b);
         let sign = if i % 2 == 0 { 1.0 } else { -1.0 };
@@ -647,13 +1112,27 @@ pub fn fill_rows(t: &TensorPlan, rng: &mut FastRng, rows: usize, out: &mut Vec<u
                 }
                 put_f16(b, 208, d);
             }
-            DType::Q8_K | DType::Q2_K | DType::Q3_K | DType::MXFP4 => {
-                // Not offered by `QuantMix::parse` for writing.
-                b.fill(0);
+            DType::MXFP4 => {
+                // Random codes (E2M1 is symmetric: zero-mean) under a random exponent of the
+                // two around the spread asked for, in the proportion that gives exactly it.
+                let (e0, p_up) = mx.expect("set for MXFP4");
+                b[0] = if (b[0] as f32 + 0.5) / 256.0 < p_up { e0 + 1 } else { e0 };
             }
-            _ => unreachable!(),
+            // Refused by `SynthSpec::validate`.
+            _ => unreachable!("no random {} blocks", t.dtype.name()),
         }
     }
+}
+
+/// MXFP4 block exponents for values of spread `sigma`: E8M0 `e0` or `e0 + 1`, the latter with
+/// the returned probability. A block's values are the doubled E2M1 codes (RMS 5.85 over
+/// uniform codes) times 2^(e − 128); exponents stay in 1..=254 (0xFF is not a number).
+fn mxfp4_exponents(sigma: f32) -> (u8, f32) {
+    const CODE_RMS: f64 = 5.852_349_955_359_813; // √(274 / 8)
+    let x = (sigma.max(1e-30) as f64 / CODE_RMS).log2() + 128.0;
+    let e0 = x.floor().clamp(1.0, 253.0);
+    let p_up = ((4f64.powf(x - e0) - 1.0) / 3.0).clamp(0.0, 1.0);
+    (e0 as u8, p_up as f32)
 }
 
 #[cfg(test)]
@@ -662,7 +1141,9 @@ mod tests {
 
     #[test]
     fn random_blocks_are_zero_mean_with_the_asked_spread() {
-        for dtype in [DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::Q8_0, DType::Q4_0, DType::Q5_0, DType::BF16] {
+        for dtype in
+            [DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::Q8_0, DType::Q4_0, DType::Q5_0, DType::MXFP4, DType::BF16]
+        {
             let t = TensorPlan { name: "x".into(), dims: vec![256, 64], dtype, role: Role::Matrix, sigma: 0.1 };
             let mut rng = FastRng::new(7);
             let mut bytes = Vec::new();
@@ -695,5 +1176,199 @@ mod tests {
         assert!(n > 44_000_000_000 && n < 52_000_000_000, "{n}");
         let q35: u64 = plan(&SynthSpec::named("qwen3.5-35b-a3b").unwrap()).iter().map(|t| t.bytes()).sum();
         assert!(q35 > 18_000_000_000 && q35 < 24_000_000_000, "{q35}");
+    }
+
+    fn size(s: &SynthSpec) -> u64 {
+        plan(s).iter().map(|t| t.bytes()).sum()
+    }
+
+    #[test]
+    fn new_named_shapes_are_sized_like_the_published_files() {
+        // (shape, bytes of the published GGUF, its formats): ggml-org's gpt-oss-20b MXFP4 file
+        // is 12.1 GB and gpt-oss-120b's 63.4 GB (MXFP4 experts, Q8_0 elsewhere); GLM-4.5-Air
+        // and DeepSeek-V3 at Q4_K_M are about 73 GB (with its MTP layer) and 404 GB.
+        // Written here: 12.10, 63.37, 70.44 and 404.49 GB.
+        for (name, real) in
+            [("gpt-oss-20b", 12.1e9), ("gpt-oss-120b", 63.4e9), ("glm-4.5-air", 73.0e9), ("deepseek-v3", 404.0e9)]
+        {
+            let s = SynthSpec::named(name).unwrap();
+            s.validate().unwrap();
+            let b = size(&s) as f64;
+            assert!((b / real - 1.0).abs() < 0.04, "{name}: {b} bytes against the published {real}");
+        }
+        // The formats the published files use.
+        let oss = plan(&SynthSpec::named("gpt-oss-120b").unwrap());
+        let dtype = |n: &str| oss.iter().find(|t| t.name == n).unwrap().dtype;
+        assert_eq!(dtype("blk.0.ffn_down_exps.weight"), DType::MXFP4);
+        assert_eq!(dtype("blk.0.attn_q.weight"), DType::Q8_0);
+        assert_eq!(dtype("output.weight"), DType::Q8_0);
+        for n in ["blk.0.attn_sinks.weight", "blk.0.ffn_gate_inp.bias", "blk.0.ffn_up_exps.bias", "blk.0.attn_q.bias"] {
+            assert_eq!(dtype(n), DType::F32, "{n}");
+        }
+        // The shrinks the help suggests for a disk of about 60 GB.
+        let ds = |layers: usize, experts: usize| {
+            let mut s = SynthSpec::named("deepseek-v3").unwrap();
+            (s.n_layer, s.n_expert) = (layers, experts);
+            s.conform();
+            s.validate().unwrap();
+            size(&s)
+        };
+        assert!((50e9..53e9).contains(&(ds(10, 256) as f64)), "{}", ds(10, 256));
+        assert!((46e9..48e9).contains(&(ds(61, 24) as f64)), "{}", ds(61, 24));
+    }
+
+    #[test]
+    fn shrinking_keeps_the_families_sensible() {
+        for name in ["gpt-oss-20b", "gpt-oss-120b", "glm-4.5-air", "deepseek-v3"] {
+            let mut s = SynthSpec::named(name).unwrap();
+            (s.n_layer, s.n_expert) = (2, 4);
+            s.conform();
+            s.validate().unwrap();
+            assert_eq!(s.n_expert_used, 4, "{name}");
+            if let Some(g) = s.grouped {
+                // One dense layer, one routed; four experts are too few for router groups.
+                assert_eq!((g.dense_layers, g.n_group, g.topk_group), (1, 1, 1), "{name}");
+            }
+        }
+        // DeepSeek-V3's groups survive while they fit: 16 experts keep 8 groups choosing 4.
+        let mut s = SynthSpec::named("deepseek-v3").unwrap();
+        (s.n_layer, s.n_expert) = (4, 16);
+        assert!(s.conform().is_empty());
+        s.validate().unwrap();
+        let g = s.grouped.unwrap();
+        assert_eq!((g.dense_layers, g.n_group, g.topk_group), (3, 8, 4));
+        // With 8 experts of which 2 per token: 4 groups, the top 3.
+        (s.n_expert, s.n_expert_used) = (8, 2);
+        s.conform();
+        s.validate().unwrap();
+        let g = s.grouped.unwrap();
+        assert_eq!((g.n_group, g.topk_group), (4, 3));
+        // A single layer is a routed one.
+        s.n_layer = 1;
+        s.conform();
+        assert_eq!(s.grouped.unwrap().dense_layers, 0);
+        s.validate().unwrap();
+        // Groups llama.cpp would refuse are refused here.
+        s.grouped.as_mut().unwrap().topk_group = 4;
+        assert!(s.validate().is_err());
+    }
+
+    /// `name` shrunk (`layers` layers, `experts` experts) and small enough to run in a test.
+    fn tiny(name: &str, layers: usize, experts: usize, used: usize) -> SynthSpec {
+        let mut s = SynthSpec::named(name).unwrap();
+        (s.n_layer, s.n_expert, s.n_expert_used, s.vocab) = (layers, experts, used, 512);
+        match s.arch {
+            SynthArch::GptOss => {
+                // Rows of 320 values: whole MXFP4 and Q8_0 blocks, not whole K-quant ones.
+                (s.hidden, s.n_head, s.n_head_kv, s.head_dim, s.expert_ff) = (320, 4, 2, 64, 320);
+            }
+            SynthArch::Glm4Moe => {
+                (s.hidden, s.n_head, s.n_head_kv, s.head_dim, s.expert_ff) = (256, 4, 2, 64, 128);
+                s.grouped.as_mut().unwrap().dense_ff = 384;
+            }
+            _ => {
+                (s.hidden, s.n_head, s.head_dim, s.expert_ff) = (256, 4, 96, 256);
+                s.grouped.as_mut().unwrap().dense_ff = 512;
+                s.mla = Some(SynthMla { q_lora_rank: 128, kv_lora_rank: 256, qk_rope: 32, v_head: 64 });
+            }
+        }
+        s.conform();
+        s.validate().unwrap();
+        s
+    }
+
+    #[test]
+    fn shrunk_new_shapes_load_and_run_in_sluice() {
+        use crate::config::{FfnKind, Gating, MixerKind, Score};
+        use crate::gguf::GgufCheckpoint;
+        use crate::rope::RopeScaling;
+        let dir = std::env::temp_dir().join(format!("sluice-synth-new-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for (i, s) in [
+            tiny("gpt-oss-20b", 2, 4, 4),
+            tiny("gpt-oss-120b", 3, 8, 4),
+            tiny("glm-4.5-air", 2, 4, 4),
+            tiny("deepseek-v3", 2, 8, 2),
+            tiny("deepseek-v3", 2, 4, 4),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let path = dir.join(format!("{i}-{}.gguf", s.name));
+            let mut f = std::io::BufWriter::new(std::fs::File::create(&path).unwrap());
+            let written = write_model(&s, builtin_tokenizer(s.vocab), &mut f, |_| {}).unwrap();
+            drop(f);
+            assert_eq!(std::fs::metadata(&path).unwrap().len(), written);
+            let ck = GgufCheckpoint::open(&path).unwrap();
+            let c = ck.config.clone();
+            let what = format!("{} {:?}", s.name, s.arch);
+            let arch = match s.arch {
+                SynthArch::GptOss => crate::Arch::GptOss,
+                SynthArch::Glm4Moe => crate::Arch::Glm4Moe,
+                _ => crate::Arch::DeepseekV3,
+            };
+            assert_eq!(c.arch, arch, "{what}");
+            assert_eq!(
+                (c.hidden, c.n_layer, c.n_head, c.vocab_size),
+                (s.hidden, s.n_layer, s.n_head, s.vocab),
+                "{what}"
+            );
+            assert!((c.rms_eps - s.arch.rms_eps()).abs() < 1e-9, "{what}");
+            let moe = c.moe.as_ref().unwrap();
+            assert_eq!((moe.n_expert, moe.n_expert_used, moe.expert_ff), (s.n_expert, s.n_expert_used, s.expert_ff));
+            let dense: Vec<bool> = c.layers.iter().map(|l| l.ffn == FfnKind::Dense).collect();
+            let want: Vec<bool> = (0..s.n_layer).map(|l| s.is_dense_layer(l)).collect();
+            assert_eq!(dense, want, "{what}");
+            match s.arch {
+                SynthArch::GptOss => {
+                    assert_eq!((c.n_head_kv, c.head_dim, c.rope.dim), (s.n_head_kv, s.head_dim, s.head_dim));
+                    assert!(c.attn_sinks && c.qkv_bias && moe.router_bias && moe.expert_bias);
+                    assert_eq!(c.layers[0].mixer, MixerKind::Attention { window: Some(128) });
+                    assert_eq!(c.layers[1].mixer, MixerKind::Attention { window: None });
+                    assert!(matches!(c.rope.scaling, RopeScaling::Yarn { factor, .. } if factor == 32.0));
+                    assert_eq!(moe.gating, Gating::TopKSoftmax);
+                }
+                SynthArch::Glm4Moe => {
+                    assert_eq!((c.n_head_kv, c.head_dim, c.rope.dim), (s.n_head_kv, s.head_dim, s.head_dim / 2));
+                    assert!(c.qkv_bias && c.mtp.is_none());
+                    assert_eq!(c.ff, 384);
+                    assert_eq!(moe.shared_expert_ff, Some(s.expert_ff));
+                    assert!(matches!(
+                        moe.gating,
+                        Gating::Grouped { score: Score::Sigmoid, selection_bias: true, n_group: 1, topk_group: 1, .. }
+                    ));
+                }
+                _ => {
+                    let (m, g) = (c.mla.unwrap(), s.grouped.unwrap());
+                    let sm = s.mla.unwrap();
+                    assert_eq!(
+                        (m.q_lora_rank, m.kv_lora_rank, m.qk_nope, m.qk_rope, m.v_head),
+                        (Some(sm.q_lora_rank), sm.kv_lora_rank, s.head_dim - sm.qk_rope, sm.qk_rope, sm.v_head)
+                    );
+                    assert_eq!(c.ff, 512);
+                    assert_eq!(moe.shared_expert_ff, Some(s.expert_ff));
+                    assert!(c.layers.iter().all(|l| l.mixer == MixerKind::Mla));
+                    match moe.gating {
+                        Gating::Grouped { score, selection_bias, n_group, topk_group, norm_topk, scale, .. } => {
+                            assert_eq!((score, selection_bias, norm_topk), (Score::Sigmoid, true, true));
+                            assert_eq!((n_group, topk_group, scale), (g.n_group, g.topk_group, 2.5));
+                        }
+                        other => panic!("{other:?}"),
+                    }
+                    assert!(matches!(c.rope.scaling, RopeScaling::Yarn { factor, .. } if factor == 40.0));
+                }
+            }
+            let experts = std::sync::Arc::new(crate::ResidentExperts::load(&ck, &c, false).unwrap());
+            let pool = std::sync::Arc::new(sluice_kernels::ThreadPool::new(1));
+            let model = crate::Model::load(c, &ck, experts, pool).unwrap();
+            let mut state = model.new_state(32);
+            let tokens: Vec<u32> = (0..12).map(|i| (i * 37 + 5) % s.vocab as u32).collect();
+            let logits = model.forward(&mut state, &tokens, crate::Logits::All, None).unwrap();
+            assert_eq!(logits.len(), tokens.len() * s.vocab);
+            assert!(logits.iter().all(|x| x.is_finite()), "{what}: logits not finite");
+            let (lo, hi) = logits.iter().fold((f32::MAX, f32::MIN), |(a, b), x| (a.min(*x), b.max(*x)));
+            assert!(hi - lo > 1e-3, "{what}: flat logits");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -37,6 +37,8 @@ fn peak_rss_stays_within_dense_plus_quota_plus_kv_plus_stated_slack() {
         quant: QuantMix::Uniform(sluice_kernels::DType::Q8_0),
         seed: 9,
         delta: None,
+        grouped: None,
+        mla: None,
     };
     let path = scratch("rss").join("rss.gguf");
     {

@@ -41,6 +41,8 @@ pub fn synthetic_model(tag: &str, quant: QuantMix) -> PathBuf {
         quant,
         seed: 3,
         delta: None,
+        grouped: None,
+        mla: None,
     };
     spec.validate().unwrap();
     let mut f = std::io::BufWriter::new(std::fs::File::create(&path).unwrap());
@@ -81,6 +83,8 @@ pub fn synthetic_hybrid(tag: &str) -> PathBuf {
             rotary_dim: 32,
             shared_ff: 256,
         }),
+        grouped: None,
+        mla: None,
     };
     spec.validate().unwrap();
     let mut f = std::io::BufWriter::new(std::fs::File::create(&path).unwrap());

@@ -1,0 +1,526 @@
+//! AVX2 kernels of MXFP4 weights against Q8_0 activations: decode (one token, several rows at
+//! once) and prefill (one row against a range of tokens, eight blocks unpacked once for all of
+//! them). They run at the AVX2 and the AVX-512 levels alike.
+//!
+//! A block is an E8M0 exponent and 32 four-bit codes indexing the doubled FP4 table
+//! (`MXFP4_VALUES`, −12..12). The codes are looked up with `vpshufb` in that table plus 12, so
+//! they come out as unsigned bytes 0..24 that `vpmaddubsw` takes as they are (a pair of
+//! products is at most 2·24·127 = 6096: no saturation); 12·Σx, the activation block's code sum,
+//! comes off the block's i32 sum. That leaves Σ value·x, the exact integer of
+//! `dot_ref::block_ints`, and the float side is `dot_ref::accumulate`'s
+//! `fma(e8m0_half(e)·dx, isum, acc)` block after block, so every result equals the scalar
+//! reference to the bit, whatever the batch or the thread count.
+
+// Index loops over blocks, rows and tokens read most plainly in kernel code.
+#![allow(clippy::needless_range_loop)]
+
+use super::act::QuantAct;
+use super::blocks::MXFP4_VALUES;
+use super::x86::prefetch_rows;
+use crate::dtype::DType;
+use crate::matmul::{MatRef, SendPtr};
+use crate::pool::ThreadPool;
+use std::arch::x86_64::*;
+
+/// Bytes per block: the exponent, then 16 bytes of codes.
+const BB: usize = 17;
+
+/// What the lookup table adds to each FP4 value so that codes are unsigned.
+const OFFSET: i32 = 12;
+
+/// The doubled FP4 values plus `OFFSET` (0..24), in both 128-bit lanes: a `vpshufb` table.
+///
+/// # Safety
+///
+/// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
+#[inline(always)]
+unsafe fn table() -> __m256i {
+    const T: [u8; 16] = {
+        let mut t = [0u8; 16];
+        let mut i = 0;
+        while i < 16 {
+            t[i] = (MXFP4_VALUES[i] as i32 + OFFSET) as u8;
+            i += 1;
+        }
+        t
+    };
+    let t = _mm_loadu_si128(T.as_ptr() as *const __m128i);
+    _mm256_set_m128i(t, t)
+}
+
+/// The 32 offset codes (0..24) of the block at `b`, in element order: low nibbles (elements
+/// 0..16) in the low 128-bit lane, high nibbles (elements 16..32) in the high one — the 16
+/// bytes loaded into both lanes and the high lane's shifted down by a nibble.
+///
+/// # Safety
+///
+/// `b` is valid for reading one block (17 bytes); the CPU has AVX2 (checked by `cpu::isa()`).
+#[inline(always)]
+unsafe fn codes(t: __m256i, b: *const u8) -> __m256i {
+    let v = _mm256_broadcastsi128_si256(_mm_loadu_si128(b.add(1) as *const __m128i));
+    let n = _mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
+    _mm256_shuffle_epi8(t, _mm256_and_si256(n, _mm256_set1_epi8(0x0F)))
+}
+
+/// Products of a block's offset codes with its 32 activation codes, summed in pairs (16 i16
+/// lanes, each at most 2·24·127 = 6096 in magnitude).
+///
+/// # Safety
+///
+/// `x` is valid for reading 32 bytes; the CPU has AVX2 (checked by `cpu::isa()`).
+#[inline(always)]
+unsafe fn pairs(u: __m256i, x: *const i8) -> __m256i {
+    _mm256_maddubs_epi16(u, _mm256_loadu_si256(x as *const __m256i))
+}
+
+/// Eight blocks' pair sums (`pairs`), already added in pairs of blocks by a first `vphaddw`
+/// (`h[k]`: blocks 2k and 2k + 1) → their eight i32 totals, in order. The second `vphaddw`
+/// leaves sums of 8 products (at most 8·24·127 = 24384: no i16 wraps), `vpmaddwd` widens them to
+/// sums of 16 (one 128-bit lane's), and the two lanes are added.
+///
+/// # Safety
+///
+/// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
+#[inline(always)]
+unsafe fn reduce8(h: &[__m256i; 4]) -> __m256i {
+    let ones = _mm256_set1_epi16(1);
+    let s0 = _mm256_madd_epi16(_mm256_hadd_epi16(h[0], h[1]), ones);
+    let s1 = _mm256_madd_epi16(_mm256_hadd_epi16(h[2], h[3]), ones);
+    _mm256_add_epi32(_mm256_permute2x128_si256(s0, s1, 0x20), _mm256_permute2x128_si256(s0, s1, 0x31))
+}
+
+/// Block `J`'s pair sums `p` into `h` (see `reduce8`): an even block alone (its odd partner,
+/// if any, overwrites it), an odd one added to its even partner `prev`.
+///
+/// # Safety
+///
+/// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
+#[inline(always)]
+unsafe fn add_block<const J: usize>(h: &mut [__m256i; 4], prev: &mut __m256i, p: __m256i) {
+    if J.is_multiple_of(2) {
+        *prev = p;
+        h[J / 2] = _mm256_hadd_epi16(p, _mm256_setzero_si256());
+    } else {
+        h[J / 2] = _mm256_hadd_epi16(*prev, p);
+    }
+}
+
+/// `e8m0_half(e)` of eight exponents (in i32 lanes), exactly: for e ≥ 2 the normal number whose
+/// biased exponent is e − 1, `(e − 1)·2^23` as bits; for e = 0 and 1 the subnormals 2^−128 and
+/// 2^−127, `2^(21 + e)` as bits. The second form taken at min(e, 2) is at most the first for
+/// e ≥ 2 (both are 2^23 at e = 2) and above it for e < 2 (where the first is 0 or negative),
+/// so the larger of the two is the scale.
+///
+/// # Safety
+///
+/// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
+#[inline(always)]
+unsafe fn e8m0_half8(e: __m256i) -> __m256 {
+    let normal = _mm256_sub_epi32(_mm256_slli_epi32(e, 23), _mm256_set1_epi32(1 << 23));
+    let small = _mm256_sllv_epi32(_mm256_set1_epi32(1 << 21), _mm256_min_epi32(e, _mm256_set1_epi32(2)));
+    _mm256_castsi256_ps(_mm256_max_epi32(normal, small))
+}
+
+/// The block scales of the eight exponent bytes in the low 8 bytes of `e`.
+///
+/// # Safety
+///
+/// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
+#[inline(always)]
+unsafe fn scales8(e: __m128i) -> __m256 {
+    e8m0_half8(_mm256_cvtepu8_epi32(e))
+}
+
+/// Byte `J` of `e` replaced by the exponent of the block at `b`.
+///
+/// # Safety
+///
+/// `b` is valid for reading one byte; the CPU has AVX2 (checked by `cpu::isa()`).
+#[inline(always)]
+unsafe fn with_exponent<const J: i32>(e: __m128i, b: *const u8) -> __m128i {
+    _mm_insert_epi8(e, *b as i32, J)
+}
+
+/// 12·Σx of eight activation blocks from `i`: what the offset codes add to their sums.
+///
+/// # Safety
+///
+/// `act.sum` holds eight blocks from `i` (rows are padded to whole groups of eight); AVX2.
+#[inline(always)]
+unsafe fn offset_sums(act: &QuantAct, i: usize) -> __m256i {
+    let s = _mm256_loadu_si256(act.sum.as_ptr().add(i) as *const __m256i);
+    _mm256_add_epi32(_mm256_slli_epi32(s, 3), _mm256_slli_epi32(s, 2))
+}
+
+/// Runs `$body` with `$j` each of the constants 0..8 below `$m`, unrolled (callers pass a
+/// constant 8 for whole groups, so the bounds fold away there).
+macro_rules! blocks8 {
+    ($m:expr, $j:ident, $body:block) => {{
+        macro_rules! one {
+            ($k:literal) => {{
+                const $j: usize = $k;
+                if $j < $m {
+                    $body
+                }
+            }};
+        }
+        one!(0);
+        one!(1);
+        one!(2);
+        one!(3);
+        one!(4);
+        one!(5);
+        one!(6);
+        one!(7);
+    }};
+}
+
+/// Runs `$group(b0, m)` over a row's `$nb` blocks in groups of eight, `m` the constant 8 for
+/// every whole group and the remainder last.
+macro_rules! by_groups {
+    ($nb:expr, $group:expr) => {{
+        let nb = $nb;
+        let mut b0 = 0;
+        while b0 + 8 <= nb {
+            $group(b0, 8);
+            b0 += 8;
+        }
+        if b0 < nb {
+            $group(b0, nb - b0);
+        }
+    }};
+}
+
+/// Lanes j and j + 4 of four vectors → (lane r: lane j of vector r, for j in 0..4; the high
+/// 128-bit lane likewise for j + 4).
+///
+/// # Safety
+///
+/// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
+#[inline(always)]
+unsafe fn transpose4(v: &[__m256; 4]) -> [__m256; 4] {
+    let (a, b) = (_mm256_unpacklo_ps(v[0], v[1]), _mm256_unpackhi_ps(v[0], v[1]));
+    let (c, e) = (_mm256_unpacklo_ps(v[2], v[3]), _mm256_unpackhi_ps(v[2], v[3]));
+    [
+        _mm256_shuffle_ps(a, c, 0x44),
+        _mm256_shuffle_ps(a, c, 0xEE),
+        _mm256_shuffle_ps(b, e, 0x44),
+        _mm256_shuffle_ps(b, e, 0xEE),
+    ]
+}
+
+/// Lanes 0..4 (`J < 4`) or 4..8 of `v`.
+///
+/// # Safety
+///
+/// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
+#[inline(always)]
+unsafe fn half<const J: usize>(v: __m256) -> __m128 {
+    if J < 4 {
+        _mm256_castps256_ps128(v)
+    } else {
+        _mm256_extractf128_ps(v, 1)
+    }
+}
+
+/// `acc` (lane r: row r's sum) after the `m` blocks' fused steps of `accumulate`, block after
+/// block: lane r of step j is `fma(d[r][j], s[r][j], acc[r])`. `d` and `s` (block j in lane j)
+/// are transposed so that one `vfmadd` serves the four rows.
+///
+/// # Safety
+///
+/// The CPU has AVX2 and FMA (checked by `cpu::isa()`); `m ≤ 8`.
+#[inline(always)]
+unsafe fn accumulate4(acc: __m128, d: &[__m256; 4], s: &[__m256; 4], m: usize) -> __m128 {
+    let (dt, st) = (transpose4(d), transpose4(s));
+    let mut acc = acc;
+    blocks8!(m, J, {
+        acc = _mm_fmadd_ps(half::<J>(dt[J % 4]), half::<J>(st[J % 4]), acc);
+    });
+    acc
+}
+
+/// Decode (one token) over R ≤ 4 rows at once, eight blocks at a time: each block's integer
+/// sums stay in vector lanes until the eight are reduced together, the scale products are
+/// formed eight at a time, and the rows' per-block float additions run in the lanes of one
+/// vector — the operations of `accumulate`, in its order, for each row.
+///
+/// # Safety
+///
+/// The CPU has AVX2 and FMA (checked by `cpu::isa()`); `w` holds R whole MXFP4 rows of
+/// `row_bytes`; `act` is one token's Q8_0 activations for rows of this width, padded to whole
+/// groups of eight blocks (as `QuantAct` pads them).
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn rows_decode<const R: usize>(w: &[u8], row_bytes: usize, act: &QuantAct, out: &mut [f32; 4]) {
+    let nb = act.blocks_per_row();
+    debug_assert!(R <= 4 && w.len() >= R * row_bytes && row_bytes == nb * BB);
+    let t = table();
+    let mut acc = _mm_setzero_ps();
+    /// # Safety
+    ///
+    /// As `rows_decode`'s, for the eight blocks from `b0` (`m` of them inside the row).
+    #[inline(always)]
+    unsafe fn group<const R: usize>(
+        w: &[u8],
+        row_bytes: usize,
+        act: &QuantAct,
+        t: __m256i,
+        b0: usize,
+        m: usize,
+        acc: __m128,
+    ) -> __m128 {
+        let i0 = act.idx(0, b0);
+        let xq = act.qs.as_ptr().add(i0 * 32);
+        let dx = _mm256_loadu_ps(act.d.as_ptr().add(i0));
+        let xs = offset_sums(act, i0);
+        // Rows past R stay zero, and so do their lanes of `acc`.
+        let mut ddx = [_mm256_setzero_ps(); 4];
+        let mut isf = [_mm256_setzero_ps(); 4];
+        for r in 0..R {
+            let base = w.as_ptr().add(r * row_bytes + b0 * BB);
+            // The same blocks of the row R rows further down: the next pass reads them.
+            prefetch_rows(base.wrapping_add(R * row_bytes), 8 * BB);
+            let (mut h, mut prev) = ([_mm256_setzero_si256(); 4], _mm256_setzero_si256());
+            let mut e = _mm_setzero_si128();
+            blocks8!(m, J, {
+                let blk = base.add(J * BB);
+                add_block::<J>(&mut h, &mut prev, pairs(codes(t, blk), xq.add(32 * J)));
+                e = with_exponent::<{ J as i32 }>(e, blk);
+            });
+            ddx[r] = _mm256_mul_ps(scales8(e), dx);
+            isf[r] = _mm256_cvtepi32_ps(_mm256_sub_epi32(reduce8(&h), xs));
+        }
+        accumulate4(acc, &ddx, &isf, m)
+    }
+    by_groups!(nb, |b0, m| acc = group::<R>(w, row_bytes, act, t, b0, m, acc));
+    let mut v = [0f32; 4];
+    _mm_storeu_ps(v.as_mut_ptr(), acc);
+    out[..R].copy_from_slice(&v[..R]);
+}
+
+/// One row against tokens `t0..t0 + out.len()` of `act` (prefill): eight blocks unpacked once,
+/// then for every token their sums reduced together and their scale products formed together,
+/// and four tokens' additions, block after block as `accumulate` makes them, in the lanes of one
+/// vector.
+///
+/// # Safety
+///
+/// The CPU has AVX2 and FMA (checked by `cpu::isa()`); `row` is one whole MXFP4 row for
+/// `act`'s width; tokens `t0..t0 + out.len()` are rows of `act`.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn row_tokens(row: &[u8], act: &QuantAct, t0: usize, out: &mut [f32]) {
+    let nb = act.blocks_per_row();
+    debug_assert!(row.len() == nb * BB && t0 + out.len() <= act.rows);
+    let t = table();
+    out.fill(0.0);
+    /// # Safety
+    ///
+    /// As `row_tokens`'s, for the eight blocks from `b0` (`m` of them inside the row).
+    #[inline(always)]
+    unsafe fn group(row: &[u8], act: &QuantAct, t: __m256i, t0: usize, out: &mut [f32], b0: usize, m: usize) {
+        // Blocks past the row's end stay zero (their activations are zero padding).
+        let mut u = [_mm256_setzero_si256(); 8];
+        let mut e = _mm_setzero_si128();
+        blocks8!(m, J, {
+            let blk = row.as_ptr().add((b0 + J) * BB);
+            u[J] = codes(t, blk);
+            e = with_exponent::<{ J as i32 }>(e, blk);
+        });
+        let dw = scales8(e);
+        // Four tokens at a time in the lanes of `accumulate4` (absent ones left zero).
+        /// # Safety
+        ///
+        /// As `row_tokens`'s; tokens `t..t + o.len()` (at most four) are rows of `act`.
+        #[inline(always)]
+        unsafe fn tokens(act: &QuantAct, u: &[__m256i; 8], dw: __m256, t: usize, b0: usize, m: usize, o: &mut [f32]) {
+            let mut ddx = [_mm256_setzero_ps(); 4];
+            let mut isf = [_mm256_setzero_ps(); 4];
+            for i in 0..o.len() {
+                let i0 = act.idx(t + i, b0);
+                let xq = act.qs.as_ptr().add(i0 * 32);
+                let mut h = [_mm256_setzero_si256(); 4];
+                for k in 0..4 {
+                    h[k] = _mm256_hadd_epi16(pairs(u[2 * k], xq.add(64 * k)), pairs(u[2 * k + 1], xq.add(64 * k + 32)));
+                }
+                isf[i] = _mm256_cvtepi32_ps(_mm256_sub_epi32(reduce8(&h), offset_sums(act, i0)));
+                ddx[i] = _mm256_mul_ps(dw, _mm256_loadu_ps(act.d.as_ptr().add(i0)));
+            }
+            let mut v = [0f32; 4];
+            v[..o.len()].copy_from_slice(o);
+            _mm_storeu_ps(v.as_mut_ptr(), accumulate4(_mm_loadu_ps(v.as_ptr()), &ddx, &isf, m));
+            o.copy_from_slice(&v[..o.len()]);
+        }
+        let mut chunks = out.chunks_exact_mut(4);
+        let mut t = t0;
+        for o in &mut chunks {
+            tokens(act, &u, dw, t, b0, m, o);
+            t += 4;
+        }
+        let rest = chunks.into_remainder();
+        if !rest.is_empty() {
+            tokens(act, &u, dw, t, b0, m, rest);
+        }
+    }
+    by_groups!(nb, |b0, m| group(row, act, t, t0, out, b0, m));
+}
+
+/// `out = x · Wᵀ` for MXFP4 weights with AVX2: the caller checked the CPU (`isa() ≥ Avx2`), and
+/// `act` holds `n` tokens quantized for `w` (Q8_0); `o` is `n × w.rows`.
+pub(crate) fn matmul(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, n: usize, o: SendPtr) {
+    assert!(w.dtype == DType::MXFP4 && act.rows == n && act.cols == w.cols);
+    let rb = w.row_bytes();
+    if n == 1 {
+        // Decode: four rows at a time (fewer at a range's end).
+        return super::rows_by_four(pool, w, o, |wr, k, vals| {
+            // SAFETY: AVX2/FMA were detected (the caller's contract); `wr` holds k whole rows
+            // (MatRef::new checked the size); `act` is padded by QuantAct.
+            unsafe {
+                match k {
+                    4 => rows_decode::<4>(wr, rb, act, vals),
+                    3 => rows_decode::<3>(wr, rb, act, vals),
+                    2 => rows_decode::<2>(wr, rb, act, vals),
+                    _ => rows_decode::<1>(wr, rb, act, vals),
+                }
+            }
+        });
+    }
+    // Prefill: rows in blocks of ROWS, tokens in chunks of TOKENS, so a block of weight rows
+    // and a chunk of activations stay in cache while every pair is computed.
+    const ROWS: usize = 16;
+    const TOKENS: usize = 32;
+    pool.for_ranges(w.rows, 4, &|rows| {
+        let mut vals = [0f32; TOKENS];
+        let mut r0 = rows.start;
+        while r0 < rows.end {
+            let r1 = (r0 + ROWS).min(rows.end);
+            let mut t0 = 0;
+            while t0 < n {
+                let t1 = (t0 + TOKENS).min(n);
+                for r in r0..r1 {
+                    // SAFETY: AVX2/FMA were detected (the caller's contract); the row is whole
+                    // (MatRef::new) and tokens t0..t1 are rows of `act`.
+                    unsafe { row_tokens(w.row(r), act, t0, &mut vals[..t1 - t0]) };
+                    for (i, v) in vals[..t1 - t0].iter().enumerate() {
+                        // SAFETY: this thread owns row r's column of the n × rows output.
+                        unsafe { *o.get().add((t0 + i) * w.rows + r) = *v };
+                    }
+                }
+                t0 = t1;
+            }
+            r0 = r1;
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::cpu::Isa;
+    use crate::matmul::matmul_with_isa;
+    use crate::quant::blocks::e8m0_half;
+    use crate::{DType, MatRef, ThreadPool};
+
+    fn lcg(seed: u64) -> impl FnMut() -> u32 {
+        let mut s = seed;
+        move || {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (s >> 33) as u32
+        }
+    }
+
+    /// Random codes; exponents mostly in a realistic range (110..=140), and where `edges`, one
+    /// block in five at an extreme one (0, 1, 254 or 255).
+    fn random_rows(rows: usize, cols: usize, seed: u64, edges: bool) -> Vec<u8> {
+        let mut next = lcg(seed);
+        let mut v: Vec<u8> = (0..rows * DType::MXFP4.row_bytes(cols).unwrap()).map(|_| next() as u8).collect();
+        for b in v.chunks_exact_mut(17) {
+            b[0] = 110 + (next() % 31) as u8;
+            if edges && next().is_multiple_of(5) {
+                b[0] = [0, 1, 254, 255][(next() % 4) as usize];
+            }
+        }
+        v
+    }
+
+    /// Rows quantized from smooth values (the codes a real quantizer picks).
+    fn quantized_rows(rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+        let v: Vec<f32> =
+            (0..rows * cols).map(|i| (i as f32 * 0.37 + seed as f32).sin() * (1.0 + (i % 97) as f32 * 0.02)).collect();
+        crate::quant::quantize_rows(DType::MXFP4, &v, cols)
+    }
+
+    fn xs(n: usize, seed: u64) -> Vec<f32> {
+        let mut next = lcg(seed);
+        (0..n).map(|i| (next() as f32 / (1u64 << 31) as f32 - 1.0) * [1.0, 0.02, 7.0][i / 96 % 3]).collect()
+    }
+
+    fn check(w: &[u8], rows: usize, cols: usize, n: usize, pool: &ThreadPool) {
+        let m = MatRef::new(DType::MXFP4, rows, cols, w).unwrap();
+        let x = xs(n * cols, 9 + n as u64);
+        let mut want = vec![0f32; n * rows];
+        crate::matmul_ref(m, &x, n, &mut want);
+        for isa in Isa::supported() {
+            let got = matmul_with_isa(isa, pool, m, &x, n);
+            for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(a.to_bits(), b.to_bits(), "{isa:?} {rows}x{cols} n={n} element {i}: {a} vs {b}");
+            }
+        }
+    }
+
+    #[test]
+    fn scales_of_every_exponent_equal_the_reference() {
+        if !Isa::supported().contains(&Isa::Avx2) {
+            return;
+        }
+        for e0 in (0..256).step_by(8) {
+            let e: [u8; 8] = std::array::from_fn(|j| (e0 + j) as u8);
+            let mut got = [0f32; 8];
+            // SAFETY: AVX2 is present (checked above).
+            unsafe {
+                use std::arch::x86_64::*;
+                let v = _mm_loadl_epi64(e.as_ptr() as *const __m128i);
+                _mm256_storeu_ps(got.as_mut_ptr(), super::scales8(v))
+            };
+            for j in 0..8 {
+                assert_eq!(got[j].to_bits(), e8m0_half(e[j]).to_bits(), "exponent {}", e[j]);
+            }
+        }
+    }
+
+    #[test]
+    fn every_isa_matches_the_reference_bit_for_bit() {
+        let pool = ThreadPool::new(2);
+        // Rows left over after groups of four; blocks left over after groups of eight.
+        for rows in 1..=17 {
+            for cols in [32, 416, 2560] {
+                for edges in [false, true] {
+                    let w = random_rows(rows, cols, rows as u64 * 31 + cols as u64 + edges as u64, edges);
+                    for n in [1, 3, 7, 33] {
+                        check(&w, rows, cols, n, &pool);
+                    }
+                }
+            }
+        }
+        let w = quantized_rows(6, 1280, 4);
+        for n in [1, 3, 7, 33] {
+            check(&w, 6, 1280, n, &pool);
+        }
+    }
+
+    #[test]
+    fn batch_and_threads_do_not_change_a_row() {
+        let (rows, cols) = (13, 800);
+        let w = random_rows(rows, cols, 77, true);
+        let m = MatRef::new(DType::MXFP4, rows, cols, &w).unwrap();
+        let x = xs(7 * cols, 1);
+        let mut all = vec![0f32; 7 * rows];
+        crate::matmul(&ThreadPool::new(2), m, &x, 7, &mut all);
+        for t in 0..7 {
+            let mut one = vec![0f32; rows];
+            crate::matmul(&ThreadPool::new(1), m, &x[t * cols..(t + 1) * cols], 1, &mut one);
+            assert!(crate::compare::same_bits(&one, &all[t * rows..(t + 1) * rows]), "token {t}");
+            let mut two = vec![0f32; rows];
+            crate::matmul(&ThreadPool::new(2), m, &x[t * cols..(t + 1) * cols], 1, &mut two);
+            assert!(crate::compare::same_bits(&one, &two), "token {t}, 2 threads");
+        }
+    }
+}
