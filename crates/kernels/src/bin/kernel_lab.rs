@@ -90,11 +90,41 @@ fn check(dtype: DType, isa: Isa) -> Result<f32, String> {
     let mut want = vec![0f32; n * rows];
     matmul_ref(m, &x, n, &mut want);
     let got = sluice_kernels::matmul::matmul_with_isa(isa, &ThreadPool::new(1), m, &x, n);
+    relative_error(&got, &want)
+}
+
+/// The largest |got − want| / max(|want|, 1); a length mismatch or a NaN on either side is an
+/// error, not a small number (`f32::max` would skip a NaN and `zip` a missing tail).
+fn relative_error(got: &[f32], want: &[f32]) -> Result<f32, String> {
+    if got.len() != want.len() {
+        return Err(format!("{} outputs, the reference has {}", got.len(), want.len()));
+    }
     let mut max = 0f32;
-    for (a, b) in got.iter().zip(&want) {
-        max = max.max((a - b).abs() / b.abs().max(1.0));
+    for (i, (a, b)) in got.iter().zip(want).enumerate() {
+        if a.is_nan() || b.is_nan() {
+            return Err(format!("NaN at output {i} ({a} vs reference {b})"));
+        }
+        let e = if a == b { 0.0 } else { (a - b).abs() / b.abs().max(1.0) };
+        if e.is_nan() || e > max {
+            max = if e.is_nan() { f32::INFINITY } else { e };
+        }
     }
     Ok(max)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::relative_error;
+
+    #[test]
+    fn a_nan_or_a_missing_output_fails_the_check() {
+        assert_eq!(relative_error(&[1.0, 2.0], &[1.0, 2.0]), Ok(0.0));
+        assert!(relative_error(&[1.0, f32::NAN], &[1.0, 2.0]).is_err());
+        assert!(relative_error(&[1.0, 2.0], &[1.0, f32::NAN]).is_err());
+        assert!(relative_error(&[1.0], &[1.0, 2.0]).is_err());
+        assert_eq!(relative_error(&[f32::INFINITY], &[1.0]), Ok(f32::INFINITY));
+        assert!(relative_error(&[3.0], &[2.0]).unwrap() > 0.4);
+    }
 }
 
 fn main() {
