@@ -13,6 +13,8 @@ mod iq_tables;
 #[cfg(target_arch = "x86_64")]
 mod iq_x86;
 #[cfg(target_arch = "x86_64")]
+mod k23_x86;
+#[cfg(target_arch = "x86_64")]
 mod mxfp4_x86;
 #[cfg(target_arch = "x86_64")]
 mod x86;
@@ -91,6 +93,11 @@ pub(crate) fn matmul_quant_isa(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, x: &[
     #[cfg(target_arch = "x86_64")]
     if isa >= Isa::Avx2 && w.dtype == DType::MXFP4 {
         return mxfp4_x86::matmul(pool, w, &act, n, o);
+    }
+    // Q2_K and Q3_K: their own AVX2 kernels (which serve the AVX-512 level too).
+    #[cfg(target_arch = "x86_64")]
+    if isa >= Isa::Avx2 && matches!(w.dtype, DType::Q2_K | DType::Q3_K) {
+        return k23_x86::matmul(pool, w, &act, n, o);
     }
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx512 && crate::cpu::has_vnni() && n >= GEMM_MIN_TOKENS && gemm_supports(w.dtype) {

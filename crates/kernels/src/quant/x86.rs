@@ -52,7 +52,7 @@ pub(crate) unsafe fn fifth_bits(qh: u32) -> __m256i {
 ///
 /// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
 #[inline(always)]
-unsafe fn reduce8x8(a: &[__m256i; 8]) -> __m256i {
+pub(crate) unsafe fn reduce8x8(a: &[__m256i; 8]) -> __m256i {
     let h1 = _mm256_hadd_epi32(a[0], a[1]);
     let h2 = _mm256_hadd_epi32(a[2], a[3]);
     let h3 = _mm256_hadd_epi32(a[4], a[5]);
