@@ -6,6 +6,8 @@
 //! product runs block by block through `dot_ref::accumulate`, whatever the ISA or tile.
 
 pub mod act;
+#[cfg(target_arch = "x86_64")]
+mod block32_x86;
 pub mod blocks;
 pub mod dot_ref;
 pub mod iq;
@@ -103,13 +105,11 @@ pub(crate) fn matmul_quant_isa(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, x: &[
     if isa == Isa::Avx512 && crate::cpu::has_vnni() && n >= GEMM_MIN_TOKENS && gemm_supports(w.dtype) {
         return gemm_tiled(pool, w, &act, n, o);
     }
+    // The 32-element block formats: their own AVX2 kernels (which serve the AVX-512 level too,
+    // where the tiled kernel above does not apply).
     #[cfg(target_arch = "x86_64")]
-    if n == 1 && isa >= Isa::Avx2 && w.dtype == DType::Q8_0 {
-        return decode_q8_q16(pool, w, &act, o);
-    }
-    #[cfg(target_arch = "x86_64")]
-    if n == 1 && isa >= Isa::Avx2 && is_block32(w.dtype) {
-        return decode32(pool, w, &act, o);
+    if isa >= Isa::Avx2 && is_block32(w.dtype) {
+        return block32_x86::matmul(pool, w, &act, n, o);
     }
     #[cfg(target_arch = "x86_64")]
     if n == 1 && isa >= Isa::Avx2 && matches!(w.dtype, DType::Q4_K | DType::Q5_K | DType::Q6_K) {
@@ -166,62 +166,6 @@ fn rows_by_four(pool: &ThreadPool, w: MatRef<'_>, o: SendPtr, f: impl Fn(&[u8], 
     });
 }
 
-/// One token against a 32-block matrix, four rows at a time.
-#[cfg(target_arch = "x86_64")]
-fn decode32(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, o: SendPtr) {
-    let rb = w.row_bytes();
-    let vl = crate::cpu::isa() == Isa::Avx512;
-    rows_by_four(pool, w, o, |wr, k, vals| {
-        macro_rules! go {
-            ($f:ident, $dt:expr) => {
-                match k {
-                    4 => x86::$f::<4, { $dt }>(wr, rb, act, vals),
-                    3 => x86::$f::<3, { $dt }>(wr, rb, act, vals),
-                    2 => x86::$f::<2, { $dt }>(wr, rb, act, vals),
-                    _ => x86::$f::<1, { $dt }>(wr, rb, act, vals),
-                }
-            };
-        }
-        macro_rules! by_type {
-            ($f:ident) => {
-                match w.dtype {
-                    DType::Q4_0 => go!($f, 2),
-                    DType::Q4_1 => go!($f, 3),
-                    DType::Q5_0 => go!($f, 6),
-                    DType::Q5_1 => go!($f, 7),
-                    _ => go!($f, 8),
-                }
-            };
-        }
-        // SAFETY: AVX2/FMA/F16C (and AVX-512 for `_vl`) were detected; `wr` holds k whole rows.
-        unsafe {
-            if vl {
-                by_type!(rows32_decode_vl)
-            } else {
-                by_type!(rows32_decode)
-            }
-        }
-    });
-}
-
-/// One token against a Q8_0 matrix (Q16 activations), four rows at a time.
-#[cfg(target_arch = "x86_64")]
-fn decode_q8_q16(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, o: SendPtr) {
-    let rb = w.row_bytes();
-    rows_by_four(pool, w, o, |wr, k, vals| {
-        // SAFETY: AVX2/FMA/F16C were detected; `wr` holds k whole rows; activation rows are
-        // padded to whole groups of eight blocks.
-        unsafe {
-            match k {
-                4 => x86::rows_q8_q16_decode::<4>(wr, rb, act, vals),
-                3 => x86::rows_q8_q16_decode::<3>(wr, rb, act, vals),
-                2 => x86::rows_q8_q16_decode::<2>(wr, rb, act, vals),
-                _ => x86::rows_q8_q16_decode::<1>(wr, rb, act, vals),
-            }
-        }
-    });
-}
-
 /// One token against a Q4_K, Q5_K or Q6_K matrix, four rows at a time.
 #[cfg(target_arch = "x86_64")]
 fn decode_k(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, o: SendPtr) {
@@ -253,7 +197,7 @@ fn decode_k(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, o: SendPtr) {
 const GEMM_MIN_TOKENS: usize = 4;
 
 /// Formats the VNNI tiled kernel takes (Q8_0, paired with 16-bit activations, runs on the
-/// AVX2 row kernel).
+/// AVX2 kernels of `block32_x86`).
 fn gemm_supports(dtype: DType) -> bool {
     matches!(dtype, DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q4_K | DType::Q5_K | DType::Q6_K)
 }
@@ -307,8 +251,6 @@ fn row_tokens(isa: Isa, dtype: DType, row: &[u8], act: &QuantAct, toks: std::ops
         // full sizes (checked by MatRef::new and QuantAct::new).
         unsafe {
             match dtype {
-                DType::Q8_0 => return x86::row_q8_q16(row, act, toks, out),
-                DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 => return x86::row32(dtype, row, act, toks, out),
                 DType::Q4_K | DType::Q5_K => return x86::row_q4k_q5k(dtype == DType::Q5_K, row, act, toks, out),
                 DType::Q6_K => return x86::row_q6k(row, act, toks, out),
                 _ => {}
