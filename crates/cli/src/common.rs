@@ -167,7 +167,12 @@ impl SpecArgs {
     pub fn load_draft(&self, model: &ModelArgs, target: &Engine) -> Result<Option<Engine>> {
         let Some(path) = &self.draft_model else { return Ok(None) };
         let args = ModelArgs { model: path.clone(), ctx: target.new_state().max_len(), ..model.clone() };
-        let opts = EngineOptions { threads: args.threads, max_context: args.ctx, experts: ExpertOptions::default(), mtp: false };
+        let opts = EngineOptions {
+            threads: args.threads,
+            max_context: args.ctx,
+            experts: ExpertOptions::default(),
+            mtp: false,
+        };
         let e = Engine::load(path, opts).with_context(|| format!("loading the draft model {}", path.display()))?;
         Ok(Some(e))
     }
@@ -293,8 +298,7 @@ impl ModelArgs {
 
     /// Loads the model, with its multi-token-prediction head when `mtp`.
     pub fn load_with_mtp(&self, mtp: bool) -> Result<Engine> {
-        let opts =
-            EngineOptions { threads: self.threads, max_context: self.ctx, experts: self.expert_options()?, mtp };
+        let opts = EngineOptions { threads: self.threads, max_context: self.ctx, experts: self.expert_options()?, mtp };
         let e = Engine::load(&self.model, opts).with_context(|| format!("loading {}", self.model.display()))?;
         if e.model.cfg.is_moe() {
             eprintln!("sluice: {}", e.placement);

@@ -25,7 +25,12 @@ fn engine(path: &Path, streamed: bool, mtp: bool) -> Engine {
     let mut experts = ExpertOptions { mode: ExpertMode::Resident, pressure: false, ..Default::default() };
     if streamed {
         let slot = slot_bytes(path);
-        experts = ExpertOptions { mode: ExpertMode::Stream, cache_bytes: Some(slot as u64), pressure: false, ..Default::default() };
+        experts = ExpertOptions {
+            mode: ExpertMode::Stream,
+            cache_bytes: Some(slot as u64),
+            pressure: false,
+            ..Default::default()
+        };
     }
     Engine::load(path, EngineOptions { threads: 1, max_context: 256, experts, mtp }).unwrap()
 }
@@ -184,7 +189,8 @@ fn draft_model_refusals_happen_and_stay_lossless() {
 
 #[test]
 fn mtp_greedy_is_lossless() {
-    for (m, streamed) in [("qwen3_next", false), ("qwen3_next", true), ("glm4_moe_mtp", false), ("glm4_moe_mtp", true)] {
+    for (m, streamed) in [("qwen3_next", false), ("qwen3_next", true), ("glm4_moe_mtp", false), ("glm4_moe_mtp", true)]
+    {
         let e = engine(&golden(m), streamed, true);
         let prompt = repetitive_prompt(384);
         let plain = plain_greedy(&e, &prompt, 32);
@@ -251,7 +257,12 @@ fn sampling(seed: u64) -> GenerateOptions {
     }
 }
 
-fn sampled_joint(e: &Engine, prompt: &[u32], n: u64, spec_run: Option<(&mut dyn spec::Proposer, &SpecOptions)>) -> HashMap<(u32, u32), u64> {
+fn sampled_joint(
+    e: &Engine,
+    prompt: &[u32],
+    n: u64,
+    spec_run: Option<(&mut dyn spec::Proposer, &SpecOptions)>,
+) -> HashMap<(u32, u32), u64> {
     let mut kv = e.new_state();
     match spec_run {
         None => joint(n, |seed| generate(e, &mut kv, prompt, &sampling(seed), &mut |_| true, None).unwrap().tokens),
@@ -324,15 +335,20 @@ fn bad_settings_are_refused_with_reasons() {
     let opts = greedy_opts(4);
     // Another vocabulary: another size, or the same size with other tokens.
     let other = engine(&synthetic_model("spec-vocab", sluice_model::synth::QuantMix::Q4KM), false, false);
-    let err = spec::proposer(SpecMethod::Draft, &e, Some(other), &opts, &SpecOptions::default()).err().unwrap().to_string();
+    let err =
+        spec::proposer(SpecMethod::Draft, &e, Some(other), &opts, &SpecOptions::default()).err().unwrap().to_string();
     assert!(err.contains("vocabulary") && err.contains("512") && err.contains("384"), "{err}");
     let other = engine(&synthetic_384(), false, false);
-    let err = spec::proposer(SpecMethod::Draft, &e, Some(other), &opts, &SpecOptions::default()).err().unwrap().to_string();
+    let err =
+        spec::proposer(SpecMethod::Draft, &e, Some(other), &opts, &SpecOptions::default()).err().unwrap().to_string();
     assert!(err.contains("vocabulary") && err.contains("token "), "{err}");
     // No head.
     let err = spec::proposer(SpecMethod::Mtp, &e, None, &opts, &SpecOptions::default()).err().unwrap().to_string();
     assert!(err.contains("multi-token-prediction head"), "{err}");
-    let err = Engine::load(&golden("qwen3_5_moe"), EngineOptions { threads: 1, mtp: true, ..Default::default() }).err().unwrap().to_string();
+    let err = Engine::load(&golden("qwen3_5_moe"), EngineOptions { threads: 1, mtp: true, ..Default::default() })
+        .err()
+        .unwrap()
+        .to_string();
     assert!(err.contains("no multi-token-prediction head"), "{err}");
     // No drafts.
     let so = SpecOptions { draft_max: 0, ..Default::default() };
@@ -340,7 +356,8 @@ fn bad_settings_are_refused_with_reasons() {
     assert!(err.contains("--draft-max"), "{err}");
     let mut p = spec::ngram::NgramProposer::new(2, 4);
     let mut kv = e.new_state();
-    let err = spec::generate_spec(&e, &mut kv, &[1, 2], &opts, &so, &mut p, &mut |_, _| true).err().unwrap().to_string();
+    let err =
+        spec::generate_spec(&e, &mut kv, &[1, 2], &opts, &so, &mut p, &mut |_, _| true).err().unwrap().to_string();
     assert!(err.contains("--draft-max"), "{err}");
     let so = SpecOptions { draft_min: 9, draft_max: 4, ..Default::default() };
     assert!(so.validate().unwrap_err().contains("--draft-min"));

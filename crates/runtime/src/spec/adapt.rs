@@ -44,7 +44,16 @@ pub const REASON_FIXED: &str = "fixed (--draft-max)";
 
 impl Adapt {
     pub fn new(min: usize, max: usize, adaptive: bool) -> Adapt {
-        Adapt { min, max, adaptive, accept: vec![PRIOR_ACCEPT; max], cost: vec![None; max + 1], seen: vec![0; max + 1], draft_cost: None, rounds: 0 }
+        Adapt {
+            min,
+            max,
+            adaptive,
+            accept: vec![PRIOR_ACCEPT; max],
+            cost: vec![None; max + 1],
+            seen: vec![0; max + 1],
+            draft_cost: None,
+            rounds: 0,
+        }
     }
 
     /// The draft length for the next round, at most `room`, and why.

@@ -243,9 +243,24 @@ impl SpecStats {
         v["acceptance"] = self.acceptance().into();
         v["tokens_per_pass"] = self.tokens_per_pass().into();
         v["mean_k_chosen"] = (self.chosen_sum as f64 / self.rounds.max(1) as f64).into();
-        v["chosen_k"] = self.chosen.iter().map(|(k, n)| (k.to_string(), serde_json::json!(n))).collect::<serde_json::Map<_, _>>().into();
-        v["k_reasons"] = self.reasons.iter().map(|(k, n)| (k.to_string(), serde_json::json!(n))).collect::<serde_json::Map<_, _>>().into();
-        v["draft_stops"] = self.stops.iter().map(|(k, n)| (k.to_string(), serde_json::json!(n))).collect::<serde_json::Map<_, _>>().into();
+        v["chosen_k"] = self
+            .chosen
+            .iter()
+            .map(|(k, n)| (k.to_string(), serde_json::json!(n)))
+            .collect::<serde_json::Map<_, _>>()
+            .into();
+        v["k_reasons"] = self
+            .reasons
+            .iter()
+            .map(|(k, n)| (k.to_string(), serde_json::json!(n)))
+            .collect::<serde_json::Map<_, _>>()
+            .into();
+        v["draft_stops"] = self
+            .stops
+            .iter()
+            .map(|(k, n)| (k.to_string(), serde_json::json!(n)))
+            .collect::<serde_json::Map<_, _>>()
+            .into();
         v["accepted_by_position"] =
             self.by_position.iter().map(|(d, a)| serde_json::json!([d, a])).collect::<Vec<_>>().into();
         v["reruns"] = self.reruns.into();
@@ -272,7 +287,8 @@ impl SpecStats {
             self.verify_secs,
             self.reruns
         );
-        let list = |m: &BTreeMap<&'static str, u64>| m.iter().map(|(k, n)| format!("{k} ×{n}")).collect::<Vec<_>>().join(", ");
+        let list =
+            |m: &BTreeMap<&'static str, u64>| m.iter().map(|(k, n)| format!("{k} ×{n}")).collect::<Vec<_>>().join(", ");
         s.push_str(&format!(
             "\n  chosen k: {}",
             self.chosen.iter().map(|(k, n)| format!("{k}×{n}")).collect::<Vec<_>>().join(" ")
@@ -282,7 +298,10 @@ impl SpecStats {
             s.push_str(&format!("\n  drafts cut short: {}", list(&self.stops)));
         }
         if self.verify_misses > 0 {
-            s.push_str(&format!("\n  expert misses in verify passes: {:.1} per pass", self.verify_misses as f64 / self.rounds.max(1) as f64));
+            s.push_str(&format!(
+                "\n  expert misses in verify passes: {:.1} per pass",
+                self.verify_misses as f64 / self.rounds.max(1) as f64
+            ));
         }
         s
     }
@@ -341,7 +360,11 @@ pub fn generate_spec(
     let prefill_secs = t0.elapsed().as_secs_f64();
 
     let t1 = Instant::now();
-    let mut stats = SpecStats { method: proposer.method().as_str(), by_position: vec![(0, 0); spec.draft_max], ..Default::default() };
+    let mut stats = SpecStats {
+        method: proposer.method().as_str(),
+        by_position: vec![(0, 0); spec.draft_max],
+        ..Default::default()
+    };
     let mut adapt = adapt::Adapt::new(spec.draft_min, spec.draft_max, spec.adaptive);
     let mut sampler = Sampler::new(opts.sampler.clone());
     let mut ctx: Vec<u32> = prompt.to_vec();

@@ -151,7 +151,8 @@ mod tests {
         let n = 60000;
         for _ in 0..n {
             let x = s.draw(&q);
-            let t = if accept(&mut s, &p, x, Some(&q), Acceptance::Exact) { x } else { s.draw(&residual(&p, x, Some(&q))) };
+            let t =
+                if accept(&mut s, &p, x, Some(&q), Acceptance::Exact) { x } else { s.draw(&residual(&p, x, Some(&q))) };
             counts[t as usize] += 1;
         }
         for (i, want) in [0.5, 0.3, 0.2].iter().enumerate() {
