@@ -74,7 +74,7 @@ impl Adapt {
             }
         }
         let k = best.0;
-        if k < hi && self.rounds % 8 == 0 {
+        if k < hi && self.rounds & 7 == 0 {
             return (k + 1, REASON_EXPLORE);
         }
         (k, if k == hi && hi < self.max { REASON_LIMIT } else { REASON_BEST })
