@@ -142,7 +142,7 @@ def parse_peer(text, spec):
 
 
 def peer_run(d, tool, args, a, spec):
-    cmd = [os.path.join(d, tool), "-t", str(a.threads), "-n", str(a.gen), "--temp", "0", "-p", PROMPT, "-c", "4096"] + args
+    cmd = [os.path.join(d, tool), "-m", a.model, "-t", str(a.threads), "-n", str(a.gen), "--temp", "0", "-p", PROMPT, "-c", "4096"] + args
     r = lib.run(cmd, env=lib.peer_env(d))
     return cmd, parse_peer(r["out"] + "\n" + r["err"], spec)
 
@@ -159,6 +159,7 @@ def main():
     ap.add_argument("-n", "--gen", type=int, default=512, help="most tokens to generate (all tools stop at end of turn)")
     ap.add_argument("--draft-type", default="Q2_K", help="llama-quantize type of the draft model made from the target")
     ap.add_argument("--draft-max", type=int, default=8, help="sluice's --draft-max and llama.cpp's --draft-max")
+    ap.add_argument("--only", help="comma-separated subset of the runs (sluice_plain, sluice_ngram, sluice_draft, llama_plain, llama_lookup, llama_speculative), to check the script")
     lib.add_common_args(ap)
     a = ap.parse_args()
     state = lib.check_tree(a.allow_dirty)
@@ -179,6 +180,8 @@ def main():
             "llama_lookup": lambda: peer_run(peer, "llama-lookup", ["--draft-max", dm], a, True),
             "llama_speculative": lambda: peer_run(peer, "llama-speculative", ["-md", draft, "--draft-max", dm, "-td", str(a.threads)], a, True),
         }
+        if a.only:
+            tools = {k: v for k, v in tools.items() if k in a.only.split(",")}
         rounds, cmds = [], {}
         same_tokens = True
         for i in range(a.rounds):
@@ -191,15 +194,21 @@ def main():
                 if len(res) > 2:
                     outs[name] = res[2]
                 lib.log(f"  {name}: {r[name]['decode_tok_s']:.2f} tok/s" + (f", acceptance {100 * r[name]['acceptance']:.1f}%" if "acceptance" in r[name] else ""))
-            same_tokens &= outs["sluice_plain"] == outs["sluice_ngram"] == outs["sluice_draft"]
+            if len(outs) > 1:
+                same_tokens &= all(o == list(outs.values())[0] for o in outs.values())
             rounds.append(r)
         med = lambda k, m: lib.summary([r[k][m] for r in rounds])["median"]
-        sp = {
-            "sluice_ngram": speedups(rounds, "sluice_plain", "sluice_ngram"),
-            "sluice_draft": speedups(rounds, "sluice_plain", "sluice_draft"),
-            "llama_lookup": speedups(rounds, "llama_plain", "llama_lookup"),
-            "llama_speculative": speedups(rounds, "llama_plain", "llama_speculative"),
+        pairs = {
+            "sluice_ngram": "sluice_plain",
+            "sluice_draft": "sluice_plain",
+            "llama_lookup": "llama_plain",
+            "llama_speculative": "llama_plain",
         }
+        sp = {k: speedups(rounds, base, k) for k, base in pairs.items() if k in tools and base in tools}
+        ratios = {}
+        for name, (x, y) in {"ngram_vs_lookup": ("sluice_ngram", "llama_lookup"), "draft_vs_speculative": ("sluice_draft", "llama_speculative")}.items():
+            if x in sp and y in sp:
+                ratios[name] = sp[x]["median"] / sp[y]["median"]
         result = lib.header("spec-" + os.path.splitext(os.path.basename(a.model))[0], state, a.dry_run)
         result.update(
             {
@@ -220,10 +229,7 @@ def main():
                 "decode_tok_s": {k: med(k, "decode_tok_s") for k in tools},
                 "acceptance": {k: med(k, "acceptance") for k in tools if "acceptance" in rounds[0][k]},
                 "speedups": sp,
-                "speedup_ratios": {
-                    "ngram_vs_lookup": sp["sluice_ngram"]["median"] / sp["llama_lookup"]["median"],
-                    "draft_vs_speculative": sp["sluice_draft"]["median"] / sp["llama_speculative"]["median"],
-                },
+                "speedup_ratios": ratios,
                 "rounds": rounds,
             }
         )

@@ -46,7 +46,14 @@ pub fn main(a: Args) -> Result<()> {
     if method.is_some() && a.trace.is_some() {
         bail!("--trace records plain decoding; leave out --spec to trace");
     }
-    let mut engine = a.model.load_with_mtp(method == Some(sluice_runtime::spec::SpecMethod::Mtp))?;
+    let mtp = method == Some(sluice_runtime::spec::SpecMethod::Mtp);
+    let mut engine = a.model.load_with_mtp(mtp).map_err(|e| {
+        if mtp {
+            e.context("--spec mtp drafts with the model's multi-token-prediction head")
+        } else {
+            e
+        }
+    })?;
     let mut opts = a.sampling.generate_options();
     let render = a.chat_args.render_options()?;
     let prompt = match (&a.prompt, &a.prompt_tokens) {
