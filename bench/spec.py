@@ -177,8 +177,8 @@ def main():
             "sluice_ngram": lambda: sluice_run(exe, a.model, a, ["--spec", "ngram", "--draft-max", dm]),
             "sluice_draft": lambda: sluice_run(exe, a.model, a, ["--spec", "draft", "--draft-model", draft, "--draft-max", dm]),
             "llama_plain": lambda: peer_run(peer, "llama-completion", ["-no-cnv"], a, False),
-            "llama_lookup": lambda: peer_run(peer, "llama-lookup", ["--draft-max", dm], a, True),
-            "llama_speculative": lambda: peer_run(peer, "llama-speculative", ["-md", draft, "--draft-max", dm, "-td", str(a.threads)], a, True),
+            "llama_lookup": lambda: peer_run(peer, "llama-lookup", ["--spec-draft-n-max", dm], a, True),
+            "llama_speculative": lambda: peer_run(peer, "llama-speculative", ["-md", draft, "--spec-draft-n-max", dm, "-td", str(a.threads)], a, True),
         }
         if a.only:
             tools = {k: v for k, v in tools.items() if k in a.only.split(",")}

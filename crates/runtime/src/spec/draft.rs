@@ -57,6 +57,16 @@ impl DraftModel {
     pub fn engine(&self) -> &Engine {
         &self.engine
     }
+
+    /// Runs `tokens` after what the state holds, in chunks; the last row's logits if `last`.
+    fn catch_up(&mut self, tokens: &[u32], last: bool) -> Result<Vec<f32>> {
+        let mut logits = Vec::new();
+        for (i, c) in tokens.chunks(256).enumerate() {
+            let want = if last && (i + 1) * 256 >= tokens.len() { Logits::Last } else { Logits::None };
+            logits = self.engine.model.forward(&mut self.state, c, want, None)?;
+        }
+        Ok(logits)
+    }
 }
 
 /// Refuses a draft model whose vocabulary is not the target's: the same number of tokens
@@ -121,7 +131,6 @@ impl Proposer for DraftModel {
     }
 
     fn propose(&mut self, context: &[u32], k: usize, out: &mut Draft) -> Result<()> {
-        let model = &self.engine.model;
         if context.len() > self.state.max_len() {
             out.stop = Some("draft model's context full");
             return Ok(());
@@ -131,16 +140,13 @@ impl Proposer for DraftModel {
         let common = self.done.iter().zip(context).take_while(|(a, b)| a == b).count().min(context.len() - 1);
         let kept = rewind_state(&mut self.state, common, self.snap.as_ref())?;
         self.done.truncate(kept);
-        let mut logits = Vec::new();
-        let rest = &context[kept..];
-        for (i, c) in rest.chunks(256).enumerate() {
-            let last = (i + 1) * 256 >= rest.len();
-            logits = model.forward(&mut self.state, c, if last { Logits::Last } else { Logits::None }, None)?;
-        }
+        let mut logits = self.catch_up(&context[kept..], true)?;
         self.done = context.to_vec();
         self.base = context.len();
         self.proposed = true;
         self.snap = self.state.rewinds_by_snapshot().then(|| self.state.snapshot());
+        let t0 = std::time::Instant::now();
+        let model = &self.engine.model;
         for i in 0..k {
             let (t, q, conf) = draw(&mut self.sampler, &logits);
             if conf < self.p_min as f64 {
@@ -157,6 +163,20 @@ impl Proposer for DraftModel {
             }
             logits = model.forward(&mut self.state, &[t], Logits::Last, None)?;
             self.done.push(t);
+        }
+        out.drafting_secs = Some(t0.elapsed().as_secs_f64());
+        Ok(())
+    }
+
+    fn start(&mut self, prompt_head: &[u32], _prompt_hidden: Option<&[f32]>) -> Result<()> {
+        // Run what the target ran, so that the first draft has only the last token to run.
+        let keep = self.done.iter().zip(prompt_head).take_while(|(a, b)| a == b).count();
+        let kept = rewind_state(&mut self.state, keep, self.snap.as_ref())?;
+        self.done.truncate(kept);
+        self.proposed = false;
+        if prompt_head.len() > kept && prompt_head.len() < self.state.max_len() {
+            self.catch_up(&prompt_head[kept..], false)?;
+            self.done = prompt_head.to_vec();
         }
         Ok(())
     }

@@ -141,6 +141,10 @@ pub struct Draft {
     pub dists: Vec<Option<Candidates>>,
     /// Why it stopped before the length asked for, if it did.
     pub stop: Option<&'static str>,
+    /// Seconds spent drawing the drafted tokens, where the proposer tells them apart from
+    /// catching up on the tokens before (which the draft-length choice does not charge per
+    /// drafted token).
+    pub drafting_secs: Option<f64>,
 }
 
 impl Draft {
@@ -165,9 +169,9 @@ pub trait Proposer {
         false
     }
 
-    /// A new sequence: the target ran every prompt token but the last; `prompt_hidden` holds
-    /// their hidden rows when `wants_hidden`.
-    fn start(&mut self, _prompt_hidden: Option<&[f32]>) -> Result<()> {
+    /// A new sequence: the target ran every prompt token but the last (`prompt_head`);
+    /// `prompt_hidden` holds their hidden rows when `wants_hidden`.
+    fn start(&mut self, _prompt_head: &[u32], _prompt_hidden: Option<&[f32]>) -> Result<()> {
         Ok(())
     }
 
@@ -355,7 +359,7 @@ pub fn generate_spec(
         let (_, h) = model.forward_hidden(kv, c, want, None)?;
         prompt_hidden.extend(h);
     }
-    proposer.start(proposer.wants_hidden().then_some(&prompt_hidden[..]))?;
+    proposer.start(head, proposer.wants_hidden().then_some(&prompt_hidden[..]))?;
     drop(prompt_hidden);
     let prefill_secs = t0.elapsed().as_secs_f64();
 
@@ -382,6 +386,7 @@ pub fn generate_spec(
         *stats.reasons.entry(why).or_default() += 1;
         draft.truncate(0);
         draft.stop = None;
+        draft.drafting_secs = None;
         let td = Instant::now();
         if k > 0 {
             proposer.propose(&ctx, k, &mut draft)?;
@@ -438,7 +443,7 @@ pub fn generate_spec(
         stats.accepted += kept as u64;
         stats.draft_secs += draft_s;
         stats.verify_secs += verify_s;
-        adapt.observe(kd, kept, verify_s, draft_s);
+        adapt.observe(kd, kept, verify_s, draft.drafting_secs.unwrap_or(draft_s));
         proposer.accepted(kept, proposer.wants_hidden().then(|| &hidden[..(kept + 1) * hd]))?;
 
         for (t, row) in out {

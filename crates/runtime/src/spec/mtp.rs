@@ -66,7 +66,7 @@ impl Proposer for MtpProposer<'_> {
         true
     }
 
-    fn start(&mut self, prompt_hidden: Option<&[f32]>) -> Result<()> {
+    fn start(&mut self, _prompt_head: &[u32], prompt_hidden: Option<&[f32]>) -> Result<()> {
         self.state.reset();
         self.queue.clear();
         self.queue.extend_from_slice(prompt_hidden.unwrap_or(&[]));
