@@ -1,5 +1,5 @@
 use crate::common::{
-    expert_stats_json, expert_stats_line, parse_tokens, ChatArgs, ModelArgs, SamplingArgs, TraceObserver,
+    expert_stats_json, expert_stats_line, parse_tokens, ChatArgs, ModelArgs, SamplingArgs, SpecArgs, TraceObserver,
 };
 use anyhow::{bail, Result};
 use sluice_formats::chat_template::parse_tool_calls;
@@ -25,6 +25,8 @@ pub struct Args {
     chat_args: ChatArgs,
     #[command(flatten)]
     sampling: SamplingArgs,
+    #[command(flatten)]
+    spec: SpecArgs,
     /// Print one JSON object at the end instead of streaming text.
     #[arg(long)]
     json: bool,
@@ -40,7 +42,18 @@ pub fn main(a: Args) -> Result<()> {
     if !a.chat && a.chat_args.any() {
         bail!("--system, --chat-template, --tools and --no-thinking apply to chat prompts: add --chat");
     }
-    let mut engine = a.model.load()?;
+    let method = a.spec.method()?;
+    if method.is_some() && a.trace.is_some() {
+        bail!("--trace records plain decoding; leave out --spec to trace");
+    }
+    let mtp = method == Some(sluice_runtime::spec::SpecMethod::Mtp);
+    let mut engine = a.model.load_with_mtp(mtp).map_err(|e| {
+        if mtp {
+            e.context("--spec mtp drafts with the model's multi-token-prediction head")
+        } else {
+            e
+        }
+    })?;
     let mut opts = a.sampling.generate_options();
     let render = a.chat_args.render_options()?;
     let prompt = match (&a.prompt, &a.prompt_tokens) {
@@ -76,7 +89,24 @@ pub fn main(a: Args) -> Result<()> {
         None => None,
     };
     let obs = tracer.as_mut().map(|t| t as &mut dyn sluice_model::trace::Observer);
-    let g = generate(&engine, &mut kv, &prompt, &opts, &mut on_token, obs)?;
+    let (g, spec_stats) = match method {
+        None => (generate(&engine, &mut kv, &prompt, &opts, &mut on_token, obs)?, None),
+        Some(m) => {
+            let spec_opts = a.spec.options();
+            let draft = a.spec.load_draft(&a.model, &engine)?;
+            let mut proposer = sluice_runtime::spec::proposer(m, &engine, draft, &opts, &spec_opts)?;
+            let (g, s) = sluice_runtime::spec::generate_spec(
+                &engine,
+                &mut kv,
+                &prompt,
+                &opts,
+                &spec_opts,
+                proposer.as_mut(),
+                &mut |t, _| on_token(t),
+            )?;
+            (g, Some(s))
+        }
+    };
     if let Some(t) = tracer {
         if let Some(e) = t.error {
             anyhow::bail!("writing the trace: {e}");
@@ -115,6 +145,9 @@ pub fn main(a: Args) -> Result<()> {
         if a.chat_args.tools.is_some() {
             v["tool_calls"] = calls_json.into();
         }
+        if let Some(s) = &spec_stats {
+            v["spec"] = if a.stats { s.details() } else { s.json() };
+        }
         println!("{v}");
     } else {
         if let Some(t) = tok {
@@ -134,6 +167,19 @@ pub fn main(a: Args) -> Result<()> {
         );
         if a.stats && engine.model.cfg.is_moe() {
             eprintln!("[{}]", expert_stats_line(&engine, n_tok));
+        }
+        if let Some(s) = &spec_stats {
+            if a.stats {
+                eprintln!("[{}]", s.lines());
+            } else {
+                eprintln!(
+                    "[spec {}: {} of {} drafted tokens kept, {:.2} tokens per target pass]",
+                    s.method,
+                    s.accepted,
+                    s.drafted,
+                    s.tokens_per_pass()
+                );
+            }
         }
     }
     Ok(())

@@ -7,6 +7,7 @@ use sluice_formats::chat_template::{JsonValue, RenderOptions};
 use sluice_formats::ChatTemplate;
 use sluice_model::expert::ExpertStats;
 use sluice_runtime::placement::{ExpertMode, ExpertOptions};
+use sluice_runtime::spec::{SpecMethod, SpecOptions};
 use sluice_runtime::{Engine, EngineOptions, GenerateOptions, SamplerConfig};
 use std::path::PathBuf;
 
@@ -95,6 +96,85 @@ impl SamplingArgs {
             ignore_eos: self.ignore_eos,
             ..Default::default()
         }
+    }
+}
+
+/// Speculative decoding flags.
+#[derive(ClapArgs, Clone, Debug)]
+pub struct SpecArgs {
+    /// Speculative decoding: draft tokens with `ngram` (lookup in the prompt and the text so
+    /// far), `draft` (a smaller model with the same vocabulary, --draft-model) or `mtp` (the
+    /// checkpoint's multi-token-prediction head) and verify them in one pass of the model.
+    /// Greedy output is the same tokens; sampled output has the same distribution.
+    #[arg(long, value_name = "ngram|draft|mtp")]
+    pub spec: Option<String>,
+    /// The draft model for `--spec draft` (a Hugging Face directory or GGUF file).
+    #[arg(long, value_name = "PATH")]
+    pub draft_model: Option<PathBuf>,
+    /// The most tokens drafted per round.
+    #[arg(long, default_value_t = 8)]
+    pub draft_max: usize,
+    /// The fewest drafted tokens worth verifying (0: decode plainly when drafting does not pay).
+    #[arg(long, default_value_t = 0)]
+    pub draft_min: usize,
+    /// Always draft --draft-max tokens, instead of choosing the length from the measured
+    /// acceptance and verify cost.
+    #[arg(long)]
+    pub draft_fixed: bool,
+    /// A draft model or head stops drafting when its token's probability is below this.
+    #[arg(long, default_value_t = 0.5)]
+    pub draft_p_min: f32,
+    /// The longest n-gram `--spec ngram` looks up.
+    #[arg(long, default_value_t = 4)]
+    pub ngram_max: usize,
+    /// The shortest n-gram `--spec ngram` looks up.
+    #[arg(long, default_value_t = 2)]
+    pub ngram_min: usize,
+}
+
+impl SpecArgs {
+    /// The method asked for, if any (`--draft-model` alone means `draft`).
+    pub fn method(&self) -> Result<Option<SpecMethod>> {
+        let m = match (&self.spec, &self.draft_model) {
+            (None, None) => return Ok(None),
+            (None, Some(_)) => SpecMethod::Draft,
+            (Some(s), _) => SpecMethod::parse(s).map_err(anyhow::Error::msg)?,
+        };
+        if self.draft_model.is_some() && m != SpecMethod::Draft {
+            bail!("--draft-model goes with --spec draft, not --spec {}", m.as_str());
+        }
+        if m == SpecMethod::Draft && self.draft_model.is_none() {
+            bail!("--spec draft needs --draft-model PATH");
+        }
+        self.options().validate().map_err(anyhow::Error::msg)?;
+        Ok(Some(m))
+    }
+
+    pub fn options(&self) -> SpecOptions {
+        SpecOptions {
+            draft_max: self.draft_max,
+            draft_min: self.draft_min,
+            adaptive: !self.draft_fixed,
+            p_min: self.draft_p_min,
+            ngram_min: self.ngram_min,
+            ngram_max: self.ngram_max,
+            ..Default::default()
+        }
+    }
+
+    /// Loads the draft model for `target`, with `model`'s settings (threads, experts) and
+    /// the target's context.
+    pub fn load_draft(&self, model: &ModelArgs, target: &Engine) -> Result<Option<Engine>> {
+        let Some(path) = &self.draft_model else { return Ok(None) };
+        let args = ModelArgs { model: path.clone(), ctx: target.new_state().max_len(), ..model.clone() };
+        let opts = EngineOptions {
+            threads: args.threads,
+            max_context: args.ctx,
+            experts: ExpertOptions::default(),
+            mtp: false,
+        };
+        let e = Engine::load(path, opts).with_context(|| format!("loading the draft model {}", path.display()))?;
+        Ok(Some(e))
     }
 }
 
@@ -213,8 +293,12 @@ impl ModelArgs {
 
 impl ModelArgs {
     pub fn load(&self) -> Result<Engine> {
-        let opts =
-            EngineOptions { threads: self.threads, max_context: self.ctx, experts: self.expert_options()?, mtp: false };
+        self.load_with_mtp(false)
+    }
+
+    /// Loads the model, with its multi-token-prediction head when `mtp`.
+    pub fn load_with_mtp(&self, mtp: bool) -> Result<Engine> {
+        let opts = EngineOptions { threads: self.threads, max_context: self.ctx, experts: self.expert_options()?, mtp };
         let e = Engine::load(&self.model, opts).with_context(|| format!("loading {}", self.model.display()))?;
         if e.model.cfg.is_moe() {
             eprintln!("sluice: {}", e.placement);

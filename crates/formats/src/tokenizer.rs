@@ -39,6 +39,14 @@ impl Tokenizer {
         }
     }
 
+    /// The text of token `id` as the vocabulary stores it.
+    pub fn token_text(&self, id: u32) -> Option<String> {
+        match self {
+            Tokenizer::Hf(t) => t.id_to_token(id),
+            Tokenizer::Gguf(t) => t.token_text(id).map(str::to_string),
+        }
+    }
+
     pub fn token_id(&self, piece: &str) -> Option<u32> {
         match self {
             Tokenizer::Hf(t) => t.token_to_id(piece),

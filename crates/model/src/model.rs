@@ -63,6 +63,9 @@ pub enum Logits {
     None,
     /// Rows `from..n` of this call's tokens.
     From(usize),
+    /// No logits: only the final-normed hidden states of every row (`forward_hidden`), for a
+    /// multi-token-prediction head to read.
+    HiddenOnly,
 }
 
 impl Model {
@@ -305,7 +308,7 @@ impl Model {
         let hd = cfg.hidden;
         let rows = match want {
             Logits::None => return Ok((Vec::new(), Vec::new())),
-            Logits::All => 0..n,
+            Logits::All | Logits::HiddenOnly => 0..n,
             Logits::Last => n - 1..n,
             Logits::From(f) => f.min(n)..n,
         };
@@ -313,13 +316,25 @@ impl Model {
         let mut hn = vec![0f32; m * hd];
         rms_norm_rows(&x[rows.start * hd..rows.end * hd], &self.output_norm, cfg.rms_eps, &mut hn);
         observe(obs, "result_norm", None, &hn, m);
+        if want == Logits::HiddenOnly {
+            return Ok((Vec::new(), hn));
+        }
+        let logits = self.output_logits(&hn);
+        observe(obs, "result_output", None, &logits, m);
+        Ok((logits, hn))
+    }
+
+    /// Logits of final-normed hidden rows (`rows × hidden`, as `forward_hidden` returns them):
+    /// the same bits the forward pass gives for those rows.
+    pub fn output_logits(&self, hn: &[f32]) -> Vec<f32> {
+        let cfg = &self.cfg;
+        let m = hn.len() / cfg.hidden;
         let mut logits = vec![0f32; m * cfg.vocab_size];
-        matmul(&self.pool, self.output.mat(), &hn, m, &mut logits);
+        matmul(&self.pool, self.output.mat(), hn, m, &mut logits);
         if let Some(cap) = cfg.final_logit_softcap {
             logits.iter_mut().for_each(|v| *v = (*v / cap).tanh() * cap);
         }
-        observe(obs, "result_output", None, &logits, m);
-        Ok((logits, hn))
+        logits
     }
 }
 

@@ -177,13 +177,16 @@ impl Model {
         state.commit(n);
         let rows = match want {
             Logits::None => return Ok((Vec::new(), Vec::new())),
-            Logits::All => 0..n,
+            Logits::All | Logits::HiddenOnly => 0..n,
             Logits::Last => n - 1..n,
             Logits::From(f) => f.min(n)..n,
         };
         let m = rows.len();
         let mut hn = vec![0f32; m * hd];
         rms_norm_rows(&x[rows.start * hd..rows.end * hd], &head.norm, eps, &mut hn);
+        if want == Logits::HiddenOnly {
+            return Ok((Vec::new(), hn));
+        }
         let mut logits = vec![0f32; m * self.cfg.vocab_size];
         matmul(&self.pool, self.output.mat(), &hn, m, &mut logits);
         observe(obs, "mtp_logits", Some(l), &logits, m);

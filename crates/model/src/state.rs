@@ -109,6 +109,9 @@ pub struct SeqState {
     max_len: usize,
 }
 
+/// A sliding-window layer's saved tail: its first position, keys and values.
+type Tail = (usize, Vec<f32>, Vec<f32>);
+
 /// A copy of a sequence's state at one length, to return to later.
 #[derive(Clone, Debug)]
 pub struct Snapshot {
@@ -116,7 +119,7 @@ pub struct Snapshot {
     /// Per layer: the committed (conv, s) of recurrent layers.
     recurrent: Vec<Option<(Vec<f32>, Vec<f32>)>>,
     /// Per layer: a sliding-window layer's visible tail (start, keys, values).
-    tails: Vec<Option<(usize, Vec<f32>, Vec<f32>)>>,
+    tails: Vec<Option<Tail>>,
 }
 
 impl Snapshot {

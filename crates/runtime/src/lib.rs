@@ -9,9 +9,10 @@ pub mod generate;
 pub mod perplexity;
 pub mod placement;
 pub mod sampler;
+pub mod spec;
 
 pub use chat::{ChatSession, Turn};
 pub use engine::{Engine, EngineOptions, SourceFormat};
 pub use error::{Result, RuntimeError};
 pub use generate::{generate, generate_cached, prefill, GenerateOptions, Generation, PromptCache, StopReason};
-pub use sampler::{Sampled, Sampler, SamplerConfig};
+pub use sampler::{Candidates, Sampled, Sampler, SamplerConfig};

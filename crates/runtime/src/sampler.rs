@@ -126,7 +126,20 @@ impl Sampler {
     /// reports the pick's log-probability and the `n` most likely tokens'.
     pub fn sample_full(&mut self, logits: &[f32], logprobs: Option<usize>) -> Sampled {
         let mut scratch = std::mem::take(&mut self.scratch);
-        let x: &[f32] = if self.cfg.penalized() && !self.counts.is_empty() {
+        let x = self.penalize(logits, &mut scratch);
+        let token = self.pick(x);
+        let (logprob, top) = match logprobs {
+            Some(n) => log_probs(x, token, n),
+            None => (f32::NAN, Vec::new()),
+        };
+        self.scratch = scratch;
+        self.record(token);
+        Sampled { token, logprob, top }
+    }
+
+    /// `logits` less the penalties of the tokens picked so far (in `scratch` when any apply).
+    fn penalize<'a>(&self, logits: &'a [f32], scratch: &'a mut Vec<f32>) -> &'a [f32] {
+        if self.cfg.penalized() && !self.counts.is_empty() {
             scratch.clear();
             scratch.extend_from_slice(logits);
             for (&t, &c) in &self.counts {
@@ -134,25 +147,59 @@ impl Sampler {
                     *v -= self.cfg.presence_penalty + c as f32 * self.cfg.frequency_penalty;
                 }
             }
-            &scratch
+            scratch
         } else {
             logits
-        };
-        let token = self.pick(x);
-        let (logprob, top) = match logprobs {
-            Some(n) => log_probs(x, token, n),
-            None => (f32::NAN, Vec::new()),
-        };
-        self.scratch = scratch;
+        }
+    }
+
+    /// Counts `token` as picked (for the penalties), as `sample` does with its own picks.
+    pub fn record(&mut self, token: u32) {
         if self.cfg.penalized() {
             *self.counts.entry(token).or_insert(0) += 1;
         }
-        Sampled { token, logprob, top }
+    }
+
+    /// The distribution `sample` would draw the next token from, given `logits` and the
+    /// tokens recorded so far: penalties, temperature, top-k, top-p and min-p applied. Greedy
+    /// sampling is the one-token distribution on the argmax. Nothing is drawn or recorded.
+    pub fn candidates(&mut self, logits: &[f32]) -> Candidates {
+        let mut scratch = std::mem::take(&mut self.scratch);
+        let c = self.candidates_of(self.penalize(logits, &mut scratch));
+        self.scratch = scratch;
+        c
+    }
+
+    /// Draws a token from `c` with this sampler's generator (records nothing; a greedy
+    /// sampler takes the first candidate without drawing).
+    pub fn draw(&mut self, c: &Candidates) -> u32 {
+        if self.is_greedy() {
+            return c.ids[0];
+        }
+        let mut u = self.rng.next_f64() * c.total;
+        for (id, w) in c.ids.iter().zip(&c.weights) {
+            u -= w;
+            if u < 0.0 {
+                return *id;
+            }
+        }
+        *c.ids.last().expect("at least one candidate")
+    }
+
+    /// A uniform number in [0, 1) from this sampler's generator.
+    pub fn uniform(&mut self) -> f64 {
+        self.rng.next_f64()
     }
 
     fn pick(&mut self, logits: &[f32]) -> u32 {
+        let c = self.candidates_of(logits);
+        self.draw(&c)
+    }
+
+    fn candidates_of(&self, logits: &[f32]) -> Candidates {
         if self.is_greedy() {
-            return sluice_kernels::ops::argmax(logits) as u32;
+            let best = sluice_kernels::ops::argmax(logits) as u32;
+            return Candidates { ids: vec![best], weights: vec![1.0], total: 1.0 };
         }
         let t = self.cfg.temperature as f64;
         let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
@@ -181,14 +228,30 @@ impl Sampler {
             keep = p[..keep].iter().take_while(|v| **v >= floor).count().max(1);
         }
         let total: f64 = p[..keep].iter().sum();
-        let mut u = self.rng.next_f64() * total;
-        for i in 0..keep {
-            u -= p[i];
-            if u < 0.0 {
-                return idx[i];
-            }
-        }
-        idx[keep - 1]
+        idx.truncate(keep);
+        p.truncate(keep);
+        Candidates { ids: idx, weights: p, total }
+    }
+}
+
+/// The tokens a sampler may pick next and their weights, best first (weights sum to
+/// `total`; the probability of a token is its weight over `total`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Candidates {
+    pub ids: Vec<u32>,
+    pub weights: Vec<f64>,
+    pub total: f64,
+}
+
+impl Candidates {
+    /// The probability of `token` (0 when it is not a candidate).
+    pub fn prob(&self, token: u32) -> f64 {
+        self.ids.iter().position(|t| *t == token).map_or(0.0, |i| self.weights[i] / self.total)
+    }
+
+    /// The one-token distribution on `token`.
+    pub fn one_hot(token: u32) -> Candidates {
+        Candidates { ids: vec![token], weights: vec![1.0], total: 1.0 }
     }
 }
 

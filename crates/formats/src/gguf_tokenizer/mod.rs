@@ -517,6 +517,11 @@ impl GgufTokenizer {
         self.tokens.len()
     }
 
+    /// The text of token `id` as the vocabulary stores it.
+    pub fn token_text(&self, id: u32) -> Option<&str> {
+        self.tokens.get(id as usize).map(|t| t.as_str())
+    }
+
     /// The id of the token whose text (as stored in the vocabulary) is `piece`.
     pub fn token_id(&self, piece: &str) -> Option<u32> {
         self.token_to_id.get(piece).copied()

@@ -187,7 +187,7 @@ fn mxfp4_expert(st: &SafetensorsModel, base: &str, part: ExpertPart, e: usize) -
             let src = &blocks[(src_row * groups + g) * 16..][..16];
             let dst = &mut out[(r * groups + g) * 17..][..17];
             dst[0] = scale;
-            let code = |k: usize| if k % 2 == 0 { src[k / 2] & 0xF } else { src[k / 2] >> 4 };
+            let code = |k: usize| if k & 1 == 0 { src[k / 2] & 0xF } else { src[k / 2] >> 4 };
             for j in 0..16 {
                 dst[1 + j] = code(j) | (code(j + 16) << 4);
             }

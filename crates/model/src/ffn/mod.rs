@@ -25,6 +25,7 @@ impl DenseFfnWeights {
     }
 }
 
+#[allow(clippy::large_enum_variant)]
 pub enum FfnWeights {
     Dense(DenseFfnWeights),
     Moe(moe::MoeWeights),

@@ -1,0 +1,200 @@
+//! Choosing how many tokens to draft each round.
+//!
+//! The controller keeps running estimates (exponentially weighted) of
+//!
+//! * `a[i]`: the chance the target keeps draft position `i` given it kept the ones before;
+//! * `c(k)`: the wall time of a verify pass over `1 + k` tokens, rewinding included (when
+//!   experts stream, the expert reads the pass waits for are in it), as a line fitted through
+//!   the lengths measured;
+//! * `d`: the proposer's time per drafted token;
+//!
+//! and drafts the `k` in `[draft_min, draft_max]` that maximizes the expected tokens per
+//! second, `(1 + a[1] + a[1]a[2] + … + a[1]…a[k]) / (c(k) + k·d)`. Every eighth round that
+//! stops short of the limit tries one more, so estimates beyond the current choice keep
+//! being measured. With adaptation off it always drafts `draft_max`.
+
+use std::collections::BTreeMap;
+
+/// Weight of a new observation in the running estimates.
+const ALPHA: f64 = 0.15;
+/// The acceptance estimate before any observation.
+const PRIOR_ACCEPT: f64 = 0.6;
+/// A verify pass's extra cost per drafted token, as a fraction of a one-token pass, before
+/// two lengths have been measured.
+const PRIOR_SLOPE: f64 = 0.1;
+
+pub struct Adapt {
+    min: usize,
+    max: usize,
+    adaptive: bool,
+    accept: Vec<f64>,
+    /// Per drafted length 0..=max: the running verify cost in seconds, once measured.
+    cost: Vec<Option<f64>>,
+    /// Per drafted length: how many passes were measured.
+    seen: Vec<u64>,
+    draft_cost: Option<f64>,
+    rounds: u64,
+}
+
+/// Why a round drafted the length it did.
+pub const REASON_BEST: &str = "best expected rate";
+pub const REASON_EXPLORE: &str = "exploring one longer";
+pub const REASON_LIMIT: &str = "token budget or context limit";
+pub const REASON_FIXED: &str = "fixed (--draft-max)";
+
+impl Adapt {
+    pub fn new(min: usize, max: usize, adaptive: bool) -> Adapt {
+        Adapt {
+            min,
+            max,
+            adaptive,
+            accept: vec![PRIOR_ACCEPT; max],
+            cost: vec![None; max + 1],
+            seen: vec![0; max + 1],
+            draft_cost: None,
+            rounds: 0,
+        }
+    }
+
+    /// The draft length for the next round, at most `room`, and why.
+    pub fn choose(&mut self, room: usize) -> (usize, &'static str) {
+        self.rounds += 1;
+        let hi = self.max.min(room);
+        if hi < self.min.max(1) {
+            return (hi, REASON_LIMIT);
+        }
+        if !self.adaptive {
+            return (hi, if hi < self.max { REASON_LIMIT } else { REASON_FIXED });
+        }
+        let mut best = (self.min, f64::MIN);
+        for k in self.min..=hi {
+            let r = self.expected_tokens(k) / self.round_cost(k).max(1e-9);
+            if r > best.1 * (1.0 + 1e-9) {
+                best = (k, r);
+            }
+        }
+        let k = best.0;
+        if k < hi && self.rounds & 7 == 0 {
+            return (k + 1, REASON_EXPLORE);
+        }
+        (k, if k == hi && hi < self.max { REASON_LIMIT } else { REASON_BEST })
+    }
+
+    /// Expected tokens a round with `k` drafts produces: the kept drafts plus the target's own.
+    pub fn expected_tokens(&self, k: usize) -> f64 {
+        let mut e = 1.0;
+        let mut run = 1.0;
+        for a in &self.accept[..k] {
+            run *= a;
+            e += run;
+        }
+        e
+    }
+
+    /// Estimated seconds of a round drafting `k`: drafting plus verifying.
+    pub fn round_cost(&self, k: usize) -> f64 {
+        k as f64 * self.draft_cost.unwrap_or(0.0) + self.verify_cost(k)
+    }
+
+    /// Estimated seconds of a verify pass with `k` drafts: a line `a + b·k` fitted through
+    /// the measured lengths (each weighted by how often it was measured, up to 20), with
+    /// `0 ≤ b ≤ a` (a pass over `1 + k` tokens costs no more than `1 + k` one-token passes),
+    /// so that one noisy measurement does not decide.
+    pub fn verify_cost(&self, k: usize) -> f64 {
+        let seen: Vec<(f64, f64, f64)> = self
+            .cost
+            .iter()
+            .zip(&self.seen)
+            .enumerate()
+            .filter_map(|(k, (c, n))| c.map(|c| (k as f64, c, (*n).min(20) as f64)))
+            .collect();
+        let k = k as f64;
+        match seen.len() {
+            0 => 1.0 + PRIOR_SLOPE * k,
+            1 => {
+                let (k0, c0, _) = seen[0];
+                let a = c0 / (1.0 + PRIOR_SLOPE * k0);
+                a * (1.0 + PRIOR_SLOPE * k)
+            }
+            _ => {
+                let w: f64 = seen.iter().map(|s| s.2).sum();
+                let mx = seen.iter().map(|s| s.2 * s.0).sum::<f64>() / w;
+                let my = seen.iter().map(|s| s.2 * s.1).sum::<f64>() / w;
+                let sxx: f64 = seen.iter().map(|s| s.2 * (s.0 - mx).powi(2)).sum();
+                let sxy: f64 = seen.iter().map(|s| s.2 * (s.0 - mx) * (s.1 - my)).sum();
+                let mut b = if sxx > 0.0 { (sxy / sxx).max(0.0) } else { 0.0 };
+                let mut a = my - b * mx;
+                if a <= 0.0 || b > a {
+                    // Refit with b = a: c = a·(1 + k), least squares in a.
+                    let num: f64 = seen.iter().map(|s| s.2 * s.1 * (1.0 + s.0)).sum();
+                    let den: f64 = seen.iter().map(|s| s.2 * (1.0 + s.0).powi(2)).sum();
+                    a = num / den;
+                    b = a;
+                }
+                (a + b * k).max(1e-9)
+            }
+        }
+    }
+
+    /// Records a round: `drafted` tokens proposed, `kept` of them accepted, the verify pass
+    /// (with its rewind) took `verify_s` and drafting `draft_s`.
+    pub fn observe(&mut self, drafted: usize, kept: usize, verify_s: f64, draft_s: f64) {
+        for i in 0..drafted.min(kept + 1).min(self.max) {
+            let hit = if i < kept { 1.0 } else { 0.0 };
+            self.accept[i] += ALPHA * (hit - self.accept[i]);
+        }
+        self.seen[drafted.min(self.max)] += 1;
+        let c = &mut self.cost[drafted.min(self.max)];
+        *c = Some(match *c {
+            Some(v) => v + ALPHA * (verify_s - v),
+            None => verify_s,
+        });
+        if drafted > 0 {
+            let per = draft_s / drafted as f64;
+            self.draft_cost = Some(match self.draft_cost {
+                Some(v) => v + ALPHA * (per - v),
+                None => per,
+            });
+        }
+    }
+
+    /// The current estimates, for `--stats`.
+    pub fn summary(&self) -> serde_json::Value {
+        let cost: BTreeMap<String, f64> =
+            self.cost.iter().enumerate().filter_map(|(k, c)| c.map(|c| (k.to_string(), c * 1e3))).collect();
+        serde_json::json!({
+            "acceptance_by_position": self.accept,
+            "verify_ms_by_k": cost,
+            "draft_ms_per_token": self.draft_cost.map(|c| c * 1e3),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn long_drafts_when_they_are_kept_and_short_when_not() {
+        let mut a = Adapt::new(0, 8, true);
+        for _ in 0..60 {
+            let (k, _) = a.choose(100);
+            // Everything kept; a pass costs 10 ms plus 1 ms per draft.
+            a.observe(k, k, 0.010 + 0.001 * k as f64, 0.0);
+        }
+        assert_eq!(a.choose(100).0, 8);
+        let mut a = Adapt::new(0, 8, true);
+        for _ in 0..80 {
+            let (k, _) = a.choose(100);
+            // Nothing kept: drafting only costs.
+            a.observe(k, 0, 0.010 + 0.003 * k as f64, 0.002 * k as f64);
+        }
+        let (k, why) = a.choose(100);
+        assert!(k <= 1, "{k} {why}");
+        // Limits and fixed lengths.
+        assert_eq!(a.choose(0).0, 0);
+        let mut f = Adapt::new(2, 5, false);
+        assert_eq!(f.choose(100), (5, REASON_FIXED));
+        assert_eq!(f.choose(3), (3, REASON_LIMIT));
+    }
+}
