@@ -112,21 +112,6 @@ fn relative_error(got: &[f32], want: &[f32]) -> Result<f32, String> {
     Ok(max)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::relative_error;
-
-    #[test]
-    fn a_nan_or_a_missing_output_fails_the_check() {
-        assert_eq!(relative_error(&[1.0, 2.0], &[1.0, 2.0]), Ok(0.0));
-        assert!(relative_error(&[1.0, f32::NAN], &[1.0, 2.0]).is_err());
-        assert!(relative_error(&[1.0, 2.0], &[1.0, f32::NAN]).is_err());
-        assert!(relative_error(&[1.0], &[1.0, 2.0]).is_err());
-        assert_eq!(relative_error(&[f32::INFINITY], &[1.0]), Ok(f32::INFINITY));
-        assert!(relative_error(&[3.0], &[2.0]).unwrap() > 0.4);
-    }
-}
-
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let quick = args.iter().any(|a| a == "--quick");
@@ -369,4 +354,19 @@ fn serde_like(d: DType, threads: usize, rows: usize, cols: usize, gbs: f64, bw: 
         sluice_kernels::cpu::isa().name(),
         gbs / bw
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::relative_error;
+
+    #[test]
+    fn a_nan_or_a_missing_output_fails_the_check() {
+        assert_eq!(relative_error(&[1.0, 2.0], &[1.0, 2.0]), Ok(0.0));
+        assert!(relative_error(&[1.0, f32::NAN], &[1.0, 2.0]).is_err());
+        assert!(relative_error(&[1.0, 2.0], &[1.0, f32::NAN]).is_err());
+        assert!(relative_error(&[1.0], &[1.0, 2.0]).is_err());
+        assert_eq!(relative_error(&[f32::INFINITY], &[1.0]), Ok(f32::INFINITY));
+        assert!(relative_error(&[3.0], &[2.0]).unwrap() > 0.4);
+    }
 }
