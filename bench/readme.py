@@ -62,6 +62,10 @@ def select(results_dir):
             except ValueError as e:
                 raise SystemExit(f"{path}: not JSON ({e})")
         r["_path"] = os.path.relpath(path, ROOT) if os.path.abspath(path).startswith(ROOT + os.sep) else path
+        # The section tabulates the resident and streaming benchmarks; the server and
+        # speculative-decoding results are kept beside them in their own JSON.
+        if not str(r.get("name", "")).startswith(("resident-", "streaming-")):
+            continue
         by_name.setdefault(r.get("name", os.path.basename(path)), []).append(r)
     chosen, missing = [], []
     for name, rs in sorted(by_name.items()):
