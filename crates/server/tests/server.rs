@@ -294,7 +294,13 @@ async fn a_client_that_leaves_frees_its_slot() {
     assert_eq!(next.usage["completion_tokens"], 3);
     assert!(t0.elapsed() < Duration::from_secs(6), "the slot was not freed: {:?}", t0.elapsed());
     assert!(s.metric("sluice_requests_cancelled_total", &[]).await >= before + 1.0);
-    assert_eq!(s.metric("sluice_active_requests", &[]).await, 0.0);
+    // The gauge drops when the scheduler retires the request, just after its last bytes are
+    // sent: give it a moment on a busy machine, but it must reach zero.
+    let t0 = Instant::now();
+    while s.metric("sluice_active_requests", &[]).await != 0.0 {
+        assert!(t0.elapsed() < Duration::from_secs(5), "a request stayed active after every client left");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     s.shutdown();
 }
 
