@@ -14,6 +14,7 @@ mod cmd_synth;
 mod cmd_tokenize;
 mod cmd_trace;
 mod common;
+mod plot;
 
 use clap::{Parser, Subcommand};
 
@@ -53,7 +54,7 @@ enum Cmd {
     Pack(cmd_pack::Args),
     /// Random-read bandwidth of a file with expert-sized direct reads (the streaming bound).
     BenchIo(cmd_bench_io::Args),
-    /// Routing traces: replay one through the cache policies and Belady's optimum.
+    /// Routing traces: locality statistics and plots, and replay through the cache policies and Belady's optimum.
     #[command(subcommand)]
     Trace(cmd_trace::TraceCmd),
 }

@@ -9,6 +9,8 @@
 //! `slot_bytes`, `expert_bytes`, model), then records: u16 layer, u32 position, u16 count,
 //! `count` × u16 expert ids (little endian).
 
+pub mod stats;
+
 use crate::cache::{Cache, Lookup, Policy};
 use std::collections::{BinaryHeap, HashMap, HashSet};
 use std::io::{Read, Write};
@@ -227,6 +229,33 @@ pub fn simulate_belady(reqs: &[(u16, Vec<u16>)], slots: usize) -> SimResult {
     }
     let acc = seq.len() as u64;
     SimResult { policy: "belady".into(), slots, accesses: acc, hits, hit_rate: ratio(hits, acc) }
+}
+
+/// One quota's replay: each policy's result and Belady's, with the bytes each would read.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct QuotaRow {
+    pub slots: usize,
+    pub bytes: u64,
+    /// The policies in `Policy::ALL` order, then Belady's optimum.
+    pub results: Vec<SimResult>,
+    /// Bytes read per token (misses × expert bytes ÷ tokens), in the same order.
+    pub bytes_per_token: Vec<f64>,
+}
+
+/// Replays `reqs` at each slot count; `tokens` is the number of tokens the trace covers.
+pub fn sweep(reqs: &[(u16, Vec<u16>)], h: &TraceHeader, slots: &[usize], tokens: usize) -> Vec<QuotaRow> {
+    slots
+        .iter()
+        .map(|&s| {
+            let mut results: Vec<SimResult> = Policy::ALL.iter().map(|p| simulate_policy(reqs, *p, s)).collect();
+            results.push(simulate_belady(reqs, s));
+            let bytes_per_token = results
+                .iter()
+                .map(|r| (r.accesses - r.hits) as f64 * h.expert_bytes as f64 / tokens.max(1) as f64)
+                .collect();
+            QuotaRow { slots: s, bytes: s as u64 * h.slot_bytes, results, bytes_per_token }
+        })
+        .collect()
 }
 
 #[cfg(test)]
