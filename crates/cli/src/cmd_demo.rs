@@ -4,7 +4,7 @@
 
 use crate::common::{expert_stats_line, parse_size};
 use anyhow::{bail, Context, Result};
-use sluice_model::synth::{builtin_tokenizer, plan, write_model, SynthSpec};
+use sluice_model::synth::{builtin_tokenizer, plan, write_model, Routing, SynthSpec};
 use sluice_model::Logits;
 use sluice_runtime::placement::{ExpertMode, ExpertOptions};
 use sluice_runtime::{Engine, EngineOptions, Sampler, SamplerConfig};
@@ -20,6 +20,9 @@ pub struct Args {
     /// Model shape (see `sluice synth`).
     #[arg(long, default_value = "demo-moe")]
     shape: String,
+    /// How the synthetic model routes: uniform, or skewed (like real models; see `sluice synth`).
+    #[arg(long, default_value = "uniform")]
+    routing: String,
     /// Expert cache size; default: an eighth of the experts.
     #[arg(long)]
     expert_cache: Option<String>,
@@ -61,10 +64,17 @@ fn generate(e: &Engine, prompt: &[u32], n: usize, mut each: impl FnMut(usize, u3
 }
 
 pub fn main(a: Args) -> Result<()> {
-    let spec = SynthSpec::named(&a.shape).with_context(|| format!("unknown shape `{}`", a.shape))?;
+    let mut spec = SynthSpec::named(&a.shape).with_context(|| format!("unknown shape `{}`", a.shape))?;
+    spec.routing = Routing::parse(&a.routing).map_err(|e| anyhow::anyhow!("--routing: {e}"))?;
+    spec.validate().map_err(|e| anyhow::anyhow!("shape {}: {e}", a.shape))?;
     let dir = a.dir.clone().unwrap_or_else(|| cache_dir().join("demo"));
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    let path = dir.join(format!("{}-{}.gguf", spec.name, spec.quant.name().to_lowercase()));
+    // Uniform keeps the name earlier versions wrote; other routings get their own file.
+    let routing = match spec.routing {
+        Routing::Uniform => String::new(),
+        r => format!("-{}", r.name().replace([':', ',', '='], "_")),
+    };
+    let path = dir.join(format!("{}-{}{routing}.gguf", spec.name, spec.quant.name().to_lowercase()));
     let expert_bytes: u64 = plan(&spec).iter().filter(|t| t.name.contains("_exps")).map(|t| t.bytes()).sum();
     if !path.exists() {
         eprintln!("synthesizing {} (once; kept in {})", path.display(), dir.display());

@@ -80,6 +80,9 @@ pub fn main(a: Args) -> Result<()> {
     } else if sluice_runtime::engine::is_gguf(&a.path)? {
         let ck = GgufCheckpoint::open(&a.path)?;
         notes.extend(ck.notes.iter().cloned());
+        if let Some(r) = ck.file.get(sluice_model::synth::ROUTING_KEY).and_then(|v| v.as_str()) {
+            notes.push(sluice_model::synth::routing_caveat(r));
+        }
         let t = ck.file.tensors.iter().map(|t| (t.name.clone(), t.dtype.name().to_string(), t.size as usize)).collect();
         ("gguf", ck.config, t)
     } else {

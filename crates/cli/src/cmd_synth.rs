@@ -53,6 +53,11 @@ pub struct Args {
     tokenizer_from: Option<PathBuf>,
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// How the routers route: `uniform` (each token's experts pseudo-random: pessimistic for a
+    /// cache) or `skewed` (popularity skew, token topics, persistence from token to token; set
+    /// its knobs as `skewed:pop=0.5,topics=32,share=0.7,stay=0.2` — see docs/routing.md).
+    #[arg(long, default_value = "uniform")]
+    routing: String,
     /// Random tokens to route through the written model to report expert-usage entropy (0: skip).
     #[arg(long, default_value_t = 256)]
     check_tokens: usize,
@@ -105,6 +110,7 @@ fn spec_from(a: &Args) -> Result<SynthSpec> {
         s.quant = QuantMix::parse(q).with_context(|| format!("unknown --quant `{q}`"))?;
     }
     s.seed = a.seed;
+    s.routing = sluice_model::synth::Routing::parse(&a.routing).map_err(|e| anyhow::anyhow!("--routing: {e}"))?;
     Ok(s)
 }
 

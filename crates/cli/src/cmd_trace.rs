@@ -243,6 +243,14 @@ fn print_stats(t: &Analysed, per_layer: bool) {
             pct(o.uniform.precision)
         );
     }
+    println!(
+        "  LRU per layer: {} hits with k = {} experts cached per layer, {} with 2k  (uniform {}, {})",
+        pct(o.lru_k),
+        s.n_expert_used,
+        pct(o.lru_2k),
+        pct(o.uniform.lru_k),
+        pct(o.uniform.lru_2k)
+    );
     println!("  {:>8} {:>10} {:>10} {:>9} {:>9}", "window", "distinct", "uniform", "Jaccard", "uniform");
     for w in &o.windows {
         if w.windows == 0 {

@@ -76,6 +76,10 @@ pub struct Overall {
     pub windows: Vec<WindowSummary>,
     pub next_layer_precision: Option<f64>,
     pub popularity_precision: Option<f64>,
+    /// Hit rate of an LRU cache of k and of 2k experts per layer (k experts per token): the
+    /// figure published measurements of real models report most often.
+    pub lru_k: f64,
+    pub lru_2k: f64,
     pub uniform: UniformBaseline,
 }
 
@@ -96,6 +100,33 @@ pub struct UniformBaseline {
     pub top1_repeat: f64,
     pub reuse: f64,
     pub precision: f64,
+    /// LRU of k per layer under uniform routing: k/E.
+    pub lru_k: f64,
+    pub lru_2k: f64,
+}
+
+/// Hits of an LRU cache of `cap` experts replaying one layer's tokens.
+pub fn layer_lru(seq: &[&[u16]], cap: usize) -> (u64, u64) {
+    let mut order: Vec<u16> = Vec::with_capacity(cap + 1); // most recent last
+    let (mut hits, mut acc) = (0u64, 0u64);
+    for s in seq {
+        for e in *s {
+            acc += 1;
+            if let Some(i) = order.iter().position(|x| x == e) {
+                hits += 1;
+                order.remove(i);
+            } else if order.len() == cap {
+                // Evict the least recent expert this token does not use.
+                if let Some(i) = order.iter().position(|x| !s.contains(x)) {
+                    order.remove(i);
+                } else {
+                    order.remove(0);
+                }
+            }
+            order.push(*e);
+        }
+    }
+    (hits, acc)
 }
 
 /// The expert sets of each layer's tokens, in trace order (rank order within a token).
@@ -296,6 +327,12 @@ pub fn stats(h: &TraceHeader, recs: &[Record], windows: &[usize]) -> TraceStats 
     let links: Vec<LayerLink> =
         routed.windows(2).filter_map(|p| link(p[0], p[1], &seqs[p[0]], &seqs[p[1]], ne, k)).collect();
     let coverage = (0..ne).map(|i| mean(layers.iter().map(|l| l.coverage[i]))).collect::<Vec<_>>();
+    let lru = |cap: usize| {
+        mean(routed.iter().map(|l| {
+            let (h, a) = layer_lru(&seqs[*l], cap);
+            h as f64 / a.max(1) as f64
+        }))
+    };
     let wsum = windows
         .iter()
         .enumerate()
@@ -322,10 +359,14 @@ pub fn stats(h: &TraceHeader, recs: &[Record], windows: &[usize]) -> TraceStats 
         windows: wsum,
         next_layer_precision: (!links.is_empty()).then(|| mean(links.iter().map(|l| l.precision))),
         popularity_precision: (!links.is_empty()).then(|| mean(links.iter().map(|l| l.popularity_precision))),
+        lru_k: lru(k),
+        lru_2k: lru(2 * k),
         uniform: UniformBaseline {
             top1_repeat: 1.0 / ne as f64,
             reuse: k as f64 / ne as f64,
             precision: k as f64 / ne as f64,
+            lru_k: (k as f64 / ne as f64).min(1.0),
+            lru_2k: (2.0 * k as f64 / ne as f64).min(1.0),
         },
     };
     TraceStats {
@@ -407,6 +448,9 @@ mod tests {
         assert!((l.windows[0].distinct - 1.5).abs() < 1e-12);
         assert!((l.windows[0].jaccard - 0.5).abs() < 1e-12);
         assert_eq!(s.overall.top20_share, 0.75); // ceil(0.8) = one expert of four
+                                                 // LRU of one expert: hits on the two repeats; of two: on all three zeros after the first.
+        assert!((s.overall.lru_k - 0.5).abs() < 1e-12);
+        assert!((s.overall.lru_2k - 0.5).abs() < 1e-12);
     }
 
     #[test]

@@ -14,7 +14,10 @@
 //! F32 norms, biases and routers), in the formats its quantizer would choose: where a format's
 //! blocks do not divide a tensor's rows, the quantizer's fallback (`fit_rows`).
 
+pub mod routing;
+
 use crate::weights::ExpertPart;
+pub use routing::{Routing, Skew};
 use sluice_formats::gguf::{Array, Value};
 use sluice_kernels::quant::blocks::{pack_scale_min_k4, put_f16};
 use sluice_kernels::DType;
@@ -28,6 +31,10 @@ pub fn routing_caveat(routing: &str) -> String {
         "uniform" => "synthetic model with uniform, token-driven routing: its hit rates and prefetch precision \
                       say nothing about a real model's expert locality"
             .into(),
+        other if other.starts_with("skewed") => format!(
+            "synthetic model with {other} routing: popularity skew, topics and persistence made to resemble published \
+             measurements of real MoE routing; its cache figures are a model of real locality, not a measurement of it"
+        ),
         other => format!("synthetic model ({other} routing): cache figures come from made-up routing"),
     }
 }
@@ -204,6 +211,8 @@ pub struct SynthSpec {
     pub rope_theta: f32,
     pub quant: QuantMix,
     pub seed: u64,
+    /// How the routers route (see `routing`).
+    pub routing: Routing,
     /// Hybrid shapes: the DeltaNet layers' dimensions.
     pub delta: Option<SynthDelta>,
     /// DeepSeek-style routing (GLM-4.5, DeepSeek-V3).
@@ -243,6 +252,7 @@ impl SynthSpec {
             rope_theta: 1_000_000.0,
             quant: QuantMix::Q4KM,
             seed: 1,
+            routing: Routing::Uniform,
             delta: None,
             grouped: None,
             mla: None,
@@ -453,6 +463,13 @@ impl SynthSpec {
     }
 
     pub fn validate(&self) -> Result<(), String> {
+        if matches!(self.routing, Routing::Skewed(_)) && routing::model_span(self) == 0 {
+            return Err(format!(
+                "skewed routing needs a hidden size of at least two blocks of the embedding and output formats (hidden {}, {})",
+                self.hidden,
+                self.quant.name()
+            ));
+        }
         let pos = [self.n_layer, self.hidden, self.n_head, self.n_head_kv, self.head_dim, self.n_expert, self.vocab];
         if pos.contains(&0) || self.n_expert_used == 0 || self.expert_ff == 0 {
             return Err("every dimension must be positive".into());
@@ -843,7 +860,7 @@ pub fn metadata(s: &SynthSpec) -> Vec<(String, Value)> {
         ("general.architecture".to_string(), Value::String(a.into())),
         ("general.name".to_string(), Value::String(format!("sluice synthetic {} {}", s.name, s.quant.name()))),
         ("general.quantization_version".to_string(), Value::U32(2)),
-        (ROUTING_KEY.to_string(), Value::String("uniform".into())),
+        (ROUTING_KEY.to_string(), Value::String(s.routing.name())),
         (k("block_count"), u(s.n_layer)),
         (k("context_length"), u(s.context)),
         (k("embedding_length"), u(s.hidden)),
@@ -1006,6 +1023,11 @@ pub fn write_model(
             let n = step.min(rows - r);
             buf.clear();
             fill_rows(t, &mut rng, n, &mut buf);
+            if let Routing::Skewed(k) = &s.routing {
+                if routing::shapes(t) {
+                    routing::reshape_rows(s, k, t, r, n, &mut buf);
+                }
+            }
             o.write_all(&buf)?;
             progress(buf.len() as u64);
             r += n;
