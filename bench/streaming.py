@@ -347,13 +347,20 @@ def main():
             trace = os.path.join(tmp, "routing.trace")
             prompt = "Explain how a hard-quota cache differs from the page cache."
             lib.run(
-                [exe, "run", "-m", a.model, "-t", str(a.threads), "-p", prompt, "-n", str(a.trace_tokens), "--ignore-eos", "--trace", trace, "--json"],
+                [exe, "run", "-m", a.model, "-t", str(a.threads), "--ctx", str(a.trace_tokens + 64), "-p", prompt,
+                 "-n", str(a.trace_tokens), "--ignore-eos", "--trace", trace, "--json"],
                 env=lib.sluice_env(a.sluice_isa),
             )
             quotas = [str(quota)] if quota else []
             quotas += [str(q * GIB) for q in (2, 4, 8)]
             sim = lib.last_json(lib.run([exe, "trace", "simulate", trace, "--json", "--quota"] + quotas)["out"])
+            # Locality of the same trace, and each policy's bytes per token beside Belady's at
+            # sluice's quota (policies in the order lru, lfu-aging, then belady).
+            st = lib.last_json(lib.run([exe, "trace", "stats", trace, "--json", "--quota"] + quotas[:1])["out"])
         result["trace_simulation"] = sim
+        t0 = st["traces"][0]
+        result["trace_stats"] = {"overall": {k: v for k, v in t0["stats"]["overall"].items() if k != "coverage"},
+                                 "quotas": t0["quotas"]}
         result["balloon_alive_at_end"] = balloon.alive()
 
     def med(key, metric):

@@ -48,6 +48,10 @@ pub struct ModelArgs {
     /// Do not shrink the expert cache under memory pressure.
     #[arg(long)]
     pub no_pressure: bool,
+    /// Before the first token, fill the expert cache with the experts this routing trace (from
+    /// `run --trace` on a similar task) used most. Changes timing, never output.
+    #[arg(long, value_name = "TRACE")]
+    pub prewarm: Option<PathBuf>,
 }
 
 /// Sampling flags of the commands that generate (`run`, `chat`).
@@ -299,9 +303,23 @@ impl ModelArgs {
     /// Loads the model, with its multi-token-prediction head when `mtp`.
     pub fn load_with_mtp(&self, mtp: bool) -> Result<Engine> {
         let opts = EngineOptions { threads: self.threads, max_context: self.ctx, experts: self.expert_options()?, mtp };
-        let e = Engine::load(&self.model, opts).with_context(|| format!("loading {}", self.model.display()))?;
+        let mut e = Engine::load(&self.model, opts).with_context(|| format!("loading {}", self.model.display()))?;
         if e.model.cfg.is_moe() {
             eprintln!("sluice: {}", e.placement);
+        }
+        if let Some(t) = &self.prewarm {
+            match sluice_runtime::prewarm::prewarm(&mut e, t).with_context(|| format!("--prewarm {}", t.display()))? {
+                Some(p) => eprintln!(
+                    "sluice: prewarmed {} of the {} experts {} used ({:.0}% of its routing decisions): {:.1} MB in {:.2} s",
+                    p.resident,
+                    p.in_trace,
+                    t.display(),
+                    100.0 * p.coverage,
+                    p.bytes_read as f64 / 1e6,
+                    p.seconds
+                ),
+                None => eprintln!("sluice: --prewarm has nothing to do: the experts are not streamed"),
+            }
         }
         Ok(e)
     }
@@ -328,7 +346,8 @@ pub fn parse_tokens(s: &str) -> Result<Vec<u32>> {
 
 /// The expert source's counters as JSON, per token where that makes sense.
 pub fn expert_stats_json(e: &Engine, tokens: usize) -> serde_json::Value {
-    let mut v = stats_json(&e.model.experts.stats(), &e.placement, tokens);
+    let mut v = stats_json(&e.expert_stats(), &e.placement, tokens);
+    v["prewarm"] = serde_json::to_value(&e.prewarmed).unwrap_or_default();
     v["routing_note"] = e.routing_note().map_or(serde_json::Value::Null, Into::into);
     v
 }
@@ -366,7 +385,7 @@ pub fn stats_json(s: &ExpertStats, placement: &str, tokens: usize) -> serde_json
 
 /// One line of expert-cache stats for humans, with the caveats that apply to this model.
 pub fn expert_stats_line(e: &Engine, tokens: usize) -> String {
-    let mut line = stats_line(&e.model.experts.stats(), tokens);
+    let mut line = stats_line(&e.expert_stats(), tokens);
     if let Some(note) = e.routing_note() {
         line.push_str(&format!("\n  note: {note}"));
     }

@@ -269,6 +269,18 @@ impl Cache {
         Some(s)
     }
 
+    /// Reserves a slot for warming the cache with `key` before any demand (its reads are the
+    /// caller's to issue): unlike a prefetch, it is not counted as one, so hits on it are
+    /// plain hits and prefetch precision stays about the prefetcher.
+    pub fn reserve_warm(&mut self, key: Key) -> Option<usize> {
+        if self.map.contains_key(&key) {
+            return None;
+        }
+        let s = self.take_slot()?;
+        self.occupy(s, key, false);
+        Some(s)
+    }
+
     /// A free slot, evicting the policy's victim if there is none.
     fn take_slot(&mut self) -> Option<usize> {
         if let Some(s) = self.free.pop() {

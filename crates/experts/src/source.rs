@@ -428,6 +428,46 @@ impl StreamingExperts {
         self.changed.notify_all();
     }
 
+    /// Reads `keys` (layer, expert) into the cache, in order, up to its capacity, and waits for
+    /// them: warming the cache before the first token. Returns how many are resident after.
+    /// A failed read leaves its expert out (a later demand reads it again and reports it).
+    pub fn prewarm(&self, keys: &[(u32, u32)]) -> Result<usize> {
+        {
+            let mut b = self.book();
+            let cap = b.cache.capacity_slots();
+            for &(l, e) in keys.iter().take(cap) {
+                if self.layout.experts.get(l as usize).is_none_or(|x| e as usize >= x.len()) {
+                    continue;
+                }
+                if let Some(s) = b.cache.reserve_warm((l, e)) {
+                    self.enqueue(&mut b, (l, e), s, false);
+                }
+            }
+            self.try_pump(&mut b);
+        }
+        loop {
+            let mut b = self.book();
+            if b.in_flight == 0 && b.demand.is_empty() {
+                break;
+            }
+            if b.reaping {
+                drop(self.changed.wait(b).unwrap_or_else(|e| e.into_inner()));
+                continue;
+            }
+            b.reaping = true;
+            drop(b);
+            let r = self.reap_blocking();
+            self.book().reaping = false;
+            self.changed.notify_all();
+            if !r? {
+                break;
+            }
+        }
+        let b = self.book();
+        let resident: std::collections::HashSet<Key> = b.cache.resident_keys().collect();
+        Ok(keys.iter().filter(|k| resident.contains(k)).count())
+    }
+
     /// The experts resident now, per layer (index: layer), each list sorted: what the cache
     /// holds at this moment, for display. Read-only; takes the bookkeeping lock briefly.
     pub fn resident_experts(&self) -> Vec<Vec<u32>> {

@@ -49,6 +49,9 @@ pub struct Engine {
     pub streaming: Option<Arc<StreamingExperts>>,
     /// How a synthetic model routes (`None` for a real checkpoint).
     pub synthetic_routing: Option<String>,
+    /// What `--prewarm` did, if it ran; the expert counters it moved are set aside.
+    pub prewarmed: Option<crate::prewarm::Prewarmed>,
+    stats_base: sluice_model::expert::ExpertStats,
     /// The model's chat template, or why there is none.
     chat_template: std::result::Result<ChatTemplate, String>,
     _monitor: Option<PressureMonitor>,
@@ -167,9 +170,22 @@ impl Engine {
             placement: reason,
             streaming,
             synthetic_routing,
+            prewarmed: None,
+            stats_base: Default::default(),
             chat_template,
             _monitor: monitor,
         })
+    }
+
+    /// The expert source's counters since the model was ready (a prewarm's reads excluded:
+    /// `prewarmed` reports them).
+    pub fn expert_stats(&self) -> sluice_model::expert::ExpertStats {
+        self.model.experts.stats().since(&self.stats_base)
+    }
+
+    /// Marks the counters as they are now as the start of `expert_stats`.
+    pub(crate) fn reset_stats_base(&mut self) {
+        self.stats_base = self.model.experts.stats();
     }
 
     /// What to say beside cache hit rates and prefetch precision measured on this model, if
