@@ -388,6 +388,7 @@ fn synthetic_384() -> PathBuf {
         rope_theta: 10000.0,
         quant: QuantMix::Q4KM,
         seed: 3,
+        routing: sluice_model::synth::Routing::Uniform,
         delta: None,
         grouped: None,
         mla: None,

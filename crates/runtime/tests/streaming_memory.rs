@@ -36,6 +36,7 @@ fn peak_rss_stays_within_dense_plus_quota_plus_kv_plus_stated_slack() {
         rope_theta: 10000.0,
         quant: QuantMix::Uniform(sluice_kernels::DType::Q8_0),
         seed: 9,
+        routing: sluice_model::synth::Routing::Uniform,
         delta: None,
         grouped: None,
         mla: None,

@@ -40,6 +40,7 @@ pub fn synthetic_model(tag: &str, quant: QuantMix) -> PathBuf {
         rope_theta: 10000.0,
         quant,
         seed: 3,
+        routing: sluice_model::synth::Routing::Uniform,
         delta: None,
         grouped: None,
         mla: None,
@@ -74,6 +75,7 @@ pub fn synthetic_hybrid(tag: &str) -> PathBuf {
         rope_theta: 10000.0,
         quant: QuantMix::Q4KM,
         seed: 5,
+        routing: sluice_model::synth::Routing::Uniform,
         delta: Some(sluice_model::synth::SynthDelta {
             n_k_heads: 2,
             n_v_heads: 4,
