@@ -4,6 +4,7 @@ mod cmd_bench;
 mod cmd_bench_io;
 mod cmd_chat;
 mod cmd_demo;
+mod cmd_fit;
 mod cmd_inspect;
 mod cmd_logits;
 mod cmd_pack;
@@ -54,6 +55,9 @@ enum Cmd {
     Pack(cmd_pack::Args),
     /// Random-read bandwidth of a file with expert-sized direct reads (the streaming bound).
     BenchIo(cmd_bench_io::Args),
+    /// Will a model fit, and how fast will it decode: placement, hit rate and decode bounds
+    /// from its sizes, the memory available and measured memory and disk rates.
+    Fit(cmd_fit::Args),
     /// Routing traces: locality statistics and plots, and replay through the cache policies and Belady's optimum.
     #[command(subcommand)]
     Trace(cmd_trace::TraceCmd),
@@ -75,6 +79,7 @@ fn main() {
         Cmd::Pack(a) => cmd_pack::main(a),
         Cmd::BenchIo(a) => cmd_bench_io::main(a),
         Cmd::Trace(c) => cmd_trace::main(c),
+        Cmd::Fit(a) => cmd_fit::main(a),
     };
     if let Err(e) = r {
         eprintln!("error: {e:#}");

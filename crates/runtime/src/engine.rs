@@ -111,6 +111,70 @@ fn expert_err(e: sluice_experts::ExpertError) -> RuntimeError {
     RuntimeError::Model(ModelError::Expert(e.to_string()))
 }
 
+/// A model's sizes, read from its files without loading it: what `sluice fit` reasons from.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct ModelSizes {
+    pub file_bytes: u64,
+    /// Every routed expert of every sparse layer, and the rest of the file.
+    pub expert_bytes: u64,
+    pub dense_bytes: u64,
+    pub embedding_bytes: u64,
+    /// Sequence state for `ctx` tokens.
+    pub state_bytes: u64,
+    pub ctx: usize,
+    /// One expert's cache slot, and how many experts there are.
+    pub slot_bytes: u64,
+    pub experts: u64,
+    pub sparse_layers: usize,
+    pub experts_per_token: usize,
+}
+
+impl ModelSizes {
+    /// Expert bytes one token reads if nothing is cached (k experts in every sparse layer).
+    pub fn active_expert_bytes(&self) -> u64 {
+        let one = self.expert_bytes.checked_div(self.experts).unwrap_or(0);
+        one * (self.sparse_layers * self.experts_per_token) as u64
+    }
+}
+
+/// Reads the sizes of the model at `path` (a GGUF file or a Hugging Face directory) for a
+/// context of `ctx` tokens (0: the model's own, at most 8192, as `Engine::load` takes it).
+pub fn model_sizes(path: &Path, ctx: usize) -> Result<ModelSizes> {
+    let ckpt = if path.is_dir() {
+        Checkpoint::Hf(HfCheckpoint::open(path)?)
+    } else if !path.exists() {
+        return Err(RuntimeError::Input(format!("{}: no such file or directory", path.display())));
+    } else if is_gguf(path)? {
+        Checkpoint::Gguf(GgufCheckpoint::open(path)?)
+    } else {
+        return Err(RuntimeError::Input(format!("{}: not a GGUF file or a model directory", path.display())));
+    };
+    let cfg = ckpt.config();
+    let ctx = if ctx == 0 { cfg.max_position.min(8192) } else { ctx };
+    let src = ckpt.source();
+    let expert_bytes = crate::placement::expert_bytes(src, cfg)?;
+    let embedding_bytes = src.get(sluice_model::weights::Key::TokEmbd, None)?.map_or(0, |t| t.data.len() as u64);
+    let (slot_bytes, experts) = match &cfg.moe {
+        Some(_) => {
+            let l = ckpt.layout(None).map_err(expert_err)?;
+            (l.slot_bytes() as u64, l.experts.iter().map(|x| x.len() as u64).sum())
+        }
+        None => (0, 0),
+    };
+    Ok(ModelSizes {
+        file_bytes: ckpt.file_bytes(),
+        expert_bytes,
+        dense_bytes: ckpt.file_bytes().saturating_sub(expert_bytes),
+        embedding_bytes,
+        state_bytes: cfg.state_bytes(ctx),
+        ctx,
+        slot_bytes,
+        experts,
+        sparse_layers: (0..cfg.n_layer).filter(|l| cfg.is_sparse(*l)).count(),
+        experts_per_token: cfg.moe.as_ref().map_or(0, |m| m.n_expert_used),
+    })
+}
+
 impl Engine {
     pub fn load(path: &Path, options: EngineOptions) -> Result<Engine> {
         let threads = if options.threads == 0 { sluice_kernels::pool::available_threads() } else { options.threads };

@@ -5,6 +5,7 @@ pub mod bench;
 pub mod chat;
 pub mod engine;
 pub mod error;
+pub mod fit;
 pub mod generate;
 pub mod perplexity;
 pub mod placement;

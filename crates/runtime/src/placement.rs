@@ -128,6 +128,76 @@ impl TensorSource for OwnedSource<'_> {
     }
 }
 
+/// Where the experts go, decided from sizes alone: what `place` does, and what `sluice fit`
+/// predicts for a memory size.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Decision {
+    /// Every expert in memory: copied (`copy`), or left in the file mapping.
+    Resident { copy: bool, reason: String },
+    /// Streamed through a cache of `quota` bytes (before the cap at every expert's slot).
+    Stream { quota: u64 },
+}
+
+/// Memory left free beside a model: 1 GiB and a twentieth of what is available.
+pub fn headroom(avail: u64) -> u64 {
+    (1u64 << 30) + avail / 20
+}
+
+/// The placement rule: `dense`, `experts` and `kv` bytes against `avail` bytes of available
+/// memory, under the asked mode and cache size.
+pub fn decide(
+    mode: ExpertMode,
+    cache_bytes: Option<u64>,
+    avail: Option<u64>,
+    dense: u64,
+    experts: u64,
+    kv: u64,
+) -> Result<Decision> {
+    let mode = match (mode, cache_bytes) {
+        (ExpertMode::Auto, Some(_)) => ExpertMode::Stream,
+        (m, _) => m,
+    };
+    match mode {
+        ExpertMode::Resident => {
+            return Ok(Decision::Resident {
+                copy: true,
+                reason: format!("experts resident ({} in memory)", gib(experts)),
+            })
+        }
+        ExpertMode::Mmap => {
+            return Ok(Decision::Resident {
+                copy: false,
+                reason: format!("experts memory-mapped ({}; the page cache decides)", gib(experts)),
+            })
+        }
+        _ => {}
+    }
+    let quota = match (mode, cache_bytes, avail) {
+        (ExpertMode::Auto, None, Some(a)) if dense + experts + kv + headroom(a) <= a => {
+            return Ok(Decision::Resident {
+                copy: true,
+                reason: format!(
+                    "experts resident: the model ({}) fits in available memory ({}) with headroom",
+                    gib(dense + experts),
+                    gib(a)
+                ),
+            });
+        }
+        (ExpertMode::Auto, None, None) => {
+            return Ok(Decision::Resident {
+                copy: false,
+                reason: "experts memory-mapped: available memory unknown".into(),
+            })
+        }
+        (_, Some(q), _) => q,
+        (_, None, Some(a)) => a.saturating_sub(dense + kv + headroom(a)),
+        (_, None, None) => {
+            return Err(RuntimeError::Input("available memory is unknown: give --expert-cache SIZE to stream".into()))
+        }
+    };
+    Ok(Decision::Stream { quota })
+}
+
 /// Decides where the experts live and builds their source. `layout` builds the streaming
 /// layout (from the model file or a pack) when streaming is chosen.
 pub fn place(
@@ -152,38 +222,10 @@ pub fn place(
     }
     let experts = expert_bytes(src, cfg)?;
     let dense = file_bytes.saturating_sub(experts);
-    let mode = match (o.mode, o.cache_bytes) {
-        (ExpertMode::Auto, Some(_)) => ExpertMode::Stream,
-        (m, _) => m,
-    };
-    match mode {
-        ExpertMode::Resident => return resident(true, format!("experts resident ({} in memory)", gib(experts))),
-        ExpertMode::Mmap => {
-            return resident(false, format!("experts memory-mapped ({}; the page cache decides)", gib(experts)))
-        }
-        _ => {}
-    }
     let avail = mem_available();
-    let headroom = |a: u64| (1u64 << 30) + a / 20;
-    let quota = match (mode, o.cache_bytes, avail) {
-        (ExpertMode::Auto, None, Some(a)) if dense + experts + kv_bytes + headroom(a) <= a => {
-            return resident(
-                true,
-                format!(
-                    "experts resident: the model ({}) fits in available memory ({}) with headroom",
-                    gib(dense + experts),
-                    gib(a)
-                ),
-            );
-        }
-        (ExpertMode::Auto, None, None) => {
-            return resident(false, "experts memory-mapped: available memory unknown".into())
-        }
-        (_, Some(q), _) => q,
-        (_, None, Some(a)) => a.saturating_sub(dense + kv_bytes + headroom(a)),
-        (_, None, None) => {
-            return Err(RuntimeError::Input("available memory is unknown: give --expert-cache SIZE to stream".into()))
-        }
+    let quota = match decide(o.mode, o.cache_bytes, avail, dense, experts, kv_bytes)? {
+        Decision::Resident { copy, reason } => return resident(copy, reason),
+        Decision::Stream { quota } => quota,
     };
     let layout = layout()?;
     let slot = layout.slot_bytes() as u64;

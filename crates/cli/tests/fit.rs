@@ -1,0 +1,126 @@
+//! `sluice fit` against what the engine does: the placement it predicts is the one `run`
+//! makes, its quota is the rule's, and the hit rate it predicts from a trace is the one a
+//! streamed run measures at that quota (prefetch off: the trace replay is the cache alone).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn sluice(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_sluice")).args(args).env("SLUICE_CACHE", cache()).output().unwrap()
+}
+
+fn cache() -> PathBuf {
+    std::env::temp_dir().join(format!("sluice-fit-cache-{}", std::process::id()))
+}
+
+fn ok(out: std::process::Output) -> String {
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn s(p: &Path) -> String {
+    p.to_str().unwrap().to_string()
+}
+
+const PROMPT: &str = "17,301,5,88,190,42,7,260,33,410,99,12";
+
+#[test]
+fn fit_predicts_the_placement_and_hit_rate_a_run_gets() {
+    let dir = std::env::temp_dir().join(format!("sluice-fit-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (m, t) = (dir.join("m.gguf"), dir.join("m.trace"));
+    ok(sluice(&[
+        "synth",
+        "--shape",
+        "tiny-moe",
+        "--quant",
+        "q8_0",
+        "--routing",
+        "skewed",
+        "--check-tokens",
+        "0",
+        "-o",
+        &s(&m),
+    ]));
+    ok(sluice(&[
+        "run",
+        "-m",
+        &s(&m),
+        "--expert-cache",
+        "all",
+        "--prompt-tokens",
+        PROMPT,
+        "-n",
+        "24",
+        "--trace",
+        &s(&t),
+    ]));
+    let fit = |mem: &str| -> serde_json::Value {
+        let out = ok(sluice(&[
+            "fit",
+            "-m",
+            &s(&m),
+            "--memory",
+            mem,
+            "--trace",
+            &s(&t),
+            "--ctx",
+            "64",
+            "--seconds",
+            "0.2",
+            "--json",
+        ]));
+        serde_json::from_str(&out).unwrap()
+    };
+    // Plenty of memory: resident.
+    let big = fit("64GiB");
+    assert_eq!(big["prediction"]["placement"], "resident");
+    assert!(big["prediction"]["stream_tok_s"].is_null());
+    // 1.2 GiB: 1 GiB + 1/20 of it is headroom; the rest, less dense weights and state, is the
+    // cache.
+    let small = fit("1.2GiB");
+    let p = &small["prediction"];
+    assert_eq!(p["placement"], "stream");
+    let sz = &small["sizes"];
+    let avail = (1.2 * (1u64 << 30) as f64) as u64;
+    let want =
+        avail - sz["dense_bytes"].as_u64().unwrap() - sz["state_bytes"].as_u64().unwrap() - ((1 << 30) + avail / 20);
+    assert_eq!(p["quota_bytes"].as_u64().unwrap(), want);
+    // Bounds: streaming cannot beat resident; both are finite and positive.
+    let (res, st) = (p["resident_tok_s"].as_f64().unwrap(), p["stream_tok_s"].as_f64().unwrap());
+    assert!(st > 0.0 && st <= res, "stream {st} resident {res}");
+    // The second call used the rates measured by the first.
+    assert_eq!(small["rates"]["cached"], true);
+
+    // The run at that quota, prefetch off, hits the cache as the replay predicted.
+    let quota = p["quota_bytes"].as_u64().unwrap().to_string();
+    let out = ok(sluice(&[
+        "run",
+        "-m",
+        &s(&m),
+        "--expert-mode",
+        "stream",
+        "--expert-cache",
+        &quota,
+        "--no-prefetch",
+        "--no-pressure",
+        "--ctx",
+        "64",
+        "--prompt-tokens",
+        PROMPT,
+        "-n",
+        "24",
+        "--json",
+    ]));
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let measured = v["experts"]["hit_rate"].as_f64().unwrap();
+    let predicted = p["hit_rate"]["rate"].as_f64().unwrap();
+    assert_eq!(p["hit_rate"]["source"], "trace");
+    assert!((measured - predicted).abs() < 0.02, "predicted {predicted}, measured {measured}");
+
+    // Errors name the problem.
+    let out = sluice(&["fit", "-m", &s(&m), "--memory", "100MiB", "--seconds", "0.2"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("does not fit"), "{}", String::from_utf8_lossy(&out.stderr));
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(cache());
+}
