@@ -2,7 +2,7 @@
 //! stream it through that cache while generating, with live statistics, then check every
 //! generated token and logit against a run with all experts resident.
 
-use crate::common::{expert_stats_line, parse_size};
+use crate::common::{cache_dir, expert_stats_line, parse_size};
 use anyhow::{bail, Context, Result};
 use sluice_model::synth::{builtin_tokenizer, plan, write_model, Routing, SynthSpec};
 use sluice_model::Logits;
@@ -33,13 +33,6 @@ pub struct Args {
     prompt: String,
     #[arg(long, short = 't', default_value_t = 0)]
     threads: usize,
-}
-
-fn cache_dir() -> PathBuf {
-    std::env::var_os("SLUICE_CACHE")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/sluice")))
-        .unwrap_or_else(|| PathBuf::from(".sluice-cache"))
 }
 
 /// Logits after every step of a greedy run.

@@ -1,4 +1,4 @@
-use crate::common::parse_size;
+use crate::common::{cache_dir, parse_size};
 use anyhow::{bail, Context, Result};
 use sluice_runtime::fit::{predict, rates};
 use std::path::PathBuf;
@@ -34,13 +34,6 @@ pub struct Args {
     json: bool,
 }
 
-fn rates_file() -> Option<PathBuf> {
-    std::env::var_os("SLUICE_CACHE")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/sluice")))
-        .map(|d| d.join("fit-rates.json"))
-}
-
 pub fn main(a: Args) -> Result<()> {
     let sizes = sluice_runtime::engine::model_sizes(&a.model, a.ctx)?;
     if sizes.experts == 0 {
@@ -55,7 +48,14 @@ pub fn main(a: Args) -> Result<()> {
         bail!("--seconds must be positive");
     }
     let disk = a.disk.clone().unwrap_or_else(|| a.model.clone());
-    let r = rates(&disk, sizes.slot_bytes as usize, threads, a.seconds, rates_file().as_deref(), a.remeasure)?;
+    let r = rates(
+        &disk,
+        sizes.slot_bytes as usize,
+        threads,
+        a.seconds,
+        Some(&cache_dir().join("fit-rates.json")),
+        a.remeasure,
+    )?;
     let p = predict(&sizes, memory, &r, a.trace.as_deref())?;
     if a.json {
         println!(

@@ -196,16 +196,7 @@ fn report_entropy(path: &std::path::Path, spec: &SynthSpec, n_tokens: usize, see
     let mut rel = Vec::new();
     // Dense layers route nothing.
     for counts in usage.counts.iter().filter(|c| c.iter().any(|n| *n > 0)) {
-        let total: u64 = counts.iter().sum();
-        let h: f64 = counts
-            .iter()
-            .filter(|c| **c > 0)
-            .map(|c| {
-                let p = *c as f64 / total as f64;
-                -p * p.log2()
-            })
-            .sum();
-        rel.push(h / hmax);
+        rel.push(sluice_experts::trace::stats::entropy_ratio(counts));
     }
     // The entropy a perfectly uniform router would show with this few samples.
     let picks = n_tokens * spec.n_expert_used;

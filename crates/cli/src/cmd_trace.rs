@@ -82,9 +82,10 @@ pub fn main(c: TraceCmd) -> Result<()> {
 fn simulate(a: SimArgs) -> Result<()> {
     let (h, recs) = load(&a.file)?;
     let reqs = requests(&recs);
-    let total_experts = h.n_expert * routed_layers(&recs);
+    let layers = routed_layers(&recs);
+    let total_experts = h.n_expert * layers;
     let slots = slots_for(&a.quota, &h)?;
-    let tokens = recs.len() / routed_layers(&recs).max(1);
+    let tokens = recs.len() / layers.max(1);
     let rows = sweep(&reqs, &h, &slots, tokens);
     if a.json {
         let v: Vec<_> = rows

@@ -330,6 +330,15 @@ impl ModelArgs {
     }
 }
 
+/// Where sluice keeps what it makes once and reuses (demo models, measured rates):
+/// `$SLUICE_CACHE`, else `~/.cache/sluice`.
+pub fn cache_dir() -> PathBuf {
+    std::env::var_os("SLUICE_CACHE")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/sluice")))
+        .unwrap_or_else(|| PathBuf::from(".sluice-cache"))
+}
+
 /// Parses "1,2,3" (spaces allowed) into token ids.
 pub fn parse_tokens(s: &str) -> Result<Vec<u32>> {
     let ids: Vec<u32> = s

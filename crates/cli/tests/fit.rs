@@ -2,74 +2,23 @@
 //! makes, its quota is the rule's, and the hit rate it predicts from a trace is the one a
 //! streamed run measures at that quota (prefetch off: the trace replay is the cache alone).
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+mod common;
 
-fn sluice(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_sluice")).args(args).env("SLUICE_CACHE", cache()).output().unwrap()
-}
-
-fn cache() -> PathBuf {
-    std::env::temp_dir().join(format!("sluice-fit-cache-{}", std::process::id()))
-}
-
-fn ok(out: std::process::Output) -> String {
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn s(p: &Path) -> String {
-    p.to_str().unwrap().to_string()
-}
-
-const PROMPT: &str = "17,301,5,88,190,42,7,260,33,410,99,12";
+use common::{ok, s, scratch, sluice, sluice_in, synth_tiny, trace, PROMPT};
 
 #[test]
 fn fit_predicts_the_placement_and_hit_rate_a_run_gets() {
-    let dir = std::env::temp_dir().join(format!("sluice-fit-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = scratch("fit");
+    // Where fit keeps the rates it measured: the second call must find them.
+    let cache = dir.join("cache");
     let (m, t) = (dir.join("m.gguf"), dir.join("m.trace"));
-    ok(sluice(&[
-        "synth",
-        "--shape",
-        "tiny-moe",
-        "--quant",
-        "q8_0",
-        "--routing",
-        "skewed",
-        "--check-tokens",
-        "0",
-        "-o",
-        &s(&m),
-    ]));
-    ok(sluice(&[
-        "run",
-        "-m",
-        &s(&m),
-        "--expert-cache",
-        "all",
-        "--prompt-tokens",
-        PROMPT,
-        "-n",
-        "24",
-        "--trace",
-        &s(&t),
-    ]));
+    synth_tiny(&m, "skewed", &[]);
+    trace(&m, &t, PROMPT, 24);
     let fit = |mem: &str| -> serde_json::Value {
-        let out = ok(sluice(&[
-            "fit",
-            "-m",
-            &s(&m),
-            "--memory",
-            mem,
-            "--trace",
-            &s(&t),
-            "--ctx",
-            "64",
-            "--seconds",
-            "0.2",
-            "--json",
-        ]));
+        let out = ok(sluice_in(
+            Some(&cache),
+            &["fit", "-m", &s(&m), "--memory", mem, "--trace", &s(&t), "--ctx", "64", "--seconds", "0.2", "--json"],
+        ));
         serde_json::from_str(&out).unwrap()
     };
     // Plenty of memory: resident.
@@ -119,8 +68,7 @@ fn fit_predicts_the_placement_and_hit_rate_a_run_gets() {
     assert!((measured - predicted).abs() < 0.02, "predicted {predicted}, measured {measured}");
 
     // Errors name the problem.
-    let out = sluice(&["fit", "-m", &s(&m), "--memory", "100MiB", "--seconds", "0.2"]);
+    let out = sluice_in(Some(&cache), &["fit", "-m", &s(&m), "--memory", "100MiB", "--seconds", "0.2"]);
     assert!(String::from_utf8_lossy(&out.stderr).contains("does not fit"), "{}", String::from_utf8_lossy(&out.stderr));
     let _ = std::fs::remove_dir_all(&dir);
-    let _ = std::fs::remove_dir_all(cache());
 }

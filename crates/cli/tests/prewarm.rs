@@ -2,23 +2,10 @@
 //! first token: the same tokens come out, the first tokens hit the cache more, the reads it
 //! made are reported apart from generation's, and a trace of another model is refused.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+mod common;
 
-fn sluice(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_sluice")).args(args).output().unwrap()
-}
-
-fn ok(out: std::process::Output) -> String {
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn s(p: &Path) -> String {
-    p.to_str().unwrap().to_string()
-}
-
-const PROMPT: &str = "17,301,5,88,190,42,7,260,33,410,99,12";
+use common::{ok, s, scratch, sluice, synth_tiny, trace, PROMPT};
+use std::path::Path;
 
 /// Generates 24 tokens with a streamed cache of 156 of the 512 experts (the trace uses about
 /// 270), optionally prewarmed.
@@ -45,35 +32,10 @@ fn streamed(model: &Path, extra: &[&str]) -> serde_json::Value {
 
 #[test]
 fn prewarm_warms_without_changing_output() {
-    let dir: PathBuf = std::env::temp_dir().join(format!("sluice-prewarm-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = scratch("prewarm");
     let (m, t) = (dir.join("m.gguf"), dir.join("m.trace"));
-    ok(sluice(&[
-        "synth",
-        "--shape",
-        "tiny-moe",
-        "--quant",
-        "q8_0",
-        "--routing",
-        "skewed",
-        "--check-tokens",
-        "0",
-        "-o",
-        &s(&m),
-    ]));
-    ok(sluice(&[
-        "run",
-        "-m",
-        &s(&m),
-        "--expert-cache",
-        "all",
-        "--prompt-tokens",
-        PROMPT,
-        "-n",
-        "24",
-        "--trace",
-        &s(&t),
-    ]));
+    synth_tiny(&m, "skewed", &[]);
+    trace(&m, &t, PROMPT, 24);
     let cold = streamed(&m, &[]);
     let warm = streamed(&m, &["--prewarm", &s(&t)]);
     assert_eq!(cold["token_ids"], warm["token_ids"], "prewarming changed the output");
@@ -92,32 +54,8 @@ fn prewarm_warms_without_changing_output() {
     // A trace of a model of another shape is refused, naming both.
     let other = dir.join("other.trace");
     let m2 = dir.join("m2.gguf");
-    ok(sluice(&[
-        "synth",
-        "--shape",
-        "tiny-moe",
-        "--quant",
-        "q8_0",
-        "--experts",
-        "32",
-        "--check-tokens",
-        "0",
-        "-o",
-        &s(&m2),
-    ]));
-    ok(sluice(&[
-        "run",
-        "-m",
-        &s(&m2),
-        "--expert-cache",
-        "all",
-        "--prompt-tokens",
-        PROMPT,
-        "-n",
-        "2",
-        "--trace",
-        &s(&other),
-    ]));
+    synth_tiny(&m2, "uniform", &["--experts", "32"]);
+    trace(&m2, &other, PROMPT, 2);
     let out = sluice(&[
         "run",
         "-m",

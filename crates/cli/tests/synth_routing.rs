@@ -2,17 +2,10 @@
 //! `synth --routing skewed` → `run --trace` → `trace stats`, beside a uniform model of the same
 //! shape; and the knobs are checked.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+mod common;
 
-fn sluice(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_sluice")).args(args).output().unwrap()
-}
-
-fn ok(out: std::process::Output) -> String {
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
+use common::{ok, s, scratch, sluice, synth_tiny, trace};
+use std::path::Path;
 
 /// 256 pseudo-random token ids of tiny-moe's 512: a tiny model's own greedy text falls into
 /// short loops, which would make any routing look local.
@@ -32,50 +25,24 @@ fn traced(dir: &Path, routing: &str) -> serde_json::Value {
     let tag = routing.split(':').next().unwrap();
     let m = dir.join(format!("{tag}.gguf"));
     let t = dir.join(format!("{tag}.trace"));
-    let p = |p: &PathBuf| p.to_str().unwrap().to_string();
-    ok(sluice(&[
-        "synth",
-        "--shape",
-        "tiny-moe",
-        "--quant",
-        "q8_0",
-        "--routing",
-        routing,
-        "--check-tokens",
-        "0",
-        "-o",
-        &p(&m),
-    ]));
-    ok(sluice(&[
-        "run",
-        "-m",
-        &p(&m),
-        "--expert-cache",
-        "all",
-        "--prompt-tokens",
-        &prompt(),
-        "-n",
-        "1",
-        "--trace",
-        &p(&t),
-    ]));
-    serde_json::from_str(&ok(sluice(&["trace", "stats", &p(&t), "--json"]))).unwrap()
+    synth_tiny(&m, routing, &[]);
+    trace(&m, &t, &prompt(), 1);
+    serde_json::from_str(&ok(sluice(&["trace", "stats", &s(&t), "--json"]))).unwrap()
 }
 
 #[test]
 fn skewed_routing_is_more_local_than_uniform_and_says_so() {
-    let dir = std::env::temp_dir().join(format!("sluice-synth-routing-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = scratch("synth-routing");
     let u = traced(&dir, "uniform");
-    let s = traced(&dir, "skewed");
+    let sk = traced(&dir, "skewed");
     let o = |v: &serde_json::Value, k: &str| v["traces"][0]["stats"]["overall"][k].as_f64().unwrap();
     // 64 experts, 4 per token: uniform routing caches 4/64 and 8/64 at k and 2k.
     assert!((o(&u, "lru_k") - 0.0625).abs() < 0.03, "uniform lru_k {}", o(&u, "lru_k"));
     // Random prompt tokens have random topics: what shows is the popularity skew (measured
     // here: top 20% take 64% vs 30%, LRU at k 16% vs 6%).
-    assert!(o(&s, "lru_k") > 2.0 * o(&u, "lru_k"), "skewed {} vs uniform {}", o(&s, "lru_k"), o(&u, "lru_k"));
-    assert!(o(&s, "top20_share") > o(&u, "top20_share") + 0.2);
-    assert!(o(&s, "entropy_ratio") < o(&u, "entropy_ratio") - 0.1);
+    assert!(o(&sk, "lru_k") > 2.0 * o(&u, "lru_k"), "skewed {} vs uniform {}", o(&sk, "lru_k"), o(&u, "lru_k"));
+    assert!(o(&sk, "top20_share") > o(&u, "top20_share") + 0.2);
+    assert!(o(&sk, "entropy_ratio") < o(&u, "entropy_ratio") - 0.1);
     // The file says how it routes, and the engine repeats it beside cache figures.
     let info = ok(sluice(&["inspect", dir.join("skewed.gguf").to_str().unwrap()]));
     assert!(info.contains("skewed:pop=0.5,topics=32,share=0.7,stay=0.2"), "{info}");

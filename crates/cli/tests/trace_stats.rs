@@ -1,16 +1,11 @@
 //! `sluice trace stats` on hand-made traces whose figures are known: JSON, tables, plots and
 //! the shift between two traces; and clear errors for bad input.
 
-use sluice_experts::trace::{TraceHeader, TraceWriter};
-use std::path::{Path, PathBuf};
-use std::process::Command;
+mod common;
 
-fn scratch(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("sluice-tstats-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
+use common::{scratch, sluice};
+use sluice_experts::trace::{TraceHeader, TraceWriter};
+use std::path::Path;
 
 /// Two layers of 8 experts, top-2, `tokens` tokens. Layer 0 uses experts {a, a+1} with `a`
 /// changing every 4 tokens over `palette`; layer 1 uses layer 0's experts shifted by 4.
@@ -32,13 +27,9 @@ fn write(path: &Path, tokens: u32, palette: &[u32]) {
     w.finish().unwrap();
 }
 
-fn sluice(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_sluice")).args(args).output().unwrap()
-}
-
 #[test]
 fn known_traces_give_known_figures_tables_and_plots() {
-    let d = scratch("ok");
+    let d = scratch("tstats-ok");
     let (a, b) = (d.join("a.trace"), d.join("b.trace"));
     write(&a, 64, &[0, 2]);
     write(&b, 64, &[2, 4]);
@@ -103,7 +94,7 @@ fn known_traces_give_known_figures_tables_and_plots() {
 
 #[test]
 fn bad_input_is_named() {
-    let d = scratch("bad");
+    let d = scratch("tstats-bad");
     let junk = d.join("junk.trace");
     std::fs::write(&junk, b"not a trace at all").unwrap();
     let out = sluice(&["trace", "stats", junk.to_str().unwrap()]);

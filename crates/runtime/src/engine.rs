@@ -63,6 +63,22 @@ enum Checkpoint {
 }
 
 impl Checkpoint {
+    /// Opens a Hugging Face model directory or a GGUF file.
+    fn open(path: &Path) -> Result<(Checkpoint, SourceFormat)> {
+        if path.is_dir() {
+            Ok((Checkpoint::Hf(HfCheckpoint::open(path)?), SourceFormat::Safetensors))
+        } else if !path.exists() {
+            Err(RuntimeError::Input(format!("{}: no such file or directory", path.display())))
+        } else if is_gguf(path)? {
+            Ok((Checkpoint::Gguf(GgufCheckpoint::open(path)?), SourceFormat::Gguf))
+        } else {
+            Err(RuntimeError::Input(format!(
+                "{}: not a model: expected a Hugging Face model directory (with config.json) or a GGUF file",
+                path.display()
+            )))
+        }
+    }
+
     fn source(&self) -> &dyn TensorSource {
         match self {
             Checkpoint::Hf(c) => c,
@@ -140,15 +156,7 @@ impl ModelSizes {
 /// Reads the sizes of the model at `path` (a GGUF file or a Hugging Face directory) for a
 /// context of `ctx` tokens (0: the model's own, at most 8192, as `Engine::load` takes it).
 pub fn model_sizes(path: &Path, ctx: usize) -> Result<ModelSizes> {
-    let ckpt = if path.is_dir() {
-        Checkpoint::Hf(HfCheckpoint::open(path)?)
-    } else if !path.exists() {
-        return Err(RuntimeError::Input(format!("{}: no such file or directory", path.display())));
-    } else if is_gguf(path)? {
-        Checkpoint::Gguf(GgufCheckpoint::open(path)?)
-    } else {
-        return Err(RuntimeError::Input(format!("{}: not a GGUF file or a model directory", path.display())));
-    };
+    let (ckpt, _) = Checkpoint::open(path)?;
     let cfg = ckpt.config();
     let ctx = if ctx == 0 { cfg.max_position.min(8192) } else { ctx };
     let src = ckpt.source();
@@ -179,18 +187,7 @@ impl Engine {
     pub fn load(path: &Path, options: EngineOptions) -> Result<Engine> {
         let threads = if options.threads == 0 { sluice_kernels::pool::available_threads() } else { options.threads };
         let pool = Arc::new(ThreadPool::new(threads));
-        let (ckpt, format) = if path.is_dir() {
-            (Checkpoint::Hf(HfCheckpoint::open(path)?), SourceFormat::Safetensors)
-        } else if !path.exists() {
-            return Err(RuntimeError::Input(format!("{}: no such file or directory", path.display())));
-        } else if is_gguf(path)? {
-            (Checkpoint::Gguf(GgufCheckpoint::open(path)?), SourceFormat::Gguf)
-        } else {
-            return Err(RuntimeError::Input(format!(
-                "{}: not a model: expected a Hugging Face model directory (with config.json) or a GGUF file",
-                path.display()
-            )));
-        };
+        let (ckpt, format) = Checkpoint::open(path)?;
         let cfg = ckpt.config().clone();
         let ctx = if options.max_context == 0 { cfg.max_position.min(8192) } else { options.max_context };
         let kv_bytes = cfg.state_bytes(ctx);

@@ -127,26 +127,31 @@ pub struct HitRate {
     pub slots: u64,
 }
 
-/// Hit rate of an LRU cache of `slots` slots: from `trace` if given, else the uniform estimate.
-pub fn hit_rate(trace: Option<&Path>, slots: u64, sizes: &ModelSizes) -> Result<HitRate> {
-    let slots = slots.min(sizes.experts);
-    let Some(t) = trace else {
-        let rate = if sizes.experts == 0 { 1.0 } else { slots as f64 / sizes.experts as f64 };
-        return Ok(HitRate { rate, source: "uniform", slots });
-    };
-    let (h, recs) = sluice_experts::trace::read(t).map_err(RuntimeError::Input)?;
+/// A routing trace's cache requests, checked against the model.
+pub fn trace_requests(trace: &Path, sizes: &ModelSizes) -> Result<Vec<(u16, Vec<u16>)>> {
+    let (h, recs) = sluice_experts::trace::read(trace).map_err(RuntimeError::Input)?;
     if h.n_expert as u64 * sizes.sparse_layers as u64 != sizes.experts || recs.is_empty() {
         return Err(RuntimeError::Input(format!(
             "{}: a trace of {} experts in {} layers ({} records) does not match this model",
-            t.display(),
+            trace.display(),
             h.n_expert,
             h.n_layer,
             recs.len()
         )));
     }
-    let reqs = sluice_experts::trace::requests(&recs);
-    let r = sluice_experts::trace::simulate_policy(&reqs, sluice_experts::Policy::Lru, (slots as usize).max(1));
-    Ok(HitRate { rate: r.hit_rate, source: "trace", slots })
+    Ok(sluice_experts::trace::requests(&recs))
+}
+
+/// Hit rate of an LRU cache of `slots` slots: replaying `reqs` if given, else the uniform
+/// estimate.
+pub fn hit_rate(reqs: Option<&[(u16, Vec<u16>)]>, slots: u64, sizes: &ModelSizes) -> HitRate {
+    let slots = slots.min(sizes.experts);
+    let Some(reqs) = reqs else {
+        let rate = if sizes.experts == 0 { 1.0 } else { slots as f64 / sizes.experts as f64 };
+        return HitRate { rate, source: "uniform", slots };
+    };
+    let r = sluice_experts::trace::simulate_policy(reqs, sluice_experts::Policy::Lru, (slots as usize).max(1));
+    HitRate { rate: r.hit_rate, source: "trace", slots }
 }
 
 /// What `fit` predicts.
@@ -203,7 +208,8 @@ pub fn predict(sizes: &ModelSizes, memory: u64, r: &Rates, trace: Option<&Path>)
                 )));
             }
             let per_token_slots = (sizes.sparse_layers * sizes.experts_per_token) as f64;
-            let h = hit_rate(trace, slots, sizes)?;
+            let reqs = trace.map(|t| trace_requests(t, sizes)).transpose()?;
+            let h = hit_rate(reqs.as_deref(), slots, sizes);
             let disk = ((1.0 - h.rate) * per_token_slots * sizes.slot_bytes as f64) as u64;
             p.placement = "stream";
             p.reason = format!(
@@ -219,7 +225,7 @@ pub fn predict(sizes: &ModelSizes, memory: u64, r: &Rates, trace: Option<&Path>)
             // The page cache holds what the dense weights and state leave; it faults pages in
             // (with readahead) rather than reading whole experts.
             let page_cache = memory.saturating_sub(sizes.dense_bytes + sizes.state_bytes);
-            let hm = hit_rate(trace, page_cache / sizes.slot_bytes.max(1), sizes)?;
+            let hm = hit_rate(reqs.as_deref(), page_cache / sizes.slot_bytes.max(1), sizes);
             let mdisk = ((1.0 - hm.rate) * sizes.active_expert_bytes() as f64) as u64;
             p.mmap_tok_s = Some(1.0 / (mem_time + mdisk as f64 / (r.disk_small_gb_s * 1e9)));
             p.mmap_disk_bytes_per_token = Some(mdisk);

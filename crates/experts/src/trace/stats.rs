@@ -185,7 +185,8 @@ pub fn top_share(cov: &[f64], frac: f64) -> f64 {
     cov[n - 1]
 }
 
-fn entropy_ratio(counts: &[u64]) -> f64 {
+/// Entropy of the distribution `counts` describe over that of uniform use (1 = uniform).
+pub fn entropy_ratio(counts: &[u64]) -> f64 {
     let total: u64 = counts.iter().sum();
     if total == 0 || counts.len() < 2 {
         return 1.0;

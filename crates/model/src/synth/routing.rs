@@ -5,8 +5,8 @@
 //!
 //! * **popularity skew** — each router row (one expert) is scaled by a log-normal factor
 //!   (`pop` is the spread of its logarithm), so some experts win the top-k far more often;
-//! * **topics** — every token belongs to one of `topics` topics; the first `TOPIC_SPAN`-ish
-//!   hidden coordinates of its embedding are its topic's prototype, and a share `share` of
+//! * **topics** — every token belongs to one of `topics` topics; the first eighth of the
+//!   hidden coordinates of its embedding (`model_span`) are its topic's prototype, and a share `share` of
 //!   each router's logit variance reads those coordinates. Tokens of a topic route alike, and
 //!   because every layer reads the same topic, one layer's experts predict the next's;
 //! * **persistence** — the output head's rows carry their token's topic prototype too, scaled
