@@ -334,6 +334,16 @@ def run(cmd, env=None, timeout=None, check=True):
     return res
 
 
+def describe_exit(rc):
+    """A process's exit code in words: 'signal 4 (SIGILL)' for a negative code, else 'exit N'."""
+    if rc < 0:
+        try:
+            return "signal %d (%s)" % (-rc, signal.Signals(-rc).name)
+        except ValueError:
+            return "signal %d" % -rc
+    return "exit %d" % rc
+
+
 def last_json(text):
     """The last line of `text` that parses as JSON (tools print logs before their JSON)."""
     for line in reversed(text.strip().splitlines()):

@@ -52,6 +52,17 @@ def verdict(r):
     return True, "legacy"
 
 
+def selection_key(r, fallback_name):
+    """Results compete only with results of the same benchmark on the same kind of machine
+    with the same SIMD level on both sides: an AVX2 run on an AMD EPYC and an AVX-512 run on
+    a Xeon are both quoted, each the newest of its kind. A result that does not name a side's
+    level ran at the machine's best."""
+    m = r.get("machine", {})
+    best = "avx512" if "avx512f" in m.get("isa", []) else "avx2"
+    side = lambda k: ((r.get(k) or {}).get("isa") or best)
+    return (r.get("name", fallback_name), m.get("cpu"), side("sluice"), side("peer"))
+
+
 def select(results_dir):
     """The newest quotable result of each benchmark, and a list of benchmarks with none."""
     by_name = {}
@@ -66,9 +77,9 @@ def select(results_dir):
         # speculative-decoding results are kept beside them in their own JSON.
         if not str(r.get("name", "")).startswith(("resident-", "streaming-")):
             continue
-        by_name.setdefault(r.get("name", os.path.basename(path)), []).append(r)
+        by_name.setdefault(selection_key(r, os.path.basename(path)), []).append(r)
     chosen, missing = [], []
-    for name, rs in sorted(by_name.items()):
+    for (name, *_), rs in sorted(by_name.items(), key=lambda kv: tuple(str(x) for x in kv[0])):
         rs.sort(key=lambda r: r.get("date", ""), reverse=True)
         pick = None
         for r in rs:
@@ -184,11 +195,20 @@ def resident_rows(r):
             [
                 f"{label}, {test}",
                 f"{sig3(r['sluice']['metrics'][metric])} tok/s",
-                f"{sig3(r['peer']['metrics'][key][metric])} (`{setting}`)",
+                f"{sig3(r['peer']['metrics'][key][metric])} (`{setting}`{failed_settings(r)})",
                 ratio(med(r["ratios"][k])),
             ]
         )
     return rows
+
+
+def failed_settings(r):
+    """'; `--repack 1` dies: signal 4 (SIGILL)' for each llama.cpp setting that did not run."""
+    out = ""
+    for key, fs in sorted((r["peer"].get("failures") or {}).items()):
+        if fs and "failed" in (r["peer"]["metrics"].get(key) or {}):
+            out += f"; `--repack {key[-1]}` dies: {fs[0]['why']}"
+    return out
 
 
 def peer_default_note(r):

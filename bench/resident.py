@@ -33,16 +33,24 @@ def sluice_round(exe, model, a):
 
 
 def peer_round(d, model, a, repack):
+    """One llama-bench run at `--repack` (0 or 1): (command, metrics or None, failure or None).
+    A setting that dies (e.g. SIGILL where the CPU lists AMX but the kernel withholds its tile
+    registers) is reported as such, and the round's ratio uses the setting that ran."""
     exe = os.path.join(d, "llama-bench")
     cmd = [exe, "-m", model, "-t", str(a.threads), "-p", str(a.prompt), "-n", str(a.gen), "-r", str(a.reps), "--repack", str(repack), "-o", "json"]
-    rows = json.loads(lib.run(cmd, env=lib.peer_env(d))["out"])
+    r = lib.run(cmd, env=lib.peer_env(d), check=False)
+    if r["rc"] != 0:
+        why = lib.describe_exit(r["rc"])
+        lib.log(f"  llama.cpp --repack {repack} failed: {why}")
+        return cmd, None, {"exit": r["rc"], "why": why, "stderr_tail": r["err"][-600:]}
+    rows = json.loads(r["out"])
     m = {}
     for row in rows:
         if row["n_prompt"] > 0 and row["n_gen"] == 0:
             m["prefill_tok_s"] = row["avg_ts"]
         elif row["n_gen"] > 0 and row["n_prompt"] == 0:
             m["decode_tok_s"] = row["avg_ts"]
-    return cmd, m
+    return cmd, m, None
 
 
 def bench_model(model, a, peer, exe, bw, state, isas):
@@ -50,27 +58,42 @@ def bench_model(model, a, peer, exe, bw, state, isas):
     per_token = info["decode_bytes_per_token"]
     rounds = []
     cmds = {}
+    failures = {"repack0": [], "repack1": []}
     routing_note = None
     for i in range(a.rounds):
         lib.log(f"round {i + 1}/{a.rounds} {os.path.basename(model)}")
         cmds["sluice"], s, routing_note = sluice_round(exe, model, a)
-        cmds["repack0"], p0 = peer_round(peer, model, a, 0)
-        cmds["repack1"], p1 = peer_round(peer, model, a, 1)
+        cmds["repack0"], p0, f0 = peer_round(peer, model, a, 0)
+        cmds["repack1"], p1, f1 = peer_round(peer, model, a, 1)
+        for key, f in (("repack0", f0), ("repack1", f1)):
+            if f:
+                failures[key].append(dict(f, round=i + 1))
         rounds.append({"sluice": s, "repack0": p0, "repack1": p1})
         lib.log(f"  sluice {s}  repack0 {p0}  repack1 {p1}")
+    ran = [k for k in ("repack0", "repack1") if any(r[k] for r in rounds)]
+    if not ran:
+        raise RuntimeError("llama.cpp failed in every setting: %s" % json.dumps(failures))
 
     def best_peer(r, k):
-        return max(r["repack0"][k], r["repack1"][k])
+        vals = [r[s][k] for s in ran if r[s]]
+        return max(vals) if vals else None
 
     def med(tool, k):
-        return lib.summary([r[tool][k] for r in rounds])["median"]
+        s = lib.summary([r[tool][k] for r in rounds if r[tool]])
+        return s["median"] if s else None
 
     ratios = {
-        k.split("_")[0]: lib.ratio_summary([r["sluice"][k] / best_peer(r, k) for r in rounds]) for k in ("decode_tok_s", "prefill_tok_s")
+        k.split("_")[0]: lib.ratio_summary([r["sluice"][k] / best_peer(r, k) for r in rounds if best_peer(r, k)])
+        for k in ("decode_tok_s", "prefill_tok_s")
     }
-    best_setting = {
-        k: ("--repack 0" if med("repack0", k) >= med("repack1", k) else "--repack 1") for k in ("decode_tok_s", "prefill_tok_s")
-    }
+
+    def best_setting_of(k):
+        m0, m1 = med("repack0", k), med("repack1", k)
+        if m1 is None or (m0 is not None and m0 >= m1):
+            return "--repack 0"
+        return "--repack 1"
+
+    best_setting = {k: best_setting_of(k) for k in ("decode_tok_s", "prefill_tok_s")}
     bound = bw * 1e9 / per_token
     decode = med("sluice", "decode_tok_s")
     result = lib.header("resident-" + os.path.splitext(os.path.basename(model))[0], state, a.dry_run)
@@ -106,9 +129,10 @@ def bench_model(model, a, peer, exe, bw, state, isas):
             "command": " ".join(cmds["repack0"]) + "  |  --repack 1",
             "best_setting": best_setting,
             "metrics": {
-                "repack0": {k: med("repack0", k) for k in ("decode_tok_s", "prefill_tok_s")},
-                "repack1": {k: med("repack1", k) for k in ("decode_tok_s", "prefill_tok_s")},
+                key: ({k: med(key, k) for k in ("decode_tok_s", "prefill_tok_s")} if key in ran else {"failed": failures[key][0]["why"]})
+                for key in ("repack0", "repack1")
             },
+            "failures": {k: v for k, v in failures.items() if v},
         },
         "ratios": ratios,
         "bound": {

@@ -1,9 +1,10 @@
 //! Kernel lab: checks every SIMD variant of every matmul kernel and of the Gated DeltaNet
 //! ops against its scalar reference, then times decode-time matrix-vector products (achieved
 //! bandwidth next to the best read rate this machine reaches, measured in the same run at the
-//! same thread count: the larger of a plain read probe and an F32 matvec over 512 MiB, both at
-//! the CPU's best SIMD level), prefill matmuls (GMAC/s) and the DeltaNet recurrence at
-//! Qwen3-Next's dimensions.
+//! same thread count: the larger of a plain read probe and an F32 matvec, both at
+//! the CPU's best SIMD level, over four times the last-level cache), prefill matmuls (GMAC/s) and the DeltaNet recurrence at
+//! Qwen3-Next's dimensions, and the f32 activation ops (rmsnorm, the FFN combines, softmax,
+//! axpy, argmax) at decode widths.
 //!
 //! `kernel-lab [--quick] [--json] [--dtype NAME]`
 
@@ -32,18 +33,21 @@ fn weights(dtype: DType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
 fn working_set() -> usize {
     let llc = std::fs::read_to_string("/sys/devices/system/cpu/cpu0/cache/index3/size")
         .ok()
-        .and_then(|s| {
-            let s = s.trim();
-            let (num, mul) = match s.chars().last() {
-                Some('K') => (&s[..s.len() - 1], 1usize << 10),
-                Some('M') => (&s[..s.len() - 1], 1 << 20),
-                Some('G') => (&s[..s.len() - 1], 1 << 30),
-                _ => (s, 1),
-            };
-            num.parse::<usize>().ok().map(|n| n * mul)
-        })
+        .and_then(|s| cache_size(&s))
         .unwrap_or(0);
     (4 * llc).max(1 << 30)
+}
+
+/// A cache size as sysfs writes it ("491520K", "32M"), in bytes.
+fn cache_size(s: &str) -> Option<usize> {
+    let s = s.trim();
+    let (num, mul) = match s.chars().last()? {
+        'K' => (&s[..s.len() - 1], 1usize << 10),
+        'M' => (&s[..s.len() - 1], 1 << 20),
+        'G' => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    num.parse::<usize>().ok()?.checked_mul(mul)
 }
 
 /// Copies of `m` at distinct addresses until they span `working_set()` bytes: a matvec that
@@ -254,6 +258,7 @@ fn main() {
         }
     }
     time_recurrent(json, quick);
+    time_ops(json);
 
     // 1c. Decode compute rate: a matrix that stays in L2, one thread, many passes. Where it
     //     is not far above the memory bandwidth, decode is compute-bound.
@@ -298,10 +303,11 @@ fn main() {
         let bound = read_bound(&pool);
         if !json {
             println!(
-                "read bound, threads {threads}: {:.1} GB/s (read probe {:.1}, F32 matvec over 512 MiB {:.1})",
+                "read bound, threads {threads}: {:.1} GB/s (read probe {:.1}, F32 matvec {:.1}; {:.2} GiB swept)",
                 bound.best(),
                 bound.probe,
-                bound.f32_matvec
+                bound.f32_matvec,
+                working_set() as f64 / (1u64 << 30) as f64
             );
         }
         for &d in &dtypes {
@@ -438,6 +444,100 @@ fn time_recurrent(json: bool, quick: bool) {
     }
 }
 
+/// The f32 activation ops (`ops`), one thread, at the widths a decode step gives them: time
+/// per call and the bytes of activations they read and write per second. They run once per
+/// row per layer (rmsnorm, the FFN's combine), per head (softmax over the keys) or per token
+/// (softmax or argmax over the vocabulary); set them beside the matvecs' microseconds to see
+/// whether one is worth vectorizing.
+fn time_ops(json: bool) {
+    use sluice_kernels::ops;
+    let mut r = rng(11);
+    let row = |n: usize, r: &mut dyn FnMut() -> f32| -> Vec<f32> { (0..n).map(|_| r()).collect() };
+    let (x2k, w2k, x8k, u8k, xv) =
+        (row(2048, &mut r), row(2048, &mut r), row(8192, &mut r), row(8192, &mut r), row(151_936, &mut r));
+    let mut out = vec![0f32; 151_936];
+    // (name, elements, bytes moved per call, the op)
+    type Case<'a> = (&'static str, usize, usize, Box<dyn FnMut(&mut [f32]) + 'a>);
+    let cases: Vec<Case> = vec![
+        (
+            "rms_norm 2048",
+            2048,
+            3 * 2048 * 4,
+            Box::new(|o: &mut [f32]| ops::rms_norm(&x2k, &w2k, 1e-6, &mut o[..2048])),
+        ),
+        (
+            "glu silu 8192",
+            8192,
+            3 * 8192 * 4,
+            Box::new(|o: &mut [f32]| {
+                o[..8192].copy_from_slice(&x8k);
+                ops::glu(&mut o[..8192], &u8k, ops::silu)
+            }),
+        ),
+        (
+            "glu gelu_tanh 8192",
+            8192,
+            3 * 8192 * 4,
+            Box::new(|o: &mut [f32]| {
+                o[..8192].copy_from_slice(&x8k);
+                ops::glu(&mut o[..8192], &u8k, ops::gelu_tanh)
+            }),
+        ),
+        (
+            "softmax 4096",
+            4096,
+            2 * 4096 * 4,
+            Box::new(|o: &mut [f32]| {
+                o[..4096].copy_from_slice(&x8k[..4096]);
+                ops::softmax(&mut o[..4096])
+            }),
+        ),
+        (
+            "softmax 151936",
+            151_936,
+            2 * 151_936 * 4,
+            Box::new(|o: &mut [f32]| {
+                o.copy_from_slice(&xv);
+                ops::softmax(o)
+            }),
+        ),
+        ("axpy 2048", 2048, 3 * 2048 * 4, Box::new(|o: &mut [f32]| ops::axpy(&mut o[..2048], 0.5, &x2k))),
+        (
+            "argmax 151936",
+            151_936,
+            151_936 * 4,
+            Box::new(|_: &mut [f32]| {
+                std::hint::black_box(ops::argmax(&xv));
+            }),
+        ),
+    ];
+    for (name, elems, bytes, mut f) in cases {
+        let iters = (50_000_000 / elems).clamp(20, 20_000);
+        let mut best = f64::MAX;
+        for _ in 0..3 {
+            let t0 = Instant::now();
+            for _ in 0..iters {
+                f(&mut out);
+            }
+            best = best.min(t0.elapsed().as_secs_f64() / iters as f64);
+        }
+        std::hint::black_box(&out);
+        if json {
+            println!(
+                "{{\"kernel\":\"op\",\"op\":\"{name}\",\"elements\":{elems},\"us\":{:.3},\"gb_s\":{:.2}}}",
+                best * 1e6,
+                bytes as f64 / best / 1e9
+            );
+        } else {
+            println!(
+                "op {name:20} 1 thread: {:9.2} us per call ({:6.1} GB/s of activations)",
+                best * 1e6,
+                bytes as f64 / best / 1e9
+            );
+        }
+    }
+}
+
 fn serde_like(d: DType, threads: usize, rows: usize, cols: usize, gbs: f64, bound: &ReadBound) -> String {
     let bw = bound.best();
     format!(
@@ -452,7 +552,17 @@ fn serde_like(d: DType, threads: usize, rows: usize, cols: usize, gbs: f64, boun
 
 #[cfg(test)]
 mod tests {
-    use super::relative_error;
+    use super::{cache_size, relative_error};
+
+    #[test]
+    fn sysfs_cache_sizes_parse() {
+        assert_eq!(cache_size("491520K\n"), Some(491520 << 10));
+        assert_eq!(cache_size("32M"), Some(32 << 20));
+        assert_eq!(cache_size("1G"), Some(1 << 30));
+        assert_eq!(cache_size("4096"), Some(4096));
+        assert_eq!(cache_size("lots"), None);
+        assert_eq!(cache_size(""), None);
+    }
 
     #[test]
     fn a_nan_or_a_missing_output_fails_the_check() {
