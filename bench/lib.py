@@ -480,8 +480,9 @@ class Balloon:
 
 
 def write_result(name, result, out=None):
-    """Writes bench/results/<name>-<date>.json (or into `out`); a result from a dirty tree
-    gets a -dirty suffix in its file name as well as "clean": false inside."""
+    """Writes bench/results/<name>-<date>.json (or into `out`; -2, -3, ... after the date when
+    that file exists); a result from a dirty tree gets a -dirty suffix in its file name as well
+    as "clean": false inside."""
     # The tree must still be the one measured: a commit or an edit during the run makes the
     # result as unquotable as a dirty start.
     end = git_state()
@@ -494,8 +495,14 @@ def write_result(name, result, out=None):
     os.makedirs(d, exist_ok=True)
     day = datetime.date.today().isoformat()
     suffix = "" if result.get("clean") else "-dirty"
+    # Never over another result: a second run of the same benchmark on the same day (another
+    # machine, another SIMD level) takes the next free number.
     path = os.path.join(d, f"{name}-{day}{suffix}.json")
-    with open(path, "w") as f:
+    n = 2
+    while os.path.exists(path):
+        path = os.path.join(d, f"{name}-{day}-{n}{suffix}.json")
+        n += 1
+    with open(path, "x") as f:
         json.dump(result, f, indent=2)
         f.write("\n")
     print(json.dumps(result, indent=2))
