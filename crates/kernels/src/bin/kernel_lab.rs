@@ -6,7 +6,7 @@
 //! Qwen3-Next's dimensions, and the f32 activation ops (rmsnorm, the FFN combines, softmax,
 //! axpy, argmax) at decode widths.
 //!
-//! `kernel-lab [--quick] [--json] [--dtype NAME]`
+//! `kernel-lab [--quick] [--json] [--dtype NAME] [--shape ROWSxCOLS]`
 
 use sluice_kernels::cpu::Isa;
 use sluice_kernels::{matmul_ref, DType, MatRef, ThreadPool};
@@ -296,7 +296,12 @@ fn main() {
 
     // 2. Decode matvec bandwidth, 1 and 2 threads, against the best read rate the machine
     //    reaches at the same thread count (see `read_bound`).
-    let (rows, cols) = if quick { (2048, 2048) } else { (8192, 4096) };
+    // `--shape 1024x2048` times a model's own matrix size (an OLMoE expert's gate, say).
+    let shape = args.iter().position(|a| a == "--shape").and_then(|i| args.get(i + 1)).and_then(|s| {
+        let (r, c) = s.split_once('x')?;
+        Some((r.parse::<usize>().ok()?, c.parse::<usize>().ok()?))
+    });
+    let (rows, cols) = shape.unwrap_or(if quick { (2048, 2048) } else { (8192, 4096) });
     let mut results = Vec::new();
     for threads in [1usize, 2] {
         let pool = ThreadPool::new(threads);
@@ -311,6 +316,9 @@ fn main() {
             );
         }
         for &d in &dtypes {
+            if !cols.is_multiple_of(d.block_elems()) {
+                continue; // a `--shape` whose width is not whole blocks of this format
+            }
             // Copies of one matrix, so the working set is well past the caches.
             let mats = spread(weights(d, rows, cols, 10));
             let gbs = matvec_rate(&pool, d, rows, cols, &mats);
