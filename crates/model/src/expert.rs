@@ -28,6 +28,12 @@ pub trait ExpertFetch<'s> {
     /// The next resident expert with its index in the request; `None` when all were delivered.
     #[allow(clippy::type_complexity)]
     fn next(&mut self) -> Option<Result<(usize, Box<dyn ExpertView + 's>)>>;
+
+    /// Whether every requested expert is resident already, so that `next` never waits: the
+    /// MoE block may then take them all at once and schedule their matrices together.
+    fn all_resident(&self) -> bool {
+        false
+    }
 }
 
 /// Counters an expert source keeps (zero for a resident source).
@@ -264,6 +270,10 @@ impl<'s> ExpertFetch<'s> for ResidentFetch<'s> {
             Some(w) => Ok((i, Box::new(ResidentView(w)) as Box<dyn ExpertView + 's>)),
             None => Err(ModelError::Expert(format!("expert {e} out of range"))),
         })
+    }
+
+    fn all_resident(&self) -> bool {
+        true
     }
 }
 

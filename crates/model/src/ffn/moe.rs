@@ -176,6 +176,15 @@ pub fn moe_ffn(
     // experts, so their reads queue behind them and overlap this layer's compute: the next
     // router applied to this layer's input predicts them.
     prefetch_next(m, l, x, n);
+    if n == 1 && w.biases.is_none() && fetch.all_resident() {
+        let mut views = Vec::with_capacity(wanted.len());
+        while let Some(r) = fetch.next() {
+            views.push(r?);
+        }
+        let slots: Vec<usize> = views.iter().map(|(i, _)| users[wanted[*i] as usize][0]).collect();
+        let ews: Vec<_> = views.iter().map(|(_, v)| v.weights()).collect();
+        decode_by_matrices(pool, cfg.activation, &ews, &slots, x, &mut y);
+    }
     let mut xe = Vec::new();
     let mut ye = Vec::new();
     while let Some(r) = fetch.next() {
@@ -224,6 +233,68 @@ pub fn moe_ffn(
         }
     }
     Ok(())
+}
+
+/// One token through experts that are all resident, scheduled by whole matrices: the pool's
+/// threads share out every expert's gate and up in one dispatch, then every expert's combine
+/// and down in a second, each thread running its matrices one after another on its own. An
+/// expert matrix of a decode step is small (an OLMoE gate is 1.2 MB); split by rows between
+/// threads, each of the three products per expert was its own dispatch, and each thread read
+/// short pieces of many matrices. Every output row still comes from the same one-token kernel
+/// over the same weights and activations, so `y` gets the bits `expert_ffn` gives.
+///
+/// `ews[i]` serves the (token, rank) slot `slots[i]`; its output goes to row `slots[i]` of `y`.
+fn decode_by_matrices(
+    pool: &sluice_kernels::ThreadPool,
+    act: crate::config::Activation,
+    ews: &[crate::expert::ExpertWeights<'_>],
+    slots: &[usize],
+    x: &[f32],
+    y: &mut [f32],
+) {
+    use sluice_kernels::matmul::SendPtr;
+    let hd = x.len();
+    let ne = ews.len();
+    let one = sluice_kernels::ThreadPool::new(1);
+    // gate and up outputs, expert i's at offsets[i]: gate then up, ff values each.
+    let mut offsets = Vec::with_capacity(ne + 1);
+    offsets.push(0);
+    for ew in ews {
+        offsets.push(offsets.last().copied().unwrap_or(0) + 2 * ew.gate.rows);
+    }
+    let mut gu = vec![0f32; offsets[ne]];
+    let gp = SendPtr(gu.as_mut_ptr());
+    let threads = pool.n_threads();
+    // Phase 1: 2·ne products, job j = expert j/2's gate (even j) or up (odd j).
+    pool.run(&|t| {
+        for j in (t * 2 * ne / threads)..((t + 1) * 2 * ne / threads) {
+            let (ew, up) = (&ews[j / 2], j % 2 == 1);
+            let ff = ew.gate.rows;
+            let start = offsets[j / 2] + if up { ff } else { 0 };
+            // SAFETY: job j alone writes gu[start..start + ff]; the jobs' ranges are disjoint
+            // and `gu` outlives the dispatch.
+            let out = unsafe { std::slice::from_raw_parts_mut(gp.get().add(start), ff) };
+            matmul(&one, if up { ew.up } else { ew.gate }, x, 1, out);
+        }
+    });
+    // Phase 2: ne jobs, expert i's combine (its own gate and up) and down into slot i's row.
+    let yp = SendPtr(y.as_mut_ptr());
+    pool.run(&|t| {
+        for i in (t * ne / threads)..((t + 1) * ne / threads) {
+            let ff = ews[i].gate.rows;
+            // SAFETY: only job i touches expert i's gate and up outputs, and row slots[i] of
+            // `y` (a slot serves one expert); both buffers outlive the dispatch.
+            let (g, u, out) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut(gp.get().add(offsets[i]), ff),
+                    std::slice::from_raw_parts(gp.get().add(offsets[i] + ff) as *const f32, ff),
+                    std::slice::from_raw_parts_mut(yp.get().add(slots[i] * hd), hd),
+                )
+            };
+            crate::ffn::combine(act, g, u);
+            matmul(&one, ews[i].down, g, 1, out);
+        }
+    });
 }
 
 /// The router's logits for `n` rows of `x` (with its bias, where it has one).
