@@ -93,8 +93,8 @@ unsafe fn scale_vectors(s16: __m256i) -> [__m256i; 8] {
 
 /// A block's unpacked form: its eight code vectors (unsigned, element order) and their scale
 /// vectors, plus the sixteen scales (Q3_K) or mins (Q2_K) as i16 for the 16-value sums.
-struct Unpacked {
-    u: [__m256i; 8],
+pub(crate) struct Unpacked {
+    pub(crate) u: [__m256i; 8],
     sv: [__m256i; 8],
     /// Q2_K: the mins; Q3_K: the scales (the −4 correction).
     s16: __m256i,
@@ -106,7 +106,7 @@ struct Unpacked {
 ///
 /// `blk` points to one whole block of the format; the CPU has AVX2 (checked by `cpu::isa()`).
 #[inline(always)]
-unsafe fn unpack<const Q3: bool>(blk: *const u8) -> Unpacked {
+pub(crate) unsafe fn unpack<const Q3: bool>(blk: *const u8) -> Unpacked {
     let three = _mm256_set1_epi8(3);
     let (qs, s16, sc16) = if Q3 {
         let s16 = _mm256_cvtepi8_epi16(q3_scales(blk.add(96)));

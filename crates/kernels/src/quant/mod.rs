@@ -96,14 +96,15 @@ pub(crate) fn matmul_quant_isa(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, x: &[
     if isa >= Isa::Avx2 && w.dtype == DType::MXFP4 {
         return mxfp4_x86::matmul(pool, w, &act, n, o);
     }
-    // Q2_K and Q3_K: their own AVX2 kernels (which serve the AVX-512 level too).
-    #[cfg(target_arch = "x86_64")]
-    if isa >= Isa::Avx2 && matches!(w.dtype, DType::Q2_K | DType::Q3_K) {
-        return k23_x86::matmul(pool, w, &act, n, o);
-    }
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx512 && crate::cpu::has_vnni() && n >= GEMM_MIN_TOKENS && gemm_supports(w.dtype) {
         return gemm_tiled(pool, w, &act, n, o);
+    }
+    // Q2_K and Q3_K: their own AVX2 kernels (decode at every level; prefill where the tiled
+    // kernel above does not apply).
+    #[cfg(target_arch = "x86_64")]
+    if isa >= Isa::Avx2 && matches!(w.dtype, DType::Q2_K | DType::Q3_K) {
+        return k23_x86::matmul(pool, w, &act, n, o);
     }
     // The 32-element block formats: their own AVX2 kernels (which serve the AVX-512 level too,
     // where the tiled kernel above does not apply).
@@ -199,7 +200,18 @@ const GEMM_MIN_TOKENS: usize = 4;
 /// Formats the VNNI tiled kernel takes (Q8_0, paired with 16-bit activations, runs on the
 /// AVX2 kernels of `block32_x86`).
 fn gemm_supports(dtype: DType) -> bool {
-    matches!(dtype, DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q4_K | DType::Q5_K | DType::Q6_K)
+    matches!(
+        dtype,
+        DType::Q4_0
+            | DType::Q4_1
+            | DType::Q5_0
+            | DType::Q5_1
+            | DType::Q2_K
+            | DType::Q3_K
+            | DType::Q4_K
+            | DType::Q5_K
+            | DType::Q6_K
+    )
 }
 
 /// The tiled AVX-512 VNNI path: panels of 16 tokens, rows in blocks that stay in L2.

@@ -7,6 +7,8 @@
 //! integer sums of a block come out already separated by token, with no horizontal reduction.
 //! Four rows run together so their dependency chains overlap.
 //!
+//! Formats: Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, Q2_K, Q3_K.
+//!
 //! Each lane then applies `dot_ref::accumulate`'s operations for its (row, token) pair, block
 //! after block, so results equal the scalar reference to the bit.
 
@@ -116,6 +118,8 @@ pub unsafe fn gemm<const R: usize>(dtype: DType, w: &[u8], row_bytes: usize, p: 
     match dtype {
         DType::Q4_K | DType::Q5_K => gemm_q4k::<R>(dtype == DType::Q5_K, w, row_bytes, p, out),
         DType::Q6_K => gemm_q6k::<R>(w, row_bytes, p, out),
+        DType::Q2_K => gemm_k23::<R, false>(w, row_bytes, p, out),
+        DType::Q3_K => gemm_k23::<R, true>(w, row_bytes, p, out),
         _ => gemm32::<R>(dtype, w, row_bytes, p, out),
     }
 }
@@ -297,6 +301,95 @@ unsafe fn gemm_q6k<const R: usize>(w: &[u8], row_bytes: usize, p: &Panel, out: &
         for r in 0..R {
             let isum = _mm512_sub_epi32(s1[r], _mm512_slli_epi32(corr[r], 5));
             accf[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(d[r]), dx), _mm512_cvtepi32_ps(isum), accf[r]);
+        }
+    }
+    for r in 0..R {
+        _mm512_storeu_ps(out[r].as_mut_ptr(), accf[r]);
+    }
+}
+
+/// Q2_K and Q3_K (`Q3`): sixteen 16-value groups, each with its own scale. Q2_K's codes are
+/// 0..3 with a 4-bit scale and a 4-bit min per group (the min against the group's activation
+/// sum, like Q4_K's); Q3_K's are −4..3, unpacked as 0..7 (the +4 in their high bit), with a
+/// signed 6-bit scale per group and 4 · Σ scale · (group sum) taken off after (like Q6_K's
+/// +32). The same integer sums and float steps as `dot_ref`.
+///
+/// # Safety
+///
+/// The CPU supports the features named in `target_feature` (AVX-512; the dispatcher checks
+/// `cpu::isa()` first), and the slices hold what the format implies: whole blocks per row
+/// (`MatRef::new` checked the sizes), activations and outputs for every token in range.
+#[inline(always)]
+unsafe fn gemm_k23<const R: usize, const Q3: bool>(
+    w: &[u8],
+    row_bytes: usize,
+    p: &Panel,
+    out: &mut [[f32; TILE]; ROWS],
+) {
+    let dtype = if Q3 { DType::Q3_K } else { DType::Q2_K };
+    let bb = dtype.block_bytes();
+    let mut accf = [_mm512_setzero_ps(); R];
+    let mut codes = [[0u8; 256]; R];
+    let mut sc = [[0i32; 16]; R];
+    // Pairs of i16 against the panel's pairs of 16-value sums: Q2_K's mins, Q3_K's scales.
+    let mut pair = [[0i32; 8]; R];
+    let mut d = [0f32; R];
+    let mut dmin = [0f32; R];
+    for b in 0..p.nb {
+        for r in 0..R {
+            let blk = w.as_ptr().add(r * row_bytes + b * bb);
+            let up = super::k23_x86::unpack::<Q3>(blk);
+            for (k, v) in up.u.iter().enumerate() {
+                _mm256_storeu_si256(codes[r].as_mut_ptr().add(32 * k) as *mut __m256i, *v);
+            }
+            let wb = std::slice::from_raw_parts(blk, bb);
+            let (scales, second) = if Q3 {
+                let s = crate::quant::blocks::q3k_scales(&wb[96..108]).map(|v| v as i32);
+                (s, s)
+            } else {
+                (std::array::from_fn(|g| (wb[g] & 0xF) as i32), std::array::from_fn(|g| (wb[g] >> 4) as i32))
+            };
+            sc[r] = scales;
+            for j in 0..8 {
+                pair[r][j] = (second[2 * j] & 0xFFFF) | (second[2 * j + 1] << 16);
+            }
+            d[r] = f16_to_f32(f16_bits(wb, if Q3 { 108 } else { 80 }));
+            if !Q3 {
+                dmin[r] = f16_to_f32(f16_bits(wb, 82));
+            }
+        }
+        let xc = p.codes.as_ptr().add(b * 64 * TILE);
+        let mut s1 = [_mm512_setzero_si512(); R];
+        for gi in 0..16 {
+            let mut raw = [_mm512_setzero_si512(); R];
+            for g in 0..4 {
+                let xv = ld(xc.add((4 * gi + g) * TILE));
+                for r in 0..R {
+                    raw[r] = _mm512_dpbusd_epi32(raw[r], bcast(codes[r].as_ptr().add(16 * gi + 4 * g)), xv);
+                }
+            }
+            for r in 0..R {
+                s1[r] = _mm512_add_epi32(s1[r], _mm512_mullo_epi32(raw[r], _mm512_set1_epi32(sc[r][gi])));
+            }
+        }
+        let mut s2 = [_mm512_setzero_si512(); R];
+        for j in 0..8 {
+            let pv = ld(p.bpairs.as_ptr().add((b * 8 + j) * TILE));
+            for r in 0..R {
+                s2[r] = _mm512_dpwssd_epi32(s2[r], pv, _mm512_set1_epi32(pair[r][j]));
+            }
+        }
+        let dx = ldf(p.dx.as_ptr().add(b * TILE));
+        for r in 0..R {
+            let ddx = _mm512_mul_ps(_mm512_set1_ps(d[r]), dx);
+            if Q3 {
+                let isum = _mm512_sub_epi32(s1[r], _mm512_slli_epi32(s2[r], 2));
+                accf[r] = _mm512_fmadd_ps(ddx, _mm512_cvtepi32_ps(isum), accf[r]);
+            } else {
+                accf[r] = _mm512_fmadd_ps(ddx, _mm512_cvtepi32_ps(s1[r]), accf[r]);
+                accf[r] =
+                    _mm512_fnmadd_ps(_mm512_mul_ps(_mm512_set1_ps(dmin[r]), dx), _mm512_cvtepi32_ps(s2[r]), accf[r]);
+            }
         }
     }
     for r in 0..R {
