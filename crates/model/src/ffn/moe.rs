@@ -176,14 +176,19 @@ pub fn moe_ffn(
     // experts, so their reads queue behind them and overlap this layer's compute: the next
     // router applied to this layer's input predicts them.
     prefetch_next(m, l, x, n);
-    if n == 1 && w.biases.is_none() && fetch.all_resident() {
+    if w.biases.is_none() && fetch.all_resident() {
         let mut views = Vec::with_capacity(wanted.len());
         while let Some(r) = fetch.next() {
             views.push(r?);
         }
-        let slots: Vec<usize> = views.iter().map(|(i, _)| users[wanted[*i] as usize][0]).collect();
         let ews: Vec<_> = views.iter().map(|(_, v)| v.weights()).collect();
-        decode_by_matrices(pool, cfg.activation, &ews, &slots, x, &mut y);
+        if n == 1 {
+            let slots: Vec<usize> = views.iter().map(|(i, _)| users[wanted[*i] as usize][0]).collect();
+            decode_by_matrices(pool, cfg.activation, &ews, &slots, x, &mut y);
+        } else {
+            let slots: Vec<&[usize]> = views.iter().map(|(i, _)| users[wanted[*i] as usize].as_slice()).collect();
+            batch_by_experts(pool, cfg.activation, &ews, &slots, k, x, &mut y);
+        }
     }
     let mut xe = Vec::new();
     let mut ye = Vec::new();
@@ -293,6 +298,66 @@ fn decode_by_matrices(
             };
             crate::ffn::combine(act, g, u);
             matmul(&one, ews[i].down, g, 1, out);
+        }
+    });
+}
+
+/// Several tokens through experts that are all resident, one expert a job in one dispatch:
+/// each thread takes whole experts and does all of an expert's work itself — gathers the rows
+/// of the tokens that chose it, runs gate and up (quantizing those rows for the kernels),
+/// combines, runs down and writes the rows of its (token, rank) slots — so nothing runs on one
+/// thread while the others wait between an expert's products. Experts are dealt out by token
+/// count, largest first, each to the thread with the fewest tokens so far (deterministic, and
+/// which thread runs an expert never changes a bit: every row comes from the same kernels over
+/// the same rows as in `expert_ffn`).
+///
+/// `ews[i]` serves the (token, rank) slots `slots[i]` (slot s is token s / k); its output row
+/// for slot s goes to row s of `y`.
+fn batch_by_experts(
+    pool: &sluice_kernels::ThreadPool,
+    act: crate::config::Activation,
+    ews: &[crate::expert::ExpertWeights<'_>],
+    slots: &[&[usize]],
+    k: usize,
+    x: &[f32],
+    y: &mut [f32],
+) {
+    use sluice_kernels::matmul::SendPtr;
+    let hd = ews.first().map_or(0, |e| e.down.rows);
+    let threads = pool.n_threads();
+    let mut order: Vec<usize> = (0..ews.len()).collect();
+    order.sort_by_key(|&i| (std::cmp::Reverse(slots[i].len()), i));
+    let mut load = vec![0usize; threads];
+    let mut owner = vec![0usize; ews.len()];
+    for i in order {
+        let t = (0..threads).min_by_key(|&t| (load[t], t)).unwrap_or(0);
+        owner[i] = t;
+        load[t] += slots[i].len();
+    }
+    let yp = SendPtr(y.as_mut_ptr());
+    let one = sluice_kernels::ThreadPool::new(1);
+    pool.run(&|t| {
+        let (mut xe, mut g, mut u, mut ye) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for (i, ew) in ews.iter().enumerate().filter(|(i, _)| owner[*i] == t) {
+            let (m, ff) = (slots[i].len(), ew.gate.rows);
+            xe.clear();
+            for s in slots[i] {
+                let tok = s / k;
+                xe.extend_from_slice(&x[tok * hd..(tok + 1) * hd]);
+            }
+            g.resize(m * ff, 0.0);
+            u.resize(m * ff, 0.0);
+            ye.resize(m * hd, 0.0);
+            matmul(&one, ew.gate, &xe, m, &mut g);
+            matmul(&one, ew.up, &xe, m, &mut u);
+            crate::ffn::combine(act, &mut g, &u);
+            matmul(&one, ew.down, &g, m, &mut ye);
+            for (j, s) in slots[i].iter().enumerate() {
+                // SAFETY: slot s belongs to expert i alone, and expert i to this thread alone;
+                // `y` outlives the dispatch.
+                let row = unsafe { std::slice::from_raw_parts_mut(yp.get().add(s * hd), hd) };
+                row.copy_from_slice(&ye[j * hd..(j + 1) * hd]);
+            }
         }
     });
 }
