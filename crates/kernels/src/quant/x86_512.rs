@@ -105,6 +105,51 @@ unsafe fn bcast(p: *const u8) -> __m512i {
     _mm512_set1_epi32((p as *const i32).read_unaligned())
 }
 
+/// Per lane (token): Σ over a 256-value block's sixteen 16-value groups of the group's scale ·
+/// (its codes · the panel's activation codes), for R rows (`codes[r]`, `sc[r]`); `xc` points to
+/// the block's 64 panel dwords.
+///
+/// # Safety
+///
+/// `xc` is valid for 64 · TILE dwords; the CPU has AVX-512 VNNI (checked by `cpu::isa()` and
+/// `cpu::has_vnni()`).
+#[inline(always)]
+unsafe fn groups16<const R: usize>(codes: &[[u8; 256]; R], sc: &[[i32; 16]; R], xc: *const u32) -> [__m512i; R] {
+    let mut s1 = [_mm512_setzero_si512(); R];
+    for gi in 0..16 {
+        let mut raw = [_mm512_setzero_si512(); R];
+        for g in 0..4 {
+            let xv = ld(xc.add((4 * gi + g) * TILE));
+            for r in 0..R {
+                raw[r] = _mm512_dpbusd_epi32(raw[r], bcast(codes[r].as_ptr().add(16 * gi + 4 * g)), xv);
+            }
+        }
+        for r in 0..R {
+            s1[r] = _mm512_add_epi32(s1[r], _mm512_mullo_epi32(raw[r], _mm512_set1_epi32(sc[r][gi])));
+        }
+    }
+    s1
+}
+
+/// Per lane (token): Σ over block `b`'s eight pairs of 16-value activation sums of each sum ·
+/// its factor, the two factors of pair j packed as i16 in `pair[r][j]` (a min or a scale).
+///
+/// # Safety
+///
+/// The panel holds Q8_K activations (its pairs of sums) and `b < p.nb`; the CPU has AVX-512
+/// VNNI (checked by `cpu::isa()` and `cpu::has_vnni()`).
+#[inline(always)]
+unsafe fn pair_sums<const R: usize>(p: &Panel, b: usize, pair: &[[i32; 8]; R]) -> [__m512i; R] {
+    let mut s2 = [_mm512_setzero_si512(); R];
+    for j in 0..8 {
+        let pv = ld(p.bpairs.as_ptr().add((b * 8 + j) * TILE));
+        for r in 0..R {
+            s2[r] = _mm512_dpwssd_epi32(s2[r], pv, _mm512_set1_epi32(pair[r][j]));
+        }
+    }
+    s2
+}
+
 /// Rows `rows` (R of them) of `w` (rows of `row_bytes`) against a panel; `out[r][c]` receives
 /// the dot product of row r with panel token c.
 ///
@@ -229,13 +274,7 @@ unsafe fn gemm_q4k<const R: usize>(q5: bool, w: &[u8], row_bytes: usize, p: &Pan
                 s1[r] = _mm512_add_epi32(s1[r], _mm512_mullo_epi32(raw[r], _mm512_set1_epi32(sc[r][j])));
             }
         }
-        let mut s2 = [_mm512_setzero_si512(); R];
-        for j in 0..8 {
-            let pv = ld(p.bpairs.as_ptr().add((b * 8 + j) * TILE));
-            for r in 0..R {
-                s2[r] = _mm512_dpwssd_epi32(s2[r], pv, _mm512_set1_epi32(mp[r][j]));
-            }
-        }
+        let s2 = pair_sums::<R>(p, b, &mp);
         let dx = ldf(p.dx.as_ptr().add(b * TILE));
         for r in 0..R {
             accf[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(d[r]), dx), _mm512_cvtepi32_ps(s1[r]), accf[r]);
@@ -275,28 +314,9 @@ unsafe fn gemm_q6k<const R: usize>(w: &[u8], row_bytes: usize, p: &Panel, out: &
             }
             d[r] = f16_to_f32(f16_bits(blk, 208));
         }
-        let xc = p.codes.as_ptr().add(b * 64 * TILE);
-        let mut s1 = [_mm512_setzero_si512(); R];
-        for gi in 0..16 {
-            let mut raw = [_mm512_setzero_si512(); R];
-            for g in 0..4 {
-                let xv = ld(xc.add((4 * gi + g) * TILE));
-                for r in 0..R {
-                    raw[r] = _mm512_dpbusd_epi32(raw[r], bcast(codes[r].as_ptr().add(16 * gi + 4 * g)), xv);
-                }
-            }
-            for r in 0..R {
-                s1[r] = _mm512_add_epi32(s1[r], _mm512_mullo_epi32(raw[r], _mm512_set1_epi32(sc[r][gi])));
-            }
-        }
+        let s1 = groups16::<R>(&codes, &sc, p.codes.as_ptr().add(b * 64 * TILE));
         // Codes are q + 32: take off 32 · Σ_g scale_g · Σx_g.
-        let mut corr = [_mm512_setzero_si512(); R];
-        for j in 0..8 {
-            let pv = ld(p.bpairs.as_ptr().add((b * 8 + j) * TILE));
-            for r in 0..R {
-                corr[r] = _mm512_dpwssd_epi32(corr[r], pv, _mm512_set1_epi32(sp[r][j]));
-            }
-        }
+        let corr = pair_sums::<R>(p, b, &sp);
         let dx = ldf(p.dx.as_ptr().add(b * TILE));
         for r in 0..R {
             let isum = _mm512_sub_epi32(s1[r], _mm512_slli_epi32(corr[r], 5));
@@ -358,27 +378,8 @@ unsafe fn gemm_k23<const R: usize, const Q3: bool>(
                 dmin[r] = f16_to_f32(f16_bits(wb, 82));
             }
         }
-        let xc = p.codes.as_ptr().add(b * 64 * TILE);
-        let mut s1 = [_mm512_setzero_si512(); R];
-        for gi in 0..16 {
-            let mut raw = [_mm512_setzero_si512(); R];
-            for g in 0..4 {
-                let xv = ld(xc.add((4 * gi + g) * TILE));
-                for r in 0..R {
-                    raw[r] = _mm512_dpbusd_epi32(raw[r], bcast(codes[r].as_ptr().add(16 * gi + 4 * g)), xv);
-                }
-            }
-            for r in 0..R {
-                s1[r] = _mm512_add_epi32(s1[r], _mm512_mullo_epi32(raw[r], _mm512_set1_epi32(sc[r][gi])));
-            }
-        }
-        let mut s2 = [_mm512_setzero_si512(); R];
-        for j in 0..8 {
-            let pv = ld(p.bpairs.as_ptr().add((b * 8 + j) * TILE));
-            for r in 0..R {
-                s2[r] = _mm512_dpwssd_epi32(s2[r], pv, _mm512_set1_epi32(pair[r][j]));
-            }
-        }
+        let s1 = groups16::<R>(&codes, &sc, p.codes.as_ptr().add(b * 64 * TILE));
+        let s2 = pair_sums::<R>(p, b, &pair);
         let dx = ldf(p.dx.as_ptr().add(b * TILE));
         for r in 0..R {
             let ddx = _mm512_mul_ps(_mm512_set1_ps(d[r]), dx);
