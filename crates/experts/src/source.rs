@@ -572,8 +572,10 @@ impl StreamFetch<'_> {
 }
 
 impl<'s> ExpertFetch<'s> for StreamFetch<'s> {
+    /// Every requested expert pinned and resident: `next` will hand each out without waiting.
     fn all_resident(&self) -> bool {
-        self.every_item_ready()
+        let b = self.src.book();
+        self.items.iter().all(|i| matches!(i, Item::Pinned(p) if b.cache.state(p.slot()) == SlotState::Ready))
     }
 
     fn next(&mut self) -> Option<sluice_model::Result<(usize, Box<dyn ExpertView + 's>)>> {
@@ -642,14 +644,6 @@ impl<'s> ExpertFetch<'s> for StreamFetch<'s> {
                 Some(Ok((i, src.view(pin, key))))
             }
         }
-    }
-}
-
-impl StreamFetch<'_> {
-    /// Every requested expert pinned and resident: `next` will hand each out without waiting.
-    fn every_item_ready(&self) -> bool {
-        let b = self.src.book();
-        self.items.iter().all(|i| matches!(i, Item::Pinned(p) if b.cache.state(p.slot()) == SlotState::Ready))
     }
 }
 

@@ -1,10 +1,10 @@
 //! Kernel lab: checks every SIMD variant of every matmul kernel and of the Gated DeltaNet
 //! ops against its scalar reference, then times decode-time matrix-vector products (achieved
 //! bandwidth next to the best read rate this machine reaches, measured in the same run at the
-//! same thread count: the larger of a plain read probe and an F32 matvec, both at
-//! the CPU's best SIMD level, over four times the last-level cache), prefill matmuls (GMAC/s) and the DeltaNet recurrence at
-//! Qwen3-Next's dimensions, and the f32 activation ops (rmsnorm, the FFN combines, softmax,
-//! axpy, argmax) at decode widths.
+//! same thread count: the larger of a plain read probe and an F32 matvec, both at the CPU's
+//! best SIMD level, over four times the last-level cache), prefill matmuls (GMAC/s), the
+//! DeltaNet recurrence at Qwen3-Next's dimensions, and the f32 activation ops (rmsnorm, the
+//! FFN combines, softmax, axpy, argmax) at decode widths.
 //!
 //! `kernel-lab [--quick] [--json] [--dtype NAME] [--shape ROWSxCOLS]`
 
@@ -89,38 +89,39 @@ fn read_bound(pool: &ThreadPool) -> ReadBound {
     let x: Vec<f32> = (0..cols).map(|_| r()).collect();
     let (best_isa, one) = (Isa::detect(), ThreadPool::new(1));
     let n = pool.n_threads();
-    let iters = mats.len();
-    let mut best = f64::MAX;
-    for _ in 0..3 {
-        let t0 = Instant::now();
-        for mat in &mats {
-            let m = MatRef::new(DType::F32, rows, cols, mat).expect("lab matrix");
-            // Each thread its share of rows, as `matmul` splits them.
-            pool.run(&|t| {
-                let part = m.slice_rows(t * rows / n, (t + 1) * rows / n);
-                std::hint::black_box(sluice_kernels::matmul::matmul_with_isa(best_isa, &one, part, &x, 1));
-            });
-        }
-        best = best.min(t0.elapsed().as_secs_f64() / iters as f64);
-    }
-    ReadBound { probe: read_probe(pool), f32_matvec: mats[0].len() as f64 / best / 1e9 }
+    let f32_matvec = sweep_rate(&mats, |mat| {
+        let m = MatRef::new(DType::F32, rows, cols, mat).expect("lab matrix");
+        // Each thread its share of rows, as `matmul` splits them.
+        pool.run(&|t| {
+            let part = m.slice_rows(t * rows / n, (t + 1) * rows / n);
+            std::hint::black_box(sluice_kernels::matmul::matmul_with_isa(best_isa, &one, part, &x, 1));
+        });
+    });
+    ReadBound { probe: read_probe(pool), f32_matvec }
 }
 
-/// Decode-time rate (GB/s of weights) of one matvec through each of `mats`, best of 3.
-fn matvec_rate(pool: &ThreadPool, d: DType, rows: usize, cols: usize, mats: &[Vec<u8>]) -> f64 {
-    let mut r = rng(3);
-    let x: Vec<f32> = (0..cols).map(|_| r()).collect();
-    let mut out = vec![0f32; rows];
+/// GB/s of `mats` that `f`, called once per matrix, gets through: the best of three sweeps.
+fn sweep_rate(mats: &[Vec<u8>], mut f: impl FnMut(&[u8])) -> f64 {
     let mut best = f64::MAX;
     for _ in 0..3 {
         let t0 = Instant::now();
         for mat in mats {
-            let m = MatRef::new(d, rows, cols, mat).expect("lab matrix");
-            sluice_kernels::matmul(pool, m, &x, 1, &mut out);
+            f(mat);
         }
         best = best.min(t0.elapsed().as_secs_f64() / mats.len() as f64);
     }
     mats[0].len() as f64 / best / 1e9
+}
+
+/// Decode-time rate (GB/s of weights) of one matvec through each of `mats`.
+fn matvec_rate(pool: &ThreadPool, d: DType, rows: usize, cols: usize, mats: &[Vec<u8>]) -> f64 {
+    let mut r = rng(3);
+    let x: Vec<f32> = (0..cols).map(|_| r()).collect();
+    let mut out = vec![0f32; rows];
+    sweep_rate(mats, |mat| {
+        let m = MatRef::new(d, rows, cols, mat).expect("lab matrix");
+        sluice_kernels::matmul(pool, m, &x, 1, &mut out);
+    })
 }
 
 /// Read probe: bandwidth of this machine with all of `pool`'s threads reading at once (GB/s), over

@@ -189,28 +189,25 @@ pub fn moe_ffn(
             let slots: Vec<&[usize]> = views.iter().map(|(i, _)| users[wanted[*i] as usize].as_slice()).collect();
             batch_by_experts(pool, cfg.activation, &ews, &slots, k, x, &mut y);
         }
-    }
-    let mut xe = Vec::new();
-    let mut ye = Vec::new();
-    while let Some(r) = fetch.next() {
-        let (i, view) = r?;
-        let slots = &users[wanted[i] as usize];
-        let ew = view.weights();
-        xe.clear();
-        for s in slots {
-            let t = s / k;
-            xe.extend_from_slice(&x[t * hd..(t + 1) * hd]);
-        }
-        ye.resize(slots.len() * hd, 0.0);
-        let e = wanted[i] as usize;
-        let ff = ew.gate.rows;
-        let bias = w
-            .biases
-            .as_ref()
-            .map(|b| (&b.gate[e * ff..(e + 1) * ff], &b.up[e * ff..(e + 1) * ff], &b.down[e * hd..(e + 1) * hd]));
-        expert_ffn(pool, cfg.activation, &ew, bias, &xe, slots.len(), &mut ye);
-        for (j, s) in slots.iter().enumerate() {
-            y[s * hd..(s + 1) * hd].copy_from_slice(&ye[j * hd..(j + 1) * hd]);
+    } else {
+        let mut xe = Vec::new();
+        let mut ye = Vec::new();
+        while let Some(r) = fetch.next() {
+            let (i, view) = r?;
+            let slots = &users[wanted[i] as usize];
+            let ew = view.weights();
+            gather_rows(x, hd, slots, k, &mut xe);
+            ye.resize(slots.len() * hd, 0.0);
+            let e = wanted[i] as usize;
+            let ff = ew.gate.rows;
+            let bias = w
+                .biases
+                .as_ref()
+                .map(|b| (&b.gate[e * ff..(e + 1) * ff], &b.up[e * ff..(e + 1) * ff], &b.down[e * hd..(e + 1) * hd]));
+            expert_ffn(pool, cfg.activation, &ew, bias, &xe, slots.len(), &mut ye);
+            for (j, s) in slots.iter().enumerate() {
+                y[s * hd..(s + 1) * hd].copy_from_slice(&ye[j * hd..(j + 1) * hd]);
+            }
         }
     }
     drop(fetch);
@@ -238,6 +235,16 @@ pub fn moe_ffn(
         }
     }
     Ok(())
+}
+
+/// Into `xe`, in order, the rows of `x` (`hd` wide) of the tokens behind (token, rank) slots
+/// `slots` (slot s is token s / k).
+fn gather_rows(x: &[f32], hd: usize, slots: &[usize], k: usize, xe: &mut Vec<f32>) {
+    xe.clear();
+    for s in slots {
+        let t = s / k;
+        xe.extend_from_slice(&x[t * hd..(t + 1) * hd]);
+    }
 }
 
 /// One token through experts that are all resident, scheduled by whole matrices: the pool's
@@ -305,8 +312,9 @@ fn decode_by_matrices(
 /// Several tokens through experts that are all resident, one expert a job in one dispatch:
 /// each thread takes whole experts and does all of an expert's work itself — gathers the rows
 /// of the tokens that chose it, runs gate and up (quantizing those rows for the kernels),
-/// combines, runs down and writes the rows of its (token, rank) slots — so nothing runs on one
-/// thread while the others wait between an expert's products. Experts are dealt out by token
+/// combines and runs down (`gated_ffn` on one thread), and writes the rows of its (token,
+/// rank) slots — so nothing runs on one thread while the others wait between an expert's
+/// products. Experts are dealt out by token
 /// count, largest first, each to the thread with the fewest tokens so far (deterministic, and
 /// which thread runs an expert never changes a bit: every row comes from the same kernels over
 /// the same rows as in `expert_ffn`).
@@ -337,21 +345,12 @@ fn batch_by_experts(
     let yp = SendPtr(y.as_mut_ptr());
     let one = sluice_kernels::ThreadPool::new(1);
     pool.run(&|t| {
-        let (mut xe, mut g, mut u, mut ye) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut xe, mut ye) = (Vec::new(), Vec::new());
         for (i, ew) in ews.iter().enumerate().filter(|(i, _)| owner[*i] == t) {
-            let (m, ff) = (slots[i].len(), ew.gate.rows);
-            xe.clear();
-            for s in slots[i] {
-                let tok = s / k;
-                xe.extend_from_slice(&x[tok * hd..(tok + 1) * hd]);
-            }
-            g.resize(m * ff, 0.0);
-            u.resize(m * ff, 0.0);
+            let m = slots[i].len();
+            gather_rows(x, hd, slots[i], k, &mut xe);
             ye.resize(m * hd, 0.0);
-            matmul(&one, ew.gate, &xe, m, &mut g);
-            matmul(&one, ew.up, &xe, m, &mut u);
-            crate::ffn::combine(act, &mut g, &u);
-            matmul(&one, ew.down, &g, m, &mut ye);
+            gated_ffn(&one, act, ew.gate, ew.up, ew.down, &xe, m, &mut ye);
             for (j, s) in slots[i].iter().enumerate() {
                 // SAFETY: slot s belongs to expert i alone, and expert i to this thread alone;
                 // `y` outlives the dispatch.
