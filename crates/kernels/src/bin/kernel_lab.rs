@@ -219,6 +219,19 @@ fn main() {
     let isas = Isa::supported();
     // `--dtype Q4_K` limits the run to one format.
     let only = args.iter().position(|a| a == "--dtype").and_then(|i| args.get(i + 1)).and_then(|s| DType::from_name(s));
+    // `--shape 1024x2048` times a model's own matrix size (an OLMoE expert's gate, say).
+    let shape = args.iter().position(|a| a == "--shape").map(|i| {
+        let given = args.get(i + 1).map(String::as_str).unwrap_or("");
+        let parsed =
+            given.split_once('x').and_then(|(r, c)| Some((r.parse::<usize>().ok()?, c.parse::<usize>().ok()?)));
+        match parsed {
+            Some((r, c)) if r > 0 && c > 0 => (r, c),
+            _ => {
+                eprintln!("--shape wants ROWSxCOLS with both above zero (e.g. 1024x2048), not '{given}'");
+                std::process::exit(2);
+            }
+        }
+    });
     let dtypes: Vec<DType> = DType::ALL
         .into_iter()
         .filter(|d| sluice_kernels::supports_matmul(*d) && only.is_none_or(|o| o == *d))
@@ -297,11 +310,6 @@ fn main() {
 
     // 2. Decode matvec bandwidth, 1 and 2 threads, against the best read rate the machine
     //    reaches at the same thread count (see `read_bound`).
-    // `--shape 1024x2048` times a model's own matrix size (an OLMoE expert's gate, say).
-    let shape = args.iter().position(|a| a == "--shape").and_then(|i| args.get(i + 1)).and_then(|s| {
-        let (r, c) = s.split_once('x')?;
-        Some((r.parse::<usize>().ok()?, c.parse::<usize>().ok()?))
-    });
     let (rows, cols) = shape.unwrap_or(if quick { (2048, 2048) } else { (8192, 4096) });
     let mut results = Vec::new();
     for threads in [1usize, 2] {
