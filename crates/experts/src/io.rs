@@ -6,8 +6,10 @@
 //!   when the cache gives it back (`release_slot`), so a released slot's memory really returns
 //!   to the system and a regrown slot's reads land in the pages the process maps.
 //! * `PreadIo`: a pool of threads calling `pread`, for systems without io_uring.
+//! * `PoolIo::over`: the same pool over a `RangeReader` instead of local files — a remote
+//!   tier (an HTTP server or an object store, with a local disk tier before it).
 //!
-//! Both take requests only while they have room (`room()`), so the caller decides priority:
+//! All take requests only while they have room (`room()`), so the caller decides priority:
 //! it hands over demand reads before prefetch reads. `FaultyIo` wraps either and injects
 //! errors, short reads and corruption for tests.
 
@@ -271,28 +273,109 @@ impl Drop for UringIo {
     }
 }
 
-/// Reads on a pool of threads with `pread`.
-pub struct PreadIo {
+/// A source of byte ranges other than local files (a remote tier): what `PoolIo` reads from.
+/// A worker thread calls `read_at` and blocks until the range is in `dst` or has failed.
+pub trait RangeReader: Send + Sync {
+    fn name(&self) -> String;
+    /// The index this reader gives the file that stands at `path` in the expert layout.
+    fn file_index(&self, path: &Path) -> io::Result<usize>;
+    /// Reads `dst.len()` bytes at `offset` of file `file` (fewer only at its end); returns
+    /// how many arrived.
+    fn read_at(&self, file: usize, offset: u64, dst: &mut [u8]) -> io::Result<usize>;
+    /// What each tier behind the reader served so far (running totals).
+    fn tiers(&self) -> Vec<sluice_model::expert::TierStat> {
+        Vec::new()
+    }
+}
+
+/// Local files read with `pread`.
+struct LocalFiles(Vec<File>);
+
+impl RangeReader for LocalFiles {
+    fn name(&self) -> String {
+        "pread".into()
+    }
+    fn file_index(&self, _path: &Path) -> io::Result<usize> {
+        unreachable!("local files are indexed by their place in the layout")
+    }
+    fn read_at(&self, file: usize, offset: u64, dst: &mut [u8]) -> io::Result<usize> {
+        let mut got = 0;
+        loop {
+            match self.0[file].read_at(&mut dst[got..], offset + got as u64) {
+                Ok(0) => return Ok(got),
+                Ok(n) => {
+                    got += n;
+                    if got == dst.len() {
+                        return Ok(got);
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+}
+
+/// Reads on a pool of threads, each blocking in a `RangeReader`: `pread` on local files
+/// (`PreadIo`), or a remote tier.
+pub struct PoolIo {
     tx: Option<mpsc::Sender<IoRequest>>,
     rx: mpsc::Receiver<IoCompletion>,
     workers: Vec<std::thread::JoinHandle<()>>,
     depth: usize,
     in_flight: usize,
+    label: String,
     pub direct: bool,
 }
 
-impl PreadIo {
-    pub fn new(paths: &[PathBuf], arena: Arc<Arena>, depth: usize) -> io::Result<PreadIo> {
-        let depth = depth.clamp(1, 256);
+/// The pread pool of local files.
+pub type PreadIo = PoolIo;
+
+impl PoolIo {
+    /// A pread pool over local files, opened with O_DIRECT where the file system allows.
+    pub fn new(paths: &[PathBuf], arena: Arc<Arena>, depth: usize) -> io::Result<PoolIo> {
         let (files, direct) = open_all(paths)?;
+        let index = (0..files.len()).collect();
+        let mut io = PoolIo::spawn(Arc::new(LocalFiles(files)), index, arena, depth, 16);
+        io.direct = direct;
+        io.label = format!("pread pool (depth {}, {})", io.depth, if direct { "O_DIRECT" } else { "buffered" });
+        Ok(io)
+    }
+
+    /// A pool reading the layout's files (`paths`) through `reader`, with up to `threads`
+    /// workers. Such a reader keeps no copy of what it reads in the page cache (it reads
+    /// memory or the network, or drops the pages of the local files it reads), so the pool
+    /// counts as direct.
+    pub fn over(
+        reader: Arc<dyn RangeReader>,
+        paths: &[PathBuf],
+        arena: Arc<Arena>,
+        depth: usize,
+        threads: usize,
+    ) -> io::Result<PoolIo> {
+        let files = paths.iter().map(|p| reader.file_index(p)).collect::<io::Result<Vec<_>>>()?;
+        let mut io = PoolIo::spawn(reader.clone(), files, arena, depth, threads);
+        io.label = format!("{} (depth {})", reader.name(), io.depth);
+        io.direct = true;
+        Ok(io)
+    }
+
+    fn spawn(
+        reader: Arc<dyn RangeReader>,
+        files: Vec<usize>,
+        arena: Arc<Arena>,
+        depth: usize,
+        threads: usize,
+    ) -> PoolIo {
+        let depth = depth.clamp(1, 256);
         let files = Arc::new(files);
         let (tx, jobs) = mpsc::channel::<IoRequest>();
         let jobs = Arc::new(Mutex::new(jobs));
         let (done_tx, rx) = mpsc::channel();
-        let threads = depth.min(16);
-        let workers = (0..threads)
+        let workers = (0..depth.min(threads.max(1)))
             .map(|i| {
-                let (files, arena, jobs, done) = (files.clone(), arena.clone(), jobs.clone(), done_tx.clone());
+                let (reader, files, arena, jobs, done) =
+                    (reader.clone(), files.clone(), arena.clone(), jobs.clone(), done_tx.clone());
                 std::thread::Builder::new()
                     .name(format!("sluice-io-{i}"))
                     .spawn(move || loop {
@@ -301,20 +384,7 @@ impl PreadIo {
                         // SAFETY: the slot range is reserved for this read until its completion.
                         let dst =
                             unsafe { std::slice::from_raw_parts_mut(arena.slot_ptr(r.slot).add(r.slot_offset), r.len) };
-                        let mut got = 0;
-                        let result = loop {
-                            match files[r.file].read_at(&mut dst[got..], r.offset + got as u64) {
-                                Ok(0) => break Ok(got),
-                                Ok(n) => {
-                                    got += n;
-                                    if got == r.len {
-                                        break Ok(got);
-                                    }
-                                }
-                                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                                Err(e) => break Err(e),
-                            }
-                        };
+                        let result = reader.read_at(files[r.file], r.offset, dst);
                         if done.send(IoCompletion { tag: r.tag, result }).is_err() {
                             return;
                         }
@@ -322,13 +392,13 @@ impl PreadIo {
                     .expect("spawning an IO thread")
             })
             .collect();
-        Ok(PreadIo { tx: Some(tx), rx, workers, depth, in_flight: 0, direct })
+        PoolIo { tx: Some(tx), rx, workers, depth, in_flight: 0, label: String::new(), direct: false }
     }
 }
 
-impl IoEngine for PreadIo {
+impl IoEngine for PoolIo {
     fn name(&self) -> String {
-        format!("pread pool (depth {}, {})", self.depth, if self.direct { "O_DIRECT" } else { "buffered" })
+        self.label.clone()
     }
 
     fn room(&self) -> usize {
@@ -365,7 +435,7 @@ impl IoEngine for PreadIo {
     }
 }
 
-impl Drop for PreadIo {
+impl Drop for PoolIo {
     fn drop(&mut self) {
         self.tx.take();
         for w in self.workers.drain(..) {

@@ -13,7 +13,7 @@
 
 use crate::arena::Arena;
 use crate::cache::{Cache, Key, Lookup, Pin, Policy, SlotState};
-use crate::io::{FaultPlan, FaultyIo, IoCompletion, IoEngine, IoRequest, PreadIo, UringIo};
+use crate::io::{FaultPlan, FaultyIo, IoCompletion, IoEngine, IoRequest, PoolIo, PreadIo, RangeReader, UringIo};
 use crate::layout::{Layout, Read};
 use crate::{ExpertError, Result};
 use sluice_kernels::MatRef;
@@ -23,12 +23,26 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone)]
 pub enum IoKind {
     /// io_uring if the system allows it, else a pread pool.
     Auto,
     Uring,
     Pread,
+    /// The layout's files are stand-ins: every read goes to this reader (a remote tier), on a
+    /// pool of up to `depth` threads.
+    Ranges(Arc<dyn RangeReader>),
+}
+
+impl std::fmt::Debug for IoKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            IoKind::Auto => f.write_str("Auto"),
+            IoKind::Uring => f.write_str("Uring"),
+            IoKind::Pread => f.write_str("Pread"),
+            IoKind::Ranges(r) => write!(f, "Ranges({})", r.name()),
+        }
+    }
 }
 
 #[derive(Clone)]
@@ -113,6 +127,8 @@ pub struct StreamingExperts {
     prefetch_budget: usize,
     max_quota: usize,
     started: Instant,
+    /// The reader behind the IO pool, when reads do not go to local files.
+    reader: Option<Arc<dyn RangeReader>>,
 }
 
 impl StreamingExperts {
@@ -124,7 +140,11 @@ impl StreamingExperts {
         let arena = Arc::new(
             Arena::new(n, slot_bytes).map_err(|e| ExpertError::Model(format!("allocating the expert cache: {e}")))?,
         );
-        let io: Box<dyn IoEngine> = match o.io {
+        let io: Box<dyn IoEngine> = match &o.io {
+            IoKind::Ranges(reader) => Box::new(
+                PoolIo::over(reader.clone(), &layout.files, arena.clone(), o.depth, o.depth)
+                    .map_err(|e| io_err(&layout, e))?,
+            ),
             IoKind::Pread => {
                 Box::new(PreadIo::new(&layout.files, arena.clone(), o.depth).map_err(|e| io_err(&layout, e))?)
             }
@@ -179,6 +199,10 @@ impl StreamingExperts {
             prefetch_budget: budget,
             max_quota: n * slot_bytes,
             started: Instant::now(),
+            reader: match &o.io {
+                IoKind::Ranges(r) => Some(r.clone()),
+                _ => None,
+            },
         })
     }
 
@@ -750,6 +774,7 @@ impl ExpertSource for StreamingExperts {
             resident_bytes: b.cache.resident_bytes() as u64,
             quota_changes: b.quota_changes.clone(),
             buffered_io: !self.direct,
+            tiers: self.reader.as_ref().map_or_else(Vec::new, |r| r.tiers()),
         }
     }
 }

@@ -203,6 +203,8 @@ struct Reader<'a> {
     b: &'a [u8],
     pos: usize,
     path: &'a Path,
+    /// Set when a read ran past the end of `b` (the bytes end inside the header).
+    ran_out: bool,
 }
 
 impl<'a> Reader<'a> {
@@ -212,6 +214,7 @@ impl<'a> Reader<'a> {
 
     fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8]> {
         if self.b.len() - self.pos < n {
+            self.ran_out = true;
             return Err(self.err(format!("file ends inside {what} (truncated?)")));
         }
         let s = &self.b[self.pos..self.pos + n];
@@ -239,6 +242,7 @@ impl<'a> Reader<'a> {
     fn string(&mut self, what: &str) -> Result<String> {
         let n = self.u64(what)?;
         if n > self.remaining() as u64 {
+            self.ran_out = true;
             return Err(self.err(format!("{what}: string of {n} bytes runs past the end of the file")));
         }
         let bytes = self.take(n as usize, what)?;
@@ -246,8 +250,9 @@ impl<'a> Reader<'a> {
     }
 
     /// Checks that `count` elements of at least `min_size` bytes each can still fit.
-    fn check_count(&self, count: u64, min_size: u64, what: &str) -> Result<usize> {
+    fn check_count(&mut self, count: u64, min_size: u64, what: &str) -> Result<usize> {
         if count.checked_mul(min_size).is_none_or(|b| b > self.remaining() as u64) {
+            self.ran_out = true;
             return Err(self.err(format!("{what}: {count} elements cannot fit in the rest of the file")));
         }
         Ok(count as usize)
@@ -321,74 +326,9 @@ impl GgufFile {
 
     fn parse(path: &Path, map: Arc<memmap2::Mmap>) -> Result<GgufFile> {
         let bytes: &[u8] = &map;
-        let mut r = Reader { b: bytes, pos: 0, path };
-        let magic =
-            r.take(4, "the magic number").map_err(|_| FormatError::invalid(path, "not a GGUF file (too short)"))?;
-        if magic != MAGIC {
-            return Err(FormatError::invalid(path, "not a GGUF file (bad magic number)"));
-        }
-        let version = r.u32("the version")?;
-        match version {
-            2 | 3 => {}
-            1 => return Err(FormatError::invalid(path, "GGUF version 1 is not supported (re-convert the model)")),
-            v if v.swap_bytes() <= 3 => {
-                return Err(FormatError::invalid(path, "big-endian GGUF files are not supported"))
-            }
-            v => return Err(FormatError::invalid(path, format!("unknown GGUF version {v}"))),
-        }
-        let n_tensors = r.u64("the tensor count")?;
-        let n_kv = r.u64("the metadata count")?;
-        // Each metadata entry takes at least 8 + 4 + 1 bytes; each tensor info at least 8 + 4 + 4 + 8.
-        r.check_count(n_kv, 13, "metadata")?;
-        r.check_count(n_tensors, 24, "tensor infos")?;
-
-        let mut metadata = BTreeMap::new();
-        for _ in 0..n_kv {
-            let key = r.string("a metadata key")?;
-            let ty = r.u32(&key)?;
-            let v = r.value(ty, &key, 0)?;
-            metadata.insert(key, v);
-        }
-        let alignment = match metadata.get("general.alignment") {
-            None => DEFAULT_ALIGNMENT,
-            Some(v) => match v.as_u64() {
-                Some(a) if a > 0 && a.is_power_of_two() => a,
-                _ => return Err(FormatError::invalid(path, format!("general.alignment {v:?} is not a power of two"))),
-            },
-        };
-
-        let mut tensors = Vec::new();
-        let mut index = BTreeMap::new();
-        for i in 0..n_tensors {
-            let name = r.string("a tensor name")?;
-            let nd = r.u32(&name)?;
-            if nd == 0 || nd > MAX_DIMS {
-                return Err(r.err(format!("tensor `{name}` has {nd} dimensions (1 to {MAX_DIMS} allowed)")));
-            }
-            let mut dims = Vec::with_capacity(nd as usize);
-            for _ in 0..nd {
-                dims.push(r.u64(&name)?);
-            }
-            let ty = r.u32(&name)?;
-            let dtype = DType::from_ggml_id(ty)
-                .ok_or_else(|| r.err(format!("tensor `{name}` has unknown or unsupported quantization type {ty}")))?;
-            let offset = r.u64(&name)?;
-            let numel = dims.iter().try_fold(1u64, |a, d| a.checked_mul(*d));
-            let size = numel
-                .filter(|n| n % dtype.block_elems() as u64 == 0 && dims[0] % dtype.block_elems() as u64 == 0)
-                .and_then(|n| (n / dtype.block_elems() as u64).checked_mul(dtype.block_bytes() as u64))
-                .ok_or_else(|| {
-                    r.err(format!("tensor `{name}` of dims {dims:?} is not a whole number of {dtype} blocks"))
-                })?;
-            if offset % alignment != 0 {
-                return Err(r.err(format!("tensor `{name}` data offset {offset} is not aligned to {alignment}")));
-            }
-            if index.insert(name.clone(), i as usize).is_some() {
-                return Err(r.err(format!("tensor `{name}` appears twice")));
-            }
-            tensors.push(TensorInfo { name, dims, dtype, offset, size });
-        }
-        let data_offset = (r.pos as u64).div_ceil(alignment) * alignment;
+        let mut r = Reader { b: bytes, pos: 0, path, ran_out: false };
+        let h = parse_header(&mut r)?;
+        let Header { version, metadata, mut tensors, index, alignment, data_offset } = h;
         let file_len = bytes.len() as u64;
         for t in &mut tensors {
             let start = data_offset.checked_add(t.offset);
@@ -673,6 +613,97 @@ impl<W: Write + ?Sized> Write for CountingWriter<'_, W> {
     }
     fn flush(&mut self) -> std::io::Result<()> {
         self.inner.flush()
+    }
+}
+
+/// What a GGUF header says, before its tensors are checked against the file's length.
+struct Header {
+    version: u32,
+    metadata: BTreeMap<String, Value>,
+    tensors: Vec<TensorInfo>,
+    index: BTreeMap<String, usize>,
+    alignment: u64,
+    data_offset: u64,
+}
+
+fn parse_header(r: &mut Reader) -> Result<Header> {
+    let path = r.path;
+    let magic = r.take(4, "the magic number").map_err(|_| FormatError::invalid(path, "not a GGUF file (too short)"))?;
+    if magic != MAGIC {
+        return Err(FormatError::invalid(path, "not a GGUF file (bad magic number)"));
+    }
+    let version = r.u32("the version")?;
+    match version {
+        2 | 3 => {}
+        1 => return Err(FormatError::invalid(path, "GGUF version 1 is not supported (re-convert the model)")),
+        v if v.swap_bytes() <= 3 => return Err(FormatError::invalid(path, "big-endian GGUF files are not supported")),
+        v => return Err(FormatError::invalid(path, format!("unknown GGUF version {v}"))),
+    }
+    let n_tensors = r.u64("the tensor count")?;
+    let n_kv = r.u64("the metadata count")?;
+    // Each metadata entry takes at least 8 + 4 + 1 bytes; each tensor info at least 8 + 4 + 4 + 8.
+    r.check_count(n_kv, 13, "metadata")?;
+    r.check_count(n_tensors, 24, "tensor infos")?;
+
+    let mut metadata = BTreeMap::new();
+    for _ in 0..n_kv {
+        let key = r.string("a metadata key")?;
+        let ty = r.u32(&key)?;
+        let v = r.value(ty, &key, 0)?;
+        metadata.insert(key, v);
+    }
+    let alignment = match metadata.get("general.alignment") {
+        None => DEFAULT_ALIGNMENT,
+        Some(v) => match v.as_u64() {
+            Some(a) if a > 0 && a.is_power_of_two() => a,
+            _ => return Err(FormatError::invalid(path, format!("general.alignment {v:?} is not a power of two"))),
+        },
+    };
+
+    let mut tensors = Vec::new();
+    let mut index = BTreeMap::new();
+    for i in 0..n_tensors {
+        let name = r.string("a tensor name")?;
+        let nd = r.u32(&name)?;
+        if nd == 0 || nd > MAX_DIMS {
+            return Err(r.err(format!("tensor `{name}` has {nd} dimensions (1 to {MAX_DIMS} allowed)")));
+        }
+        let mut dims = Vec::with_capacity(nd as usize);
+        for _ in 0..nd {
+            dims.push(r.u64(&name)?);
+        }
+        let ty = r.u32(&name)?;
+        let dtype = DType::from_ggml_id(ty)
+            .ok_or_else(|| r.err(format!("tensor `{name}` has unknown or unsupported quantization type {ty}")))?;
+        let offset = r.u64(&name)?;
+        let numel = dims.iter().try_fold(1u64, |a, d| a.checked_mul(*d));
+        let size = numel
+            .filter(|n| n % dtype.block_elems() as u64 == 0 && dims[0] % dtype.block_elems() as u64 == 0)
+            .and_then(|n| (n / dtype.block_elems() as u64).checked_mul(dtype.block_bytes() as u64))
+            .ok_or_else(|| {
+                r.err(format!("tensor `{name}` of dims {dims:?} is not a whole number of {dtype} blocks"))
+            })?;
+        if offset % alignment != 0 {
+            return Err(r.err(format!("tensor `{name}` data offset {offset} is not aligned to {alignment}")));
+        }
+        if index.insert(name.clone(), i as usize).is_some() {
+            return Err(r.err(format!("tensor `{name}` appears twice")));
+        }
+        tensors.push(TensorInfo { name, dims, dtype, offset, size });
+    }
+    let data_offset = (r.pos as u64).div_ceil(alignment) * alignment;
+    Ok(Header { version, metadata, tensors, index, alignment, data_offset })
+}
+
+/// How many bytes the header of a GGUF file takes (up to the aligned start of its tensor
+/// data), read from the file's first bytes: `Ok(None)` when `prefix` ends inside the header
+/// (read more and ask again). What a remote model's opener fetches before anything else.
+pub fn header_len(prefix: &[u8]) -> Result<Option<u64>> {
+    let mut r = Reader { b: prefix, pos: 0, path: Path::new("<header>"), ran_out: false };
+    match parse_header(&mut r) {
+        Ok(h) => Ok(Some(h.data_offset)),
+        Err(_) if r.ran_out => Ok(None),
+        Err(e) => Err(e),
     }
 }
 

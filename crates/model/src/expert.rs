@@ -62,6 +62,34 @@ pub struct ExpertStats {
     /// Reads go through the page cache (the file system refused O_DIRECT): the page cache
     /// holds a copy of what was read, beside the expert cache.
     pub buffered_io: bool,
+    /// The tiers below the expert cache that served its reads, when they are not one local
+    /// disk (a remote model: its disk tier, then the remote).
+    pub tiers: Vec<TierStat>,
+}
+
+/// Reads one tier below the expert cache served.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct TierStat {
+    pub tier: String,
+    pub reads: u64,
+    pub bytes: u64,
+    /// Summed wall time of those reads.
+    pub read_ns: u64,
+    /// Reads that failed (after retries), and ranges the tier refused as damaged.
+    pub errors: u64,
+}
+
+impl TierStat {
+    fn since(&self, earlier: Option<&TierStat>) -> TierStat {
+        let e = earlier.cloned().unwrap_or_default();
+        TierStat {
+            tier: self.tier.clone(),
+            reads: self.reads - e.reads.min(self.reads),
+            bytes: self.bytes - e.bytes.min(self.bytes),
+            read_ns: self.read_ns - e.read_ns.min(self.read_ns),
+            errors: self.errors - e.errors.min(self.errors),
+        }
+    }
 }
 
 impl ExpertStats {
@@ -82,6 +110,7 @@ impl ExpertStats {
             resident_bytes: self.resident_bytes,
             quota_changes: self.quota_changes[earlier.quota_changes.len().min(self.quota_changes.len())..].to_vec(),
             buffered_io: self.buffered_io,
+            tiers: self.tiers.iter().map(|t| t.since(earlier.tiers.iter().find(|e| e.tier == t.tier))).collect(),
         }
     }
 

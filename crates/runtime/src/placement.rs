@@ -223,7 +223,18 @@ pub fn place(
     let experts = expert_bytes(src, cfg)?;
     let dense = file_bytes.saturating_sub(experts);
     let avail = mem_available();
-    let quota = match decide(o.mode, o.cache_bytes, avail, dense, experts, kv_bytes)? {
+    let (mode, cache_bytes) = match (&o.io, o.mode) {
+        // A remote model's expert bytes are not in the local file: they can only stream.
+        (IoKind::Ranges(_), ExpertMode::Mmap) => {
+            return Err(RuntimeError::Input(
+                "--expert-mode mmap needs a local file; a remote model's experts stream (`sluice fetch URL --all` makes a local copy)".into(),
+            ))
+        }
+        (IoKind::Ranges(_), ExpertMode::Resident) => (ExpertMode::Stream, Some(u64::MAX)),
+        (IoKind::Ranges(_), _) => (ExpertMode::Stream, o.cache_bytes),
+        (_, m) => (m, o.cache_bytes),
+    };
+    let quota = match decide(mode, cache_bytes, avail, dense, experts, kv_bytes)? {
         Decision::Resident { copy, reason } => return resident(copy, reason),
         Decision::Stream { quota } => quota,
     };
@@ -252,14 +263,14 @@ pub fn place(
         prefetch: o.prefetch,
         prefetch_budget: 0,
         depth: o.depth,
-        io: o.io,
+        io: o.io.clone(),
         register_buffers: o.register_buffers,
         faults: o.faults.clone(),
     };
     let s = Arc::new(
         StreamingExperts::new(layout, so).map_err(|e| RuntimeError::Model(ModelError::Expert(e.to_string())))?,
     );
-    let why = match (o.cache_bytes, avail) {
+    let why = match (cache_bytes, avail) {
         (Some(_), _) => "as asked".to_string(),
         (None, Some(a)) => {
             format!("the model ({}) does not fit in available memory ({})", gib(dense + experts), gib(a))

@@ -30,6 +30,7 @@ pub struct Metrics {
     experts_counters: IntCounterVec,
     experts_stall_ns: IntCounterVec,
     experts_gauges: IntGaugeVec,
+    experts_tiers: IntCounterVec,
 }
 
 fn must<T>(r: prometheus::Result<T>) -> T {
@@ -86,6 +87,14 @@ impl Metrics {
             &["model"],
         ));
         reg(Box::new(experts_stall_ns.clone()));
+        let experts_tiers = must(IntCounterVec::new(
+            Opts::new(
+                "sluice_expert_tier_events_total",
+                "Reads, bytes, read time and errors of each tier below the expert cache (a remote model's disk tier and remote)",
+            ),
+            &["model", "tier", "event"],
+        ));
+        reg(Box::new(experts_tiers.clone()));
         let experts_gauges = must(IntGaugeVec::new(
             Opts::new("sluice_expert_cache_bytes", "Expert cache sizes: quota and resident bytes"),
             &["model", "kind"],
@@ -138,6 +147,7 @@ impl Metrics {
             experts_counters,
             experts_stall_ns,
             experts_gauges,
+            experts_tiers,
             registry,
         }
     }
@@ -160,6 +170,14 @@ impl Metrics {
         }
         let c = self.experts_stall_ns.with_label_values(&[model]);
         c.inc_by(s.stall_ns.saturating_sub(c.get()));
+        for t in &s.tiers {
+            for (event, v) in
+                [("read", t.reads), ("byte", t.bytes), ("read_nanosecond", t.read_ns), ("error", t.errors)]
+            {
+                let c = self.experts_tiers.with_label_values(&[model, &t.tier, event]);
+                c.inc_by(v.saturating_sub(c.get()));
+            }
+        }
         self.experts_gauges.with_label_values(&[model, "quota"]).set(s.quota_bytes as i64);
         self.experts_gauges.with_label_values(&[model, "resident"]).set(s.resident_bytes as i64);
     }

@@ -1,0 +1,138 @@
+//! The reader the expert cache's IO pool calls for a remote model: the disk tier first, then
+//! the remote file; what the remote sends is kept in the disk tier for next time.
+
+use crate::disk::{DiskStats, DiskTier};
+use crate::http::{Http, Remote};
+use sluice_experts::io::RangeReader;
+use sluice_model::expert::TierStat;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+/// One remote file and the local stand-in the model was opened from.
+#[derive(Clone, Debug)]
+pub struct Source {
+    pub remote: Remote,
+    /// The local file (header and dense weights filled in, experts left as holes).
+    pub local: PathBuf,
+    /// The disk tier's name for this file (changes when the file does).
+    pub key: String,
+}
+
+#[derive(Default, Debug, Clone, Copy, serde::Serialize)]
+pub struct RemoteStats {
+    pub reads: u64,
+    pub bytes: u64,
+    /// Summed wall time of the remote reads, and the slowest one.
+    pub read_ns: u64,
+    pub max_read_ns: u64,
+    pub errors: u64,
+    /// Disk-tier writes that failed (the read itself still succeeded).
+    pub keep_errors: u64,
+}
+
+/// Both tiers' counters.
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+pub struct TierStats {
+    pub remote: RemoteStats,
+    pub disk: Option<DiskStats>,
+}
+
+pub struct TieredReader {
+    http: Arc<Http>,
+    files: Vec<Source>,
+    disk: Option<Arc<DiskTier>>,
+    stats: Mutex<RemoteStats>,
+}
+
+impl TieredReader {
+    pub fn new(http: Arc<Http>, files: Vec<Source>, disk: Option<Arc<DiskTier>>) -> TieredReader {
+        TieredReader { http, files, disk, stats: Mutex::new(RemoteStats::default()) }
+    }
+
+    pub fn stats(&self) -> TierStats {
+        TierStats {
+            remote: *self.stats.lock().unwrap_or_else(|e| e.into_inner()),
+            disk: self.disk.as_ref().map(|d| d.stats()),
+        }
+    }
+
+    pub fn files(&self) -> &[Source] {
+        &self.files
+    }
+
+    pub fn disk(&self) -> Option<&Arc<DiskTier>> {
+        self.disk.as_ref()
+    }
+}
+
+impl RangeReader for TieredReader {
+    fn name(&self) -> String {
+        let url = self.files.first().map_or("", |f| f.remote.url.as_str());
+        let disk = match &self.disk {
+            Some(d) => format!("disk tier {} of {:.2} GiB", d.dir().display(), d.quota() as f64 / (1u64 << 30) as f64),
+            None => "no disk tier".into(),
+        };
+        format!("remote reads of {url}, {disk}")
+    }
+
+    fn file_index(&self, path: &Path) -> io::Result<usize> {
+        self.files.iter().position(|f| f.local == path).ok_or_else(|| {
+            io::Error::other(format!("{}: not a file of the remote model this reader serves", path.display()))
+        })
+    }
+
+    fn tiers(&self) -> Vec<TierStat> {
+        let s = self.stats();
+        let mut v = Vec::new();
+        if let Some(d) = s.disk {
+            v.push(TierStat {
+                tier: "disk".into(),
+                reads: d.hits,
+                bytes: d.hit_bytes,
+                read_ns: d.read_ns,
+                errors: d.bad_records,
+            });
+        }
+        v.push(TierStat {
+            tier: "remote".into(),
+            reads: s.remote.reads,
+            bytes: s.remote.bytes,
+            read_ns: s.remote.read_ns,
+            errors: s.remote.errors,
+        });
+        v
+    }
+
+    fn read_at(&self, file: usize, offset: u64, dst: &mut [u8]) -> io::Result<usize> {
+        let f = &self.files[file];
+        if let Some(d) = &self.disk {
+            if let Some(n) = d.get(&f.key, offset, dst) {
+                return Ok(n);
+            }
+        }
+        let t = Instant::now();
+        let got = self.http.read_at(&f.remote, offset, dst);
+        let ns = t.elapsed().as_nanos() as u64;
+        let mut s = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+        let n = match got {
+            Ok(n) => n,
+            Err(e) => {
+                s.errors += 1;
+                return Err(e);
+            }
+        };
+        s.reads += 1;
+        s.bytes += n as u64;
+        s.read_ns += ns;
+        s.max_read_ns = s.max_read_ns.max(ns);
+        drop(s);
+        if let Some(d) = &self.disk {
+            if d.put(&f.key, offset, dst.len(), &dst[..n]).is_err() {
+                self.stats.lock().unwrap_or_else(|e| e.into_inner()).keep_errors += 1;
+            }
+        }
+        Ok(n)
+    }
+}

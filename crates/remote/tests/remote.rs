@@ -1,0 +1,223 @@
+//! Models served by a real HTTP server (nginx) give the local files' logits bit for bit,
+//! whatever the disk tier's size, through faults, and never mix a changed file.
+
+mod common;
+
+use common::{scratch, tests_dir, Fault, FaultProxy, Nginx};
+use sluice_experts::IoKind;
+use sluice_model::Logits;
+use sluice_remote::http::{HttpOptions, Retry};
+use sluice_remote::{Mirror, RemoteOptions};
+use sluice_runtime::placement::{ExpertMode, ExpertOptions};
+use sluice_runtime::{Engine, EngineOptions};
+use std::path::Path;
+use std::time::Duration;
+
+fn tokens(fam: &str) -> Vec<u32> {
+    let v: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(tests_dir().join("golden").join(fam).join("golden.json")).unwrap(),
+    )
+    .unwrap();
+    v["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect()
+}
+
+fn options(experts: ExpertOptions) -> EngineOptions {
+    EngineOptions { threads: 2, max_context: 256, experts, ..Default::default() }
+}
+
+fn bits(e: &Engine, toks: &[u32]) -> Result<Vec<u32>, String> {
+    let mut kv = e.new_state();
+    let l = e.model.forward(&mut kv, toks, Logits::All, None).map_err(|x| x.to_string())?;
+    Ok(l.iter().map(|x| x.to_bits()).collect())
+}
+
+fn local_bits(path: &Path, toks: &[u32]) -> Vec<u32> {
+    let e = Engine::load(path, options(ExpertOptions { mode: ExpertMode::Resident, ..Default::default() })).unwrap();
+    bits(&e, toks).unwrap()
+}
+
+fn remote_options(dir: &Path, disk_quota: u64) -> RemoteOptions {
+    RemoteOptions {
+        dir: dir.to_path_buf(),
+        disk_quota,
+        http: HttpOptions {
+            retry: Retry { attempts: 6, first_wait: Duration::from_millis(5), max_wait: Duration::from_millis(50) },
+            timeout: Duration::from_millis(1500),
+            s3: None,
+        },
+        ..RemoteOptions::new()
+    }
+}
+
+/// Loads the model at `url` with an expert cache of `cache` bytes reading through the
+/// remote tier.
+fn load_remote(url: &str, o: &RemoteOptions, cache: u64) -> (Mirror, Engine) {
+    let m = sluice_remote::open(url, o).unwrap_or_else(|e| panic!("{url}: {e}"));
+    let experts = ExpertOptions {
+        mode: ExpertMode::Stream,
+        cache_bytes: Some(cache),
+        io: IoKind::Ranges(m.reader.clone()),
+        pressure: false,
+        depth: 8,
+        ..Default::default()
+    };
+    let e = Engine::load(&m.local, options(experts)).unwrap_or_else(|e| panic!("{url}: {e}"));
+    (m, e)
+}
+
+#[test]
+fn remote_models_give_the_local_files_logits_bit_for_bit_at_every_disk_tier_size() {
+    let server = Nginx::start(&tests_dir());
+    // Three GGUF families (MoE, MLA + dense first layers, a Gated-DeltaNet hybrid) and one
+    // Hugging Face directory.
+    let models = [
+        ("olmoe", "golden/gguf/olmoe-bf16.gguf"),
+        ("deepseek_v3", "golden/gguf/deepseek_v3-bf16.gguf"),
+        ("qwen3_next", "golden/gguf/qwen3_next-bf16.gguf"),
+        ("qwen3_moe", "golden/qwen3_moe"),
+    ];
+    for (fam, rel) in models {
+        let toks = tokens(fam);
+        let want = local_bits(&tests_dir().join(rel), &toks);
+        let dir = scratch(&format!("tiers-{fam}"));
+        // Disk tier: none, a few records (evicting), everything.
+        for quota in [0u64, 64 << 10, 1 << 30] {
+            for cache in [256u64 << 10, u64::MAX] {
+                let (m, e) = load_remote(&server.url(rel), &remote_options(&dir, quota), cache);
+                assert_eq!(bits(&e, &toks).unwrap(), want, "{fam}: disk tier {quota}, cache {cache}");
+                let s = m.reader.stats();
+                match (&s.disk, quota) {
+                    (None, 0) => assert!(s.remote.reads > 0, "{fam}: experts came from the server"),
+                    (Some(d), q) if q < 1 << 30 => {
+                        assert!(m.reader.disk().unwrap().used() <= q, "{fam}: the disk tier keeps its quota");
+                        assert!(d.writes > 0, "{fam}")
+                    }
+                    (Some(_), _) => {}
+                    (None, _) => panic!("{fam}: a quota without a disk tier"),
+                }
+                assert_eq!(s.remote.errors, 0);
+            }
+        }
+        // Warm: the dense weights and every expert are local now; nothing goes to the server.
+        let (m, e) = load_remote(&server.url(rel), &remote_options(&dir, 1 << 30), u64::MAX);
+        assert_eq!(m.fetched_bytes, 0, "{fam}: the stand-ins were complete");
+        assert_eq!(bits(&e, &toks).unwrap(), want, "{fam}: warm");
+        let s = m.reader.stats();
+        assert_eq!(s.remote.reads, 0, "{fam}: a warm disk tier serves every expert");
+        assert!(s.disk.unwrap().hits > 0);
+        let st = e.expert_stats();
+        assert_eq!(st.tiers.iter().map(|t| t.tier.as_str()).collect::<Vec<_>>(), ["disk", "remote"]);
+        assert_eq!(st.tiers[0].reads, s.disk.unwrap().hits, "{fam}: the engine reports the tiers");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
+#[test]
+fn faults_are_retried_and_never_give_wrong_bytes() {
+    let server = Nginx::start(&tests_dir());
+    let proxy = FaultProxy::start(server.port);
+    let rel = "golden/gguf/olmoe-bf16.gguf";
+    let toks = tokens("olmoe");
+    let want = local_bits(&tests_dir().join(rel), &toks);
+    let dir = scratch("faults");
+    let faults = [Fault::Unavailable, Fault::Drop, Fault::Truncate, Fault::Delay(Duration::from_millis(2500))];
+    // While opening (header and dense weights), then while reading experts.
+    for f in faults {
+        proxy.push(f, 1);
+    }
+    let (m, e) = load_remote(&proxy.url(rel), &remote_options(&dir, 0), 256 << 10);
+    assert_eq!(proxy.pending(), 0, "the faults met the opening requests");
+    for f in faults.iter().cycle().take(12) {
+        proxy.push(*f, 1);
+    }
+    let before = proxy.requests.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(bits(&e, &toks).unwrap(), want, "retried reads give the same bits");
+    assert_eq!(proxy.pending(), 0, "every fault was met");
+    assert!(proxy.requests.load(std::sync::atomic::Ordering::Relaxed) - before > 12);
+    assert_eq!(m.reader.stats().remote.errors, 0, "every fault was retried away");
+
+    // A server that keeps failing: the request fails with an error naming the range and
+    // the cause, and the engine stays usable once the server recovers.
+    let (m, e) = load_remote(&proxy.url(rel), &remote_options(&dir, 0), 256 << 10);
+    proxy.push(Fault::Unavailable, 1000);
+    let err = bits(&e, &toks).unwrap_err();
+    assert!(err.contains("503") && err.contains("bytes") && err.contains("gave up"), "{err}");
+    assert!(m.reader.stats().remote.errors > 0);
+    proxy.faults.lock().unwrap().clear();
+    // Reads still in flight (prefetches) finish failing first; their failures reach only
+    // requests waiting on them.
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(bits(&e, &toks).unwrap(), want, "after the server recovers");
+
+    // An answer with another ETag than the file had is refused, not used.
+    let (_m, e) = load_remote(&proxy.url(rel), &remote_options(&dir, 0), 256 << 10);
+    proxy.push(Fault::WrongEtag, 1);
+    let err = bits(&e, &toks).unwrap_err();
+    assert!(err.contains("changed underneath"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_file_changed_underneath_is_detected_and_a_damaged_local_copy_is_fetched_again() {
+    let served = scratch("changed-root");
+    let file = served.join("m.gguf");
+    std::fs::copy(tests_dir().join("golden/gguf/olmoe-bf16.gguf"), &file).unwrap();
+    let server = Nginx::start(&served);
+    let toks = tokens("olmoe");
+    let dir = scratch("changed");
+    let (_m, e) = load_remote(&server.url("m.gguf"), &remote_options(&dir, 1 << 30), 256 << 10);
+
+    // Replace the file with another one (the Mixtral golden) under the same name.
+    let other = tests_dir().join("golden/gguf/mixtral-bf16.gguf");
+    std::fs::copy(&other, served.join("tmp")).unwrap();
+    std::fs::rename(served.join("tmp"), &file).unwrap();
+    let f = std::fs::File::options().write(true).open(&file).unwrap();
+    f.set_modified(std::time::SystemTime::now() + Duration::from_secs(100)).unwrap();
+    drop(f);
+    let err = bits(&e, &toks).unwrap_err();
+    assert!(err.contains("changed underneath"), "{err}");
+
+    // Opened again, it is the new file, with the new file's logits.
+    let toks = tokens("mixtral");
+    let (m, e) = load_remote(&server.url("m.gguf"), &remote_options(&dir, 1 << 30), 256 << 10);
+    assert!(m.fetched_bytes > 0);
+    assert_eq!(bits(&e, &toks).unwrap(), local_bits(&other, &toks));
+    drop(e);
+
+    // Damage the local stand-in's dense bytes and an expert record: both are noticed and
+    // fetched again.
+    let stand_in = &m.local;
+    let len = std::fs::metadata(stand_in).unwrap().len();
+    use std::os::unix::fs::FileExt;
+    let h = std::fs::File::options().write(true).open(stand_in).unwrap();
+    let mut b = [0u8; 1];
+    h.read_exact_at(&mut b, len - 1).ok();
+    h.write_all_at(&[b[0] ^ 0xff], len - 1).unwrap();
+    let records: Vec<_> =
+        walk(&dir.join("experts")).into_iter().filter(|p| p.extension().is_some_and(|x| x == "rec")).collect();
+    assert!(!records.is_empty());
+    for r in &records {
+        let f = std::fs::File::options().write(true).open(r).unwrap();
+        f.write_all_at(b"garbage", 40).unwrap();
+    }
+    let (m, e) = load_remote(&server.url("m.gguf"), &remote_options(&dir, 1 << 30), 256 << 10);
+    assert!(m.fetched_bytes > 0, "the damaged stand-in was fetched again");
+    assert_eq!(bits(&e, &toks).unwrap(), local_bits(&other, &toks));
+    let s = m.reader.stats();
+    assert!(s.disk.unwrap().bad_records > 0 && s.remote.reads > 0, "{s:?}");
+    std::fs::remove_dir_all(&dir).unwrap();
+    std::fs::remove_dir_all(&served).unwrap();
+}
+
+fn walk(d: &Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(d).unwrap().flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            out.extend(walk(&p));
+        } else {
+            out.push(p);
+        }
+    }
+    out
+}
