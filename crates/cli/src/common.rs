@@ -53,6 +53,13 @@ pub struct ModelArgs {
     /// `run --trace` on a similar task) used most. Changes timing, never output.
     #[arg(long, value_name = "TRACE")]
     pub prewarm: Option<PathBuf>,
+    #[command(flatten)]
+    pub remote: RemoteArgs,
+}
+
+/// Flags of a model at a URL.
+#[derive(ClapArgs, Clone, Debug)]
+pub struct RemoteArgs {
     /// For a model at a URL: the local disk tier (the dense weights, and expert records up to
     /// --disk-cache-size). Default: ~/.cache/sluice/remote.
     #[arg(long, value_name = "DIR")]
@@ -64,6 +71,18 @@ pub struct ModelArgs {
     /// For an s3:// model: the S3-compatible endpoint (default: AWS_ENDPOINT_URL, else AWS).
     #[arg(long, value_name = "URL")]
     pub s3_endpoint: Option<String>,
+}
+
+impl RemoteArgs {
+    pub fn options(&self) -> Result<sluice_remote::RemoteOptions> {
+        let mut o = sluice_remote::RemoteOptions::new();
+        if let Some(d) = &self.disk_cache {
+            o.dir = d.clone();
+        }
+        o.disk_quota = parse_size(&self.disk_cache_size).context("--disk-cache-size")?;
+        o.s3_endpoint = self.s3_endpoint.clone();
+        Ok(o)
+    }
 }
 
 /// Sampling flags of the commands that generate (`run`, `chat`).
@@ -312,17 +331,6 @@ impl ModelArgs {
         self.load_with_mtp(false)
     }
 
-    /// The remote options of a model given by URL.
-    pub fn remote_options(&self) -> Result<sluice_remote::RemoteOptions> {
-        let mut o = sluice_remote::RemoteOptions::new();
-        if let Some(d) = &self.disk_cache {
-            o.dir = d.clone();
-        }
-        o.disk_quota = parse_size(&self.disk_cache_size).context("--disk-cache-size")?;
-        o.s3_endpoint = self.s3_endpoint.clone();
-        Ok(o)
-    }
-
     /// The local path to open, and for a model at a URL the reader of its experts (the
     /// dense weights are fetched first if they are not local yet).
     fn resolve(&self) -> Result<(PathBuf, Option<std::sync::Arc<sluice_remote::TieredReader>>)> {
@@ -333,7 +341,7 @@ impl ModelArgs {
         if self.pack.is_some() {
             bail!("--pack reads a local file; it cannot be combined with a model at a URL");
         }
-        let m = sluice_remote::open(&name, &self.remote_options()?).with_context(|| format!("opening {name}"))?;
+        let m = sluice_remote::open(&name, &self.remote.options()?).with_context(|| format!("opening {name}"))?;
         if m.fetched_bytes > 0 {
             eprintln!(
                 "sluice: {name}: fetched the header and dense weights ({:.1} MB) in {:.1} s into {}",

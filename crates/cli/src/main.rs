@@ -4,6 +4,7 @@ mod cmd_bench;
 mod cmd_bench_io;
 mod cmd_chat;
 mod cmd_demo;
+mod cmd_fetch;
 mod cmd_fit;
 mod cmd_inspect;
 mod cmd_logits;
@@ -58,6 +59,9 @@ enum Cmd {
     /// Will a model fit, and how fast will it decode: placement, hit rate and decode bounds
     /// from its sizes, the memory available and measured memory and disk rates.
     Fit(cmd_fit::Args),
+    /// Prepare a model at a URL: its dense weights, the experts a routing trace used most
+    /// (into the disk tier), or a whole local copy (`--all`, resumable).
+    Fetch(cmd_fetch::Args),
     /// Routing traces: locality statistics and plots, and replay through the cache policies and Belady's optimum.
     #[command(subcommand)]
     Trace(cmd_trace::TraceCmd),
@@ -80,6 +84,7 @@ fn main() {
         Cmd::BenchIo(a) => cmd_bench_io::main(a),
         Cmd::Trace(c) => cmd_trace::main(c),
         Cmd::Fit(a) => cmd_fit::main(a),
+        Cmd::Fetch(a) => cmd_fetch::main(a),
     };
     if let Err(e) = r {
         eprintln!("error: {e:#}");

@@ -738,6 +738,20 @@ mod tests {
     }
 
     #[test]
+    fn header_len_reads_the_header_from_a_prefix_and_asks_for_more_when_it_is_cut() {
+        let b = sample();
+        let f = parse_bytes(&b).unwrap();
+        assert_eq!(header_len(&b).unwrap(), Some(f.data_offset));
+        assert_eq!(header_len(&b[..f.data_offset as usize]).unwrap(), Some(f.data_offset));
+        for cut in [0, 3, 10, 30, 100, f.data_offset as usize - 40] {
+            assert_eq!(header_len(&b[..cut]).unwrap(), None, "cut at {cut}");
+        }
+        let mut bad = b.clone();
+        bad[0] = b'X';
+        assert!(header_len(&bad).is_err(), "not GGUF is an error, not a request for more");
+    }
+
+    #[test]
     fn round_trips_metadata_and_tensors() {
         let f = parse_bytes(&sample()).unwrap();
         assert_eq!(f.version, 3);

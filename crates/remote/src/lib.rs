@@ -7,8 +7,10 @@
 //!   files, which the model opens as it would local files.
 //! * `disk`: the local disk tier of verified expert records under a byte quota.
 //! * `tiered`: the reader the expert cache's IO pool calls: disk tier, then remote.
+//! * `fetch`: experts into the disk tier ahead of use, or a whole local copy.
 
 pub mod disk;
+pub mod fetch;
 pub mod http;
 pub mod mirror;
 pub mod s3;

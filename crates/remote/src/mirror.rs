@@ -82,9 +82,12 @@ struct Marker {
     ranges: Vec<(usize, u64, u64, u64)>,
 }
 
-/// Opens the model at `url` (a `.gguf` file, or a Hugging Face checkpoint directory with
-/// `config.json` and `model.safetensors[.index.json]`).
-pub fn open(url: &str, o: &RemoteOptions) -> io::Result<Mirror> {
+/// The files of the model at `url`: the weights files (with their remote descriptions) and,
+/// for a Hugging Face directory, the small files beside them (with their bytes). The flag
+/// says whether it is a single GGUF file.
+pub(crate) type Files = Vec<(String, Option<Remote>, Option<Vec<u8>>)>;
+
+pub(crate) fn remote_files(url: &str, o: &RemoteOptions) -> io::Result<(Arc<Http>, Files, bool)> {
     let mut http_opts = o.http.clone();
     let target = if url.starts_with("s3://") {
         let t = crate::s3::resolve(url, o.s3_endpoint.as_deref()).map_err(io::Error::other)?;
@@ -95,51 +98,64 @@ pub fn open(url: &str, o: &RemoteOptions) -> io::Result<Mirror> {
     };
     let http = Arc::new(Http::new(http_opts)?);
     let gguf = target.split(['?', '#']).next().unwrap_or("").ends_with(".gguf");
-    let base = target.trim_end_matches('/').to_string();
-    let name = if gguf { target.clone() } else { format!("{base}/") };
+    if gguf {
+        let r = http.open(&target)?;
+        return Ok((http, vec![("model.gguf".into(), Some(r), None)], true));
+    }
+    let base = target.trim_end_matches('/');
+    let mut files: Files = Vec::new();
+    let small = ["config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"];
+    for n in small.iter().chain(&["chat_template.jinja", "special_tokens_map.json"]) {
+        match http.get_small(&format!("{base}/{n}"))? {
+            Some(b) => files.push((n.to_string(), None, Some(b))),
+            None if *n == "config.json" => {
+                return Err(io::Error::other(format!(
+                    "{url}: neither a .gguf file nor a Hugging Face model directory ({base}/config.json not found)"
+                )))
+            }
+            None => {}
+        }
+    }
+    let shards = match http.get_small(&format!("{base}/model.safetensors.index.json"))? {
+        Some(b) => {
+            let names =
+                shard_names(&b).map_err(|e| io::Error::other(format!("{base}/model.safetensors.index.json: {e}")))?;
+            files.push(("model.safetensors.index.json".into(), None, Some(b)));
+            names
+        }
+        None => vec!["model.safetensors".to_string()],
+    };
+    for s in shards {
+        let r = http.open(&format!("{base}/{s}"))?;
+        files.push((s, Some(r), None));
+    }
+    Ok((http, files, false))
+}
+
+/// Opens the model at `url` (a `.gguf` file, or a Hugging Face checkpoint directory with
+/// `config.json` and `model.safetensors[.index.json]`).
+pub fn open(url: &str, o: &RemoteOptions) -> io::Result<Mirror> {
+    let name = if url.ends_with(".gguf") { url.to_string() } else { format!("{}/", url.trim_end_matches('/')) };
     let model_dir = o.dir.join(format!("{:016x}", xxhash_rust::xxh3::xxh3_64(name.as_bytes())));
     fs::create_dir_all(&model_dir).map_err(|e| at(&model_dir, e))?;
     let lock = File::create(model_dir.join("build.lock")).map_err(|e| at(&model_dir, e))?;
     // SAFETY: flock on a descriptor this function owns; released when `lock` drops.
     unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) };
+    let (http, all, gguf) = remote_files(url, o)?;
 
-    // The remote files and their stand-ins.
+    // The remote files and their stand-ins (small files are written whole).
+    let local = if gguf { model_dir.join("model.gguf") } else { model_dir.join("hf") };
     let mut files: Vec<(String, Remote, PathBuf)> = Vec::new();
-    let local = if gguf {
-        let r = http.open(&target)?;
-        let p = model_dir.join("model.gguf");
-        files.push(("model.gguf".into(), r, p.clone()));
-        p
-    } else {
-        let dir = model_dir.join("hf");
-        fs::create_dir_all(&dir).map_err(|e| at(&dir, e))?;
-        let small = ["config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"];
-        for n in small.iter().chain(&["chat_template.jinja", "special_tokens_map.json"]) {
-            match http.get_small(&format!("{base}/{n}"))? {
-                Some(b) => write_atomic(&dir.join(n), &b)?,
-                None if *n == "config.json" => {
-                    return Err(io::Error::other(format!(
-                        "{url}: neither a .gguf file nor a Hugging Face model directory ({base}/config.json not found)"
-                    )))
-                }
-                None => {
-                    let _ = fs::remove_file(dir.join(n));
-                }
-            }
+    for (n, remote, small) in all {
+        let p = if gguf { local.clone() } else { local.join(&n) };
+        if let Some(b) = small {
+            fs::create_dir_all(&local).map_err(|e| at(&local, e))?;
+            write_atomic(&p, &b)?;
         }
-        let shards = match http.get_small(&format!("{base}/model.safetensors.index.json"))? {
-            Some(b) => {
-                write_atomic(&dir.join("model.safetensors.index.json"), &b)?;
-                shard_names(&b).map_err(|e| io::Error::other(format!("{base}/model.safetensors.index.json: {e}")))?
-            }
-            None => vec!["model.safetensors".to_string()],
-        };
-        for s in shards {
-            let r = http.open(&format!("{base}/{s}"))?;
-            files.push((s.clone(), r, dir.join(&s)));
+        if let Some(r) = remote {
+            files.push((n, r, p));
         }
-        dir
-    };
+    }
 
     let sources: Vec<Source> = files
         .iter()
@@ -246,16 +262,20 @@ fn build(
     let mut handles = Vec::new();
     let mut headers = Vec::new();
     for s in sources {
+        // A new file renamed over the old one: a process still running from the old stand-in
+        // keeps its own (the old inode), and nobody trusts the new one before the marker.
+        let tmp = s.local.with_extension(format!("building.{}", std::process::id()));
         let f = fs::OpenOptions::new()
             .read(true)
             .write(true)
             .create(true)
             .truncate(true)
-            .open(&s.local)
-            .map_err(|e| at(&s.local, e))?;
-        f.set_len(s.remote.len).map_err(|e| at(&s.local, e))?;
+            .open(&tmp)
+            .map_err(|e| at(&tmp, e))?;
+        f.set_len(s.remote.len).map_err(|e| at(&tmp, e))?;
         let head = fetch_header(http, &s.remote, gguf)?;
-        f.write_all_at(&head, 0).map_err(|e| at(&s.local, e))?;
+        f.write_all_at(&head, 0).map_err(|e| at(&tmp, e))?;
+        fs::rename(&tmp, &s.local).map_err(|e| at(&s.local, e))?;
         headers.push(head.len() as u64);
         handles.push(f);
     }
@@ -382,7 +402,7 @@ fn fetch_header(http: &Http, r: &Remote, gguf: bool) -> io::Result<Vec<u8>> {
 }
 
 /// The routed experts' layout of the checkpoint at `local` (`None` for a dense model).
-fn expert_layout(local: &Path, gguf: bool) -> io::Result<Option<Layout>> {
+pub(crate) fn expert_layout(local: &Path, gguf: bool) -> io::Result<Option<Layout>> {
     let err = |e: String| io::Error::new(io::ErrorKind::InvalidData, e);
     let l = if gguf {
         let c = sluice_model::gguf::GgufCheckpoint::open(local).map_err(|e| err(e.to_string()))?;

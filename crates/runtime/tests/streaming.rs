@@ -188,7 +188,7 @@ fn shrinking_and_regrowing_the_quota_keeps_the_bits() {
     let slot = slot_bytes(&m);
     let reference = run(&load(&m, &Place::resident(), slot));
     for io in [IoKind::Uring, IoKind::Pread] {
-        let e = load(&m, &Place { io, ..Place::stream(24) }, slot);
+        let e = load(&m, &Place { io: io.clone(), ..Place::stream(24) }, slot);
         let s = e.streaming.as_ref().unwrap();
         assert!(same_bits(&reference, &run(&e)), "{io:?}: first run");
         let full = s.quota();

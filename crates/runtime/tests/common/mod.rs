@@ -146,7 +146,7 @@ pub fn load(model: &Path, p: &Place, slot_bytes: usize) -> Engine {
         policy: p.policy,
         prefetch: p.prefetch,
         depth: p.depth,
-        io: p.io,
+        io: p.io.clone(),
         pack: p.pack.clone(),
         pressure: false,
         ..Default::default()
