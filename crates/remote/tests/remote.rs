@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{scratch, tests_dir, Fault, FaultProxy, Nginx};
+use common::{scratch, tests_dir, Fault, FaultProxy, Nginx, S3rver};
 use sluice_experts::IoKind;
 use sluice_model::Logits;
 use sluice_remote::http::{HttpOptions, Retry};
@@ -220,4 +220,37 @@ fn walk(d: &Path) -> Vec<std::path::PathBuf> {
         }
     }
     out
+}
+
+#[test]
+fn an_s3_model_is_read_with_signed_range_requests_and_gives_the_local_logits() {
+    let s3 = S3rver::start("models");
+    let rel = "golden/gguf/olmoe-bf16.gguf";
+    s3.put("models", "moe/olmoe.gguf", std::fs::read(tests_dir().join(rel)).unwrap());
+    // The proxy records what reaches the server.
+    let proxy = FaultProxy::start(s3.port);
+    std::env::set_var("AWS_ACCESS_KEY_ID", "S3RVER");
+    std::env::set_var("AWS_SECRET_ACCESS_KEY", "S3RVER");
+    std::env::set_var("AWS_REGION", "us-east-1");
+    let dir = scratch("s3");
+    let mut o = remote_options(&dir, 1 << 20);
+    o.s3_endpoint = Some(format!("http://127.0.0.1:{}", proxy.port));
+    let toks = tokens("olmoe");
+    let want = local_bits(&tests_dir().join(rel), &toks);
+    let (m, e) = load_remote("s3://models/moe/olmoe.gguf", &o, 256 << 10);
+    assert_eq!(bits(&e, &toks).unwrap(), want);
+    assert!(m.reader.stats().remote.reads > 0);
+    let heads = proxy.heads.lock().unwrap().clone();
+    assert!(!heads.is_empty());
+    for h in &heads {
+        let h = h.to_ascii_lowercase();
+        assert!(h.starts_with("get /models/moe/olmoe.gguf "), "path-style request: {h}");
+        assert!(h.contains("authorization: aws4-hmac-sha256 credential=s3rver/"), "signed: {h}");
+        assert!(h.contains("x-amz-date: ") && h.contains("x-amz-content-sha256: "), "{h}");
+        assert!(h.contains("signedheaders=host;") && h.contains("range: bytes="), "{h}");
+    }
+    // A key that is not there is an error naming it.
+    let err = sluice_remote::open("s3://models/nothing.gguf", &o).err().unwrap().to_string();
+    assert!(err.contains("nothing.gguf") && err.contains("404"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
 }

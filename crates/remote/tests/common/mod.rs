@@ -107,6 +107,8 @@ pub struct FaultProxy {
     pub requests: Arc<AtomicU64>,
     /// Every request gets `Delay` of this many milliseconds (0: none).
     pub slow_ms: Arc<AtomicU64>,
+    /// The head of every request seen.
+    pub heads: Arc<Mutex<Vec<String>>>,
     stop: Arc<AtomicBool>,
 }
 
@@ -118,20 +120,21 @@ impl FaultProxy {
         let requests = Arc::new(AtomicU64::new(0));
         let slow_ms = Arc::new(AtomicU64::new(0));
         let stop = Arc::new(AtomicBool::new(false));
-        let (f, r, s, st) = (faults.clone(), requests.clone(), slow_ms.clone(), stop.clone());
+        let heads: Arc<Mutex<Vec<String>>> = Arc::default();
+        let (f, r, s, st, hd) = (faults.clone(), requests.clone(), slow_ms.clone(), stop.clone(), heads.clone());
         std::thread::spawn(move || {
             for c in listener.incoming() {
                 if st.load(Ordering::Relaxed) {
                     return;
                 }
                 let Ok(c) = c else { continue };
-                let (f, r, s) = (f.clone(), r.clone(), s.clone());
+                let (f, r, s, hd) = (f.clone(), r.clone(), s.clone(), hd.clone());
                 std::thread::spawn(move || {
-                    let _ = serve(c, upstream, &f, &r, &s);
+                    let _ = serve(c, upstream, &f, &r, &s, &hd);
                 });
             }
         });
-        FaultProxy { port, faults, requests, slow_ms, stop }
+        FaultProxy { port, faults, requests, slow_ms, heads, stop }
     }
 
     pub fn url(&self, path: &str) -> String {
@@ -177,9 +180,11 @@ fn serve(
     faults: &Mutex<VecDeque<Fault>>,
     requests: &AtomicU64,
     slow_ms: &AtomicU64,
+    heads: &Mutex<Vec<String>>,
 ) -> std::io::Result<()> {
     loop {
         let head = read_head(&mut c)?;
+        heads.lock().unwrap().push(String::from_utf8_lossy(&head).into_owned());
         requests.fetch_add(1, Ordering::Relaxed);
         let fault = faults.lock().unwrap().pop_front();
         let slow = slow_ms.load(Ordering::Relaxed);
@@ -235,5 +240,60 @@ fn serve(
         }
         c.write_all(h.as_bytes())?;
         c.write_all(body)?;
+    }
+}
+
+/// s3rver (an S3-compatible server from npm; tools/test.sh installs it under
+/// ~/.cache/sluice/npm) over a scratch directory with one bucket, stopped on drop. It serves
+/// ranges and ETags as S3 does; it does not check Signature Version 4 signatures.
+pub struct S3rver {
+    pub port: u16,
+    child: Child,
+    dir: PathBuf,
+}
+
+impl S3rver {
+    pub fn start(bucket: &str) -> S3rver {
+        let home = std::env::var_os("HOME").map(PathBuf::from).unwrap();
+        let npm = std::env::var_os("SLUICE_NPM").map(PathBuf::from).unwrap_or_else(|| home.join(".cache/sluice/npm"));
+        let bin = npm.join("node_modules/.bin/s3rver");
+        assert!(
+            bin.exists(),
+            "{} is missing: tools/test.sh installs it (npm install --prefix {} s3rver@3)",
+            bin.display(),
+            npm.display()
+        );
+        let port = free_port();
+        let dir = scratch(&format!("s3rver-{port}"));
+        let child = Command::new(&bin)
+            .args(["-d", dir.to_str().unwrap(), "-p", &port.to_string(), "--configure-bucket", bucket, "--silent"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("starting s3rver");
+        let t = Instant::now();
+        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(t.elapsed() < Duration::from_secs(20), "s3rver did not start");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        S3rver { port, child, dir }
+    }
+
+    /// Stores `bytes` as `bucket/key` (an unsigned PUT, which s3rver accepts).
+    pub fn put(&self, bucket: &str, key: &str, bytes: Vec<u8>) {
+        let r = reqwest::blocking::Client::new()
+            .put(format!("http://127.0.0.1:{}/{bucket}/{key}", self.port))
+            .body(bytes)
+            .send()
+            .unwrap();
+        assert!(r.status().is_success(), "PUT {key}: {}", r.status());
+    }
+}
+
+impl Drop for S3rver {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
