@@ -2,8 +2,12 @@
 """A model served over HTTP with added latency and a bandwidth cap: sluice running it from the
 URL against downloading the whole file first.
 
-nginx serves the model's directory on loopback; `tc netem` on the loopback device adds
-`--delay-ms` each way (the round trip is twice that) and caps the rate at `--rate`. Then:
+nginx serves the model's directory on loopback, behind an emulated link: a proxy in this
+script that adds one round trip (`--rtt-ms`) to every request and to every new connection,
+and shares one byte rate (`--rate-mbit`) among all connections, as one access link would.
+(`tc netem` would be the usual tool; kernels without the netem module, like the VMs this was
+first run on, cannot, and the proxy needs no root.) It does not model TCP slow start or
+loss. Then:
 
   * download first (the peer): `curl -o` of the whole file, then `sluice run -n 1` of the
     local copy; time to first token = download + that run's wall time;
@@ -15,10 +19,10 @@ nginx serves the model's directory on loopback; `tc netem` on the loopback devic
     token), where the link rate is the one curl measured;
   * the local copy streamed through the same expert cache, for reference.
 
-The page cache is dropped before every run. Needs root (tc, drop_caches).
+The page cache is dropped before every run (root).
 
     sudo python3 bench/remote.py --model ~/.cache/sluice/synth/qwen3-30b-a3b-q4_k_m.gguf \\
-        [--delay-ms 10] [--rate 1gbit] [-n 16] [--expert-cache 4GiB]
+        [--rtt-ms 20] [--rate-mbit 1000] [-n 16] [--expert-cache 4GiB]
 """
 
 import argparse
@@ -28,6 +32,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 
 import lib
@@ -36,8 +41,10 @@ DEFINITIONS = {
     "ttft_s": "wall time from starting the command to the end of a 1-token generation (loading and prefill of the prompt included)",
     "download_s": "wall time of curl downloading the whole file over the shaped link",
     "link_bytes_per_s": "file size / download_s: the rate the shaped link delivered to one TCP stream",
-    "remote_bytes_per_token": "bytes sluice fetched from the server during the run (prefill and decode) over the tokens generated",
-    "bound_tok_s": "link_bytes_per_s / remote_bytes_per_token: the most tokens per second the link allows at that miss volume",
+    "remote_bytes_per_token": "bytes sluice fetched from the server during the run (prefill and decode) over the tokens processed (prompt and generated)",
+    "run_tok_s": "tokens processed (prompt and generated) over the run's prefill and decode time",
+    "bound_tok_s": "link_bytes_per_s / remote_bytes_per_token: the most tokens per second the link allows at that miss volume (compare with run_tok_s)",
+    "link_utilization": "bytes fetched from the server over the prefill and decode time, as a share of link_bytes_per_s (run_tok_s / bound_tok_s)",
 }
 
 
@@ -67,12 +74,87 @@ def start_nginx(root, port, work):
     raise SystemExit("nginx did not start: " + open(os.path.join(work, "error.log")).read())
 
 
-def shape(dev, delay_ms, rate):
-    subprocess.check_call(["tc", "qdisc", "replace", "dev", dev, "root", "netem", "delay", f"{delay_ms}ms", "rate", rate])
+class Link:
+    """The emulated link: a proxy on loopback in front of `upstream`, one round trip of delay
+    per request and per new connection, and one byte rate shared by every connection."""
 
+    def __init__(self, upstream, rtt_s, rate_bytes_s):
+        self.upstream, self.rtt, self.rate = upstream, rtt_s, rate_bytes_s
+        self.lock = threading.Lock()
+        self.next_free = time.monotonic()
+        self.bytes = 0
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(256)
+        self.port = self.sock.getsockname()[1]
+        self.stopped = False
+        threading.Thread(target=self._accept, daemon=True).start()
 
-def unshape(dev):
-    subprocess.call(["tc", "qdisc", "del", "dev", dev, "root"], stderr=subprocess.DEVNULL)
+    def stop(self):
+        self.stopped = True
+        self.sock.close()
+
+    def _send(self, c, data):
+        """Sends `data` at the link's rate: each chunk waits until the link is free."""
+        view = memoryview(data)
+        while view:
+            part = view[: 256 << 10]
+            with self.lock:
+                start = max(time.monotonic(), self.next_free)
+                self.next_free = start + len(part) / self.rate
+                self.bytes += len(part)
+            wait = start + len(part) / self.rate - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
+            c.sendall(part)
+            view = view[len(part):]
+
+    def _accept(self):
+        while not self.stopped:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(c,), daemon=True).start()
+
+    def _serve(self, c):
+        try:
+            time.sleep(self.rtt)  # the handshake
+            u = socket.create_connection(("127.0.0.1", self.upstream))
+            cf, uf = c.makefile("rb"), u.makefile("rb")
+            while True:
+                head = b""
+                while not head.endswith(b"\r\n\r\n"):
+                    line = cf.readline()
+                    if not line:
+                        return
+                    head += line
+                time.sleep(self.rtt)  # the request's round trip
+                u.sendall(head)
+                status = uf.readline()
+                headers, length = [status], 0
+                while True:
+                    line = uf.readline()
+                    headers.append(line)
+                    if line in (b"\r\n", b""):
+                        break
+                    k, _, v = line.decode("latin-1").partition(":")
+                    if k.strip().lower() == "content-length":
+                        length = int(v.strip())
+                if head.startswith(b"HEAD "):
+                    length = 0
+                self._send(c, b"".join(headers))
+                while length > 0:
+                    chunk = uf.read(min(length, 1 << 20))
+                    if not chunk:
+                        return
+                    self._send(c, chunk)
+                    length -= len(chunk)
+        except OSError:
+            pass
+        finally:
+            c.close()
 
 
 def cold(a):
@@ -83,15 +165,14 @@ def cold(a):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="a local GGUF file to serve")
-    ap.add_argument("--delay-ms", type=float, default=10.0, help="added delay each way (round trip: twice this)")
-    ap.add_argument("--rate", default="1gbit", help="tc netem rate cap")
+    ap.add_argument("--rtt-ms", type=float, default=20.0, help="round trip added to every request and new connection")
+    ap.add_argument("--rate-mbit", type=float, default=1000.0, help="the link's rate, shared by all connections")
     ap.add_argument("-n", "--gen", type=int, default=16, help="tokens to generate in the decode runs")
     ap.add_argument("--prompt-tokens", default="9707,11,1879,0,3555,525,498,3730")
     ap.add_argument("--expert-cache", default="4GiB", help="sluice's expert cache (memory)")
     ap.add_argument("--disk-cache-size", default="16GiB", help="disk tier of the warm runs")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--scratch", default=os.path.expanduser("~/.cache/sluice/remote-bench"), help="where the downloaded copy and the disk tier go")
-    ap.add_argument("--no-shape", action="store_true", help="leave the loopback device alone (no tc)")
     lib.add_common_args(ap)
     a = ap.parse_args()
     state = lib.check_tree(a.allow_dirty or a.dry_run)
@@ -105,7 +186,8 @@ def main():
     work = tempfile.mkdtemp(prefix="sluice-remote-bench-")
     port = free_port()
     server = start_nginx(os.path.dirname(model), port, work)
-    url = f"http://127.0.0.1:{port}/{os.path.basename(model)}"
+    link_proxy = Link(port, a.rtt_ms / 1000, a.rate_mbit * 1e6 / 8)
+    url = f"http://127.0.0.1:{link_proxy.port}/{os.path.basename(model)}"
     copy = os.path.join(a.scratch, "copy.gguf")
     tier = os.path.join(a.scratch, "tier")
     env = lib.sluice_env(a.sluice_isa)
@@ -113,13 +195,11 @@ def main():
     res = lib.header("remote", state, a.dry_run)
     res.update({
         "model": lib.model_info(model),
-        "link": {"delay_ms_each_way": None if a.no_shape else a.delay_ms, "rtt_ms": None if a.no_shape else 2 * a.delay_ms, "rate": None if a.no_shape else a.rate, "device": "lo"},
+        "link": {"rtt_ms": a.rtt_ms, "rate_mbit_s": a.rate_mbit, "emulation": "proxy in bench/remote.py: one RTT per request and per new connection, one shared byte rate; no slow start or loss"},
         "settings": {"gen": a.gen, "prompt_tokens": a.prompt_tokens, "expert_cache": a.expert_cache, "disk_cache_size": a.disk_cache_size, "threads": a.threads or os.cpu_count()},
         "definitions": DEFINITIONS,
     })
     try:
-        if not a.no_shape:
-            shape("lo", a.delay_ms, a.rate)
         for p in (copy, tier):
             if os.path.isdir(p):
                 shutil.rmtree(p)
@@ -143,7 +223,9 @@ def main():
             j = lib.last_json(r["out"])
             tiers = {t["tier"]: t for t in j["experts"].get("tiers", [])}
             remote = tiers.get("remote", {})
-            per = remote.get("bytes", 0) / max(1, len(j["token_ids"]))
+            tokens = len(a.prompt_tokens.split(",")) + len(j["token_ids"])
+            busy = j["timings"]["prefill_s"] + j["timings"]["decode_s"]
+            per = remote.get("bytes", 0) / tokens
             out = {
                 "wall_s": r["seconds"],
                 "decode_tok_s": j["timings"]["decode_tok_s"],
@@ -154,11 +236,13 @@ def main():
                 "expert_bytes_read_per_token": j["experts"]["bytes_read_per_token"],
                 "tiers": j["experts"].get("tiers"),
                 "remote_bytes_per_token": per if remote else None,
+                "run_tok_s": tokens / busy,
                 "bound_tok_s": link / per if remote and per > 0 else None,
+                "link_utilization": remote.get("bytes", 0) / busy / link if remote else None,
                 "token_ids": j["token_ids"],
                 "command": " ".join(cmd),
             }
-            lib.log(f"{label}: {out['decode_tok_s']:.2f} tok/s decode" + (f", {per / 1e6:.1f} MB/token remote, bound {out['bound_tok_s']:.2f} tok/s" if out["bound_tok_s"] else ""))
+            lib.log(f"{label}: {out['decode_tok_s']:.2f} tok/s decode, {out['run_tok_s']:.2f} tok/s over prompt and generation" + (f"; {per / 1e6:.1f} MB/token from the server, bound {out['bound_tok_s']:.2f} tok/s, link {100 * out['link_utilization']:.0f}% busy" if out["bound_tok_s"] else ""))
             return out
 
         rcmd = [sluice, "run", "-m", url, "--disk-cache", tier, "--disk-cache-size", a.disk_cache_size, "-n", str(a.gen)] + common
@@ -179,8 +263,7 @@ def main():
         if not same:
             raise SystemExit("the remote and local runs generated different tokens")
     finally:
-        if not a.no_shape:
-            unshape("lo")
+        link_proxy.stop()
         server.kill()
         server.wait()
         shutil.rmtree(work, ignore_errors=True)
