@@ -28,6 +28,7 @@ The page cache is dropped before every run (root).
 import argparse
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -40,7 +41,8 @@ import lib
 DEFINITIONS = {
     "ttft_s": "wall time from starting the command to the end of a 1-token generation (loading and prefill of the prompt included)",
     "download_s": "wall time of curl downloading the whole file over the shaped link",
-    "link_bytes_per_s": "file size / download_s: the rate the shaped link delivered to one TCP stream",
+    "curl_bytes_per_s": "file size / download_s: the rate curl's one connection got from the emulated link",
+    "link_bytes_per_s": "the emulated link's rate (--rate-mbit), which the bounds divide",
     "remote_bytes_per_token": "bytes sluice fetched from the server during the run (prefill and decode) over the tokens processed (prompt and generated)",
     "run_tok_s": "tokens processed (prompt and generated) over the run's prefill and decode time",
     "bound_tok_s": "link_bytes_per_s / remote_bytes_per_token: the most tokens per second the link allows at that miss volume (compare with run_tok_s)",
@@ -157,6 +159,12 @@ class Link:
             c.close()
 
 
+def dense_fetch(stderr):
+    """(MB, seconds) of the header and dense weights fetched, from sluice's message."""
+    m = re.search(r"fetched the header and dense weights \(([0-9.]+) MB\) in ([0-9.]+) s", stderr)
+    return {"mb": float(m.group(1)), "seconds": float(m.group(2))} if m else None
+
+
 def cold(a):
     if not a.dry_run and not lib.drop_caches():
         raise SystemExit("dropping the page cache needs root (or pass --dry-run)")
@@ -208,7 +216,7 @@ def main():
         # The peer: the whole file first.
         cold(a)
         dl = lib.run(["curl", "-sS", "--fail", "-o", copy, url])
-        link = size / dl["seconds"]
+        link = a.rate_mbit * 1e6 / 8
         cold(a)
         local1 = lib.run([sluice, "run", "-m", copy, "-n", "1"] + common, env=env)
         # sluice from the URL, nothing local.
@@ -251,8 +259,9 @@ def main():
         dec_local = decode("local copy", [sluice, "run", "-m", copy, "-n", str(a.gen)] + common)
         same = dec_cold["token_ids"] == dec_warm["token_ids"] == dec_local["token_ids"]
         res["results"] = {
-            "download_first": {"download_s": dl["seconds"], "link_bytes_per_s": link, "run_s": local1["seconds"], "ttft_s": dl["seconds"] + local1["seconds"], "command": f"curl -o {copy} {url}; sluice run -m {copy} -n 1"},
-            "sluice_from_url": {"ttft_s": remote1["seconds"], "tiers": first["experts"].get("tiers"), "command": " ".join([sluice, "run", "-m", url, "--disk-cache", tier, "-n", "1"] + common)},
+            "link_bytes_per_s": link,
+            "download_first": {"download_s": dl["seconds"], "curl_bytes_per_s": size / dl["seconds"], "run_s": local1["seconds"], "ttft_s": dl["seconds"] + local1["seconds"], "command": f"curl -o {copy} {url}; sluice run -m {copy} -n 1"},
+            "sluice_from_url": {"ttft_s": remote1["seconds"], "dense_fetch": dense_fetch(remote1["err"]), "tiers": first["experts"].get("tiers"), "command": " ".join([sluice, "run", "-m", url, "--disk-cache", tier, "-n", "1"] + common)},
             "ttft_ratio": (dl["seconds"] + local1["seconds"]) / remote1["seconds"],
             "decode_cold": dec_cold,
             "decode_warm": dec_warm,

@@ -41,7 +41,7 @@ pub fn experts(m: &Mirror, layout: &Layout, experts: &[(u32, u32)], parallel: us
         let Some(plan) = layout.experts.get(l as usize).and_then(|v| v.get(e as usize)) else {
             return Err(io::Error::other(format!("layer {l} expert {e}: not in this model")));
         };
-        let need: u64 = plan.reads.iter().map(|r| r.len + 64).sum();
+        let need: u64 = plan.reads.iter().map(|r| r.len + crate::disk::HEADER as u64).sum();
         if need > budget {
             break;
         }
@@ -50,27 +50,13 @@ pub fn experts(m: &Mirror, layout: &Layout, experts: &[(u32, u32)], parallel: us
     }
     let before = m.reader.stats().remote.bytes;
     let t = Instant::now();
-    let queue = Mutex::new(take.iter());
-    let failed: Mutex<Option<io::Error>> = Mutex::new(None);
-    std::thread::scope(|sc| {
-        for _ in 0..parallel.max(1) {
-            sc.spawn(|| {
-                let mut buf = Vec::new();
-                while let Some(plan) = queue.lock().unwrap_or_else(|e| e.into_inner()).next() {
-                    for r in &plan.reads {
-                        buf.resize(r.len as usize, 0);
-                        if let Err(e) = m.reader.read_at(files[r.file], r.offset, &mut buf) {
-                            failed.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(e);
-                            return;
-                        }
-                    }
-                }
-            });
+    crate::each_parallel(&take, parallel, |plan, buf| {
+        for r in &plan.reads {
+            buf.resize(r.len as usize, 0);
+            m.reader.read_at(files[r.file], r.offset, buf)?;
         }
-    });
-    if let Some(e) = failed.into_inner().unwrap_or_else(|e| e.into_inner()) {
-        return Err(e);
-    }
+        Ok(())
+    })?;
     Ok(Fetched {
         items: take.len(),
         bytes: m.reader.stats().remote.bytes - before,
@@ -122,40 +108,21 @@ pub fn all(url: &str, o: &RemoteOptions, out: &Path) -> io::Result<Fetched> {
         f.set_len(remote.len)?;
         let log = Mutex::new(fs::OpenOptions::new().append(true).open(&log_path)?);
         let chunks: Vec<u64> = (0..remote.len.div_ceil(CHUNK)).filter(|i| !done.contains(i)).collect();
-        let queue = Mutex::new(chunks.iter());
-        let failed: Mutex<Option<io::Error>> = Mutex::new(None);
         let bytes = Mutex::new(0u64);
-        std::thread::scope(|sc| {
-            for _ in 0..o.parallel.max(1) {
-                sc.spawn(|| {
-                    let mut buf = Vec::new();
-                    while let Some(&i) = queue.lock().unwrap_or_else(|e| e.into_inner()).next() {
-                        let off = i * CHUNK;
-                        buf.resize(CHUNK.min(remote.len - off) as usize, 0);
-                        let r = http.read_at(remote, off, &mut buf).and_then(|n| {
-                            if n != buf.len() {
-                                return Err(io::Error::other(format!("{}: ended early", remote.url)));
-                            }
-                            f.write_all_at(&buf, off)?;
-                            f.sync_data()?;
-                            let mut l = log.lock().unwrap_or_else(|e| e.into_inner());
-                            writeln!(l, "{i}")?;
-                            l.sync_data()
-                        });
-                        match r {
-                            Ok(()) => *bytes.lock().unwrap_or_else(|e| e.into_inner()) += buf.len() as u64,
-                            Err(e) => {
-                                failed.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(e);
-                                return;
-                            }
-                        }
-                    }
-                });
+        crate::each_parallel(&chunks, o.parallel, |&i, buf| {
+            let off = i * CHUNK;
+            buf.resize(CHUNK.min(remote.len - off) as usize, 0);
+            if http.read_at(remote, off, buf)? != buf.len() {
+                return Err(io::Error::other(format!("{}: ended early", remote.url)));
             }
-        });
-        if let Some(e) = failed.into_inner().unwrap_or_else(|e| e.into_inner()) {
-            return Err(e);
-        }
+            f.write_all_at(buf, off)?;
+            f.sync_data()?;
+            let mut l = log.lock().unwrap_or_else(|e| e.into_inner());
+            writeln!(l, "{i}")?;
+            l.sync_data()?;
+            *bytes.lock().unwrap_or_else(|e| e.into_inner()) += buf.len() as u64;
+            Ok(())
+        })?;
         f.sync_all()?;
         fs::rename(&part, &dest)?;
         File::open(dest.parent().unwrap_or(Path::new(".")))?.sync_all()?;

@@ -18,3 +18,36 @@ pub mod tiered;
 
 pub use mirror::{is_remote, open, Mirror, RemoteOptions};
 pub use tiered::{TierStats, TieredReader};
+
+/// Runs `work` on every item on `threads` threads, each with a scratch buffer of its own;
+/// the first error stops the rest and is returned.
+pub(crate) fn each_parallel<T: Sync>(
+    items: &[T],
+    threads: usize,
+    work: impl Fn(&T, &mut Vec<u8>) -> std::io::Result<()> + Sync,
+) -> std::io::Result<()> {
+    use std::sync::Mutex;
+    let queue = Mutex::new(items.iter());
+    let failed: Mutex<Option<std::io::Error>> = Mutex::new(None);
+    std::thread::scope(|sc| {
+        for _ in 0..threads.max(1) {
+            sc.spawn(|| {
+                let mut buf = Vec::new();
+                loop {
+                    if failed.lock().unwrap_or_else(|e| e.into_inner()).is_some() {
+                        return;
+                    }
+                    let Some(item) = queue.lock().unwrap_or_else(|e| e.into_inner()).next() else { return };
+                    if let Err(e) = work(item, &mut buf) {
+                        failed.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(e);
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    match failed.into_inner().unwrap_or_else(|e| e.into_inner()) {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}

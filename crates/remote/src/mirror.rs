@@ -321,44 +321,17 @@ fn build(
         handles[i].read_exact_at(&mut buf, 0).map_err(|e| at(&sources[i].local, e))?;
         done.push((i, 0, *h, xxhash_rust::xxh3::xxh3_64(&buf)));
     }
-    let queue = Mutex::new(todo.into_iter());
     let results = Mutex::new(Vec::new());
-    let failed: Mutex<Option<io::Error>> = Mutex::new(None);
-    std::thread::scope(|sc| {
-        for _ in 0..parallel {
-            sc.spawn(|| {
-                let mut buf = Vec::new();
-                loop {
-                    if failed.lock().unwrap_or_else(|e| e.into_inner()).is_some() {
-                        return;
-                    }
-                    let Some((i, off, len)) = queue.lock().unwrap_or_else(|e| e.into_inner()).next() else { return };
-                    buf.resize(len as usize, 0);
-                    let r = http.read_at(&sources[i].remote, off, &mut buf).and_then(|n| {
-                        if n as u64 != len {
-                            return Err(io::Error::other(format!("{}: ended early", sources[i].remote.url)));
-                        }
-                        handles[i].write_all_at(&buf, off).map_err(|e| at(&sources[i].local, e))
-                    });
-                    match r {
-                        Ok(()) => results.lock().unwrap_or_else(|e| e.into_inner()).push((
-                            i,
-                            off,
-                            len,
-                            xxhash_rust::xxh3::xxh3_64(&buf),
-                        )),
-                        Err(e) => {
-                            failed.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(e);
-                            return;
-                        }
-                    }
-                }
-            });
+    crate::each_parallel(&todo, parallel, |&(i, off, len), buf| {
+        buf.resize(len as usize, 0);
+        let n = http.read_at(&sources[i].remote, off, buf)?;
+        if n as u64 != len {
+            return Err(io::Error::other(format!("{}: ended early", sources[i].remote.url)));
         }
-    });
-    if let Some(e) = failed.into_inner().unwrap_or_else(|e| e.into_inner()) {
-        return Err(e);
-    }
+        handles[i].write_all_at(buf, off).map_err(|e| at(&sources[i].local, e))?;
+        results.lock().unwrap_or_else(|e| e.into_inner()).push((i, off, len, xxhash_rust::xxh3::xxh3_64(buf)));
+        Ok(())
+    })?;
     done.extend(results.into_inner().unwrap_or_else(|e| e.into_inner()));
     done.sort();
     for (h, s) in handles.iter().zip(sources) {

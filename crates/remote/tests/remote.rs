@@ -198,7 +198,7 @@ fn a_file_changed_underneath_is_detected_and_a_damaged_local_copy_is_fetched_aga
     assert!(!records.is_empty());
     for r in &records {
         let f = std::fs::File::options().write(true).open(r).unwrap();
-        f.write_all_at(b"garbage", 40).unwrap();
+        f.write_all_at(b"garbage", sluice_remote::disk::HEADER as u64 + 40).unwrap();
     }
     let (m, e) = load_remote(&server.url("m.gguf"), &remote_options(&dir, 1 << 30), 256 << 10);
     assert!(m.fetched_bytes > 0, "the damaged stand-in was fetched again");

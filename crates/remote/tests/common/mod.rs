@@ -281,12 +281,17 @@ impl S3rver {
 
     /// Stores `bytes` as `bucket/key` (an unsigned PUT, which s3rver accepts).
     pub fn put(&self, bucket: &str, key: &str, bytes: Vec<u8>) {
-        let r = reqwest::blocking::Client::new()
-            .put(format!("http://127.0.0.1:{}/{bucket}/{key}", self.port))
-            .body(bytes)
-            .send()
-            .unwrap();
-        assert!(r.status().is_success(), "PUT {key}: {}", r.status());
+        let mut c = TcpStream::connect(("127.0.0.1", self.port)).unwrap();
+        let head = format!(
+            "PUT /{bucket}/{key} HTTP/1.1\r\nHost: 127.0.0.1:{}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+            self.port,
+            bytes.len()
+        );
+        c.write_all(head.as_bytes()).unwrap();
+        c.write_all(&bytes).unwrap();
+        let mut resp = String::new();
+        c.read_to_string(&mut resp).unwrap();
+        assert!(resp.starts_with("HTTP/1.1 200"), "PUT {key}: {}", resp.lines().next().unwrap_or(""));
     }
 }
 
