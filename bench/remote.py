@@ -180,7 +180,7 @@ def main():
     ap.add_argument("--expert-cache", default="4GiB", help="sluice's expert cache (memory)")
     ap.add_argument("--disk-cache-size", default="16GiB", help="disk tier of the warm runs")
     ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--scratch", default=os.path.expanduser("~/.cache/sluice/remote-bench"), help="where the downloaded copy and the disk tier go")
+    ap.add_argument("--scratch", default=os.path.expanduser("~/.cache/sluice/remote-bench"), help="where the downloaded copy and the disk tier go (removed before and after the run)")
     lib.add_common_args(ap)
     a = ap.parse_args()
     state = lib.check_tree(a.allow_dirty or a.dry_run)
@@ -188,6 +188,17 @@ def main():
     model = os.path.abspath(a.model)
     size = os.path.getsize(model)
     os.makedirs(a.scratch, exist_ok=True)
+    copy = os.path.join(a.scratch, "copy.gguf")
+    tier = os.path.join(a.scratch, "tier")
+
+    def clean():
+        for p in (copy, tier):
+            if os.path.isdir(p):
+                shutil.rmtree(p)
+            elif os.path.exists(p):
+                os.remove(p)
+
+    clean()
     free = shutil.disk_usage(a.scratch).free
     if free < size * 1.3:
         raise SystemExit(f"{a.scratch}: {free / 2**30:.1f} GiB free, the copy and the disk tier need about {size * 1.3 / 2**30:.1f}")
@@ -196,8 +207,6 @@ def main():
     server = start_nginx(os.path.dirname(model), port, work)
     link_proxy = Link(port, a.rtt_ms / 1000, a.rate_mbit * 1e6 / 8)
     url = f"http://127.0.0.1:{link_proxy.port}/{os.path.basename(model)}"
-    copy = os.path.join(a.scratch, "copy.gguf")
-    tier = os.path.join(a.scratch, "tier")
     env = lib.sluice_env(a.sluice_isa)
     common = ["--prompt-tokens", a.prompt_tokens, "--expert-cache", a.expert_cache, "--threads", str(a.threads), "--no-pressure", "--json"]
     res = lib.header("remote", state, a.dry_run)
@@ -208,11 +217,6 @@ def main():
         "definitions": DEFINITIONS,
     })
     try:
-        for p in (copy, tier):
-            if os.path.isdir(p):
-                shutil.rmtree(p)
-            elif os.path.exists(p):
-                os.remove(p)
         # The peer: the whole file first.
         cold(a)
         dl = lib.run(["curl", "-sS", "--fail", "-o", copy, url])
@@ -276,6 +280,7 @@ def main():
         server.kill()
         server.wait()
         shutil.rmtree(work, ignore_errors=True)
+        clean()
     lib.write_result("remote", res, lib.out_dir(a))
 
 
