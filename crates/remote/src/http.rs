@@ -82,9 +82,13 @@ enum Failure {
 }
 
 /// A pooled client (connections are reused; HTTP/2 where the server offers it over TLS).
+/// Certificates are checked against the system's roots (and `SSL_CERT_FILE` / `SSL_CERT_DIR`
+/// where set) and Mozilla's.
 pub struct Http {
     client: Client,
     opts: HttpOptions,
+    /// The protocol of the last answer (HTTP/1.1, HTTP/2.0).
+    protocol: std::sync::Mutex<Option<String>>,
 }
 
 impl Http {
@@ -96,7 +100,12 @@ impl Http {
             .user_agent(concat!("sluice/", env!("CARGO_PKG_VERSION")))
             .build()
             .map_err(|e| io::Error::other(format!("starting the HTTP client: {e}")))?;
-        Ok(Http { client, opts })
+        Ok(Http { client, opts, protocol: std::sync::Mutex::new(None) })
+    }
+
+    /// The protocol the server answered with last (`HTTP/2.0` where it offered HTTP/2).
+    pub fn protocol(&self) -> Option<String> {
+        self.protocol.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     fn request(&self, method: reqwest::Method, url: &str, headers: HeaderMap) -> RequestBuilder {
@@ -132,6 +141,7 @@ impl Http {
             let mut h = HeaderMap::new();
             h.insert(RANGE, "bytes=0-0".parse().expect("header"));
             let resp = self.request(reqwest::Method::GET, url, h).send().map_err(transport)?;
+            *self.protocol.lock().unwrap_or_else(|e| e.into_inner()) = Some(format!("{:?}", resp.version()));
             let status = resp.status();
             check_status(status)?;
             let validator = validator_of(resp.headers());
@@ -228,7 +238,13 @@ fn changed(r: &Remote, now: &Validator) -> Failure {
 }
 
 fn transport(e: reqwest::Error) -> Failure {
-    Failure::Transient(format!("{e}{}", source_chain(&e)))
+    let m = format!("{e}{}", source_chain(&e));
+    // A certificate the client does not trust will not become trusted by trying again.
+    if m.to_lowercase().contains("certificate") {
+        Failure::Fatal(m)
+    } else {
+        Failure::Transient(m)
+    }
 }
 
 fn source_chain(e: &dyn std::error::Error) -> String {

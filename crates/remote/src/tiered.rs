@@ -62,6 +62,11 @@ impl TieredReader {
         &self.files
     }
 
+    /// The protocol the server answers with (`HTTP/2.0` where it offers HTTP/2).
+    pub fn protocol(&self) -> Option<String> {
+        self.http.protocol()
+    }
+
     pub fn disk(&self) -> Option<&Arc<DiskTier>> {
         self.disk.as_ref()
     }
@@ -74,7 +79,8 @@ impl RangeReader for TieredReader {
             Some(d) => format!("disk tier {} of {:.2} GiB", d.dir().display(), d.quota() as f64 / (1u64 << 30) as f64),
             None => "no disk tier".into(),
         };
-        format!("remote reads of {url}, {disk}")
+        let proto = self.http.protocol().map_or(String::new(), |p| format!(" over {p}"));
+        format!("remote reads of {url}{proto}, {disk}")
     }
 
     fn file_index(&self, path: &Path) -> io::Result<usize> {

@@ -36,6 +36,15 @@ pub struct Nginx {
 
 impl Nginx {
     pub fn start(root: &Path) -> Nginx {
+        Nginx::start_with(root, None)
+    }
+
+    /// nginx over TLS with HTTP/2, with the certificate and key at `tls`.
+    pub fn start_tls(root: &Path, cert: &Path, key: &Path) -> Nginx {
+        Nginx::start_with(root, Some((cert, key)))
+    }
+
+    fn start_with(root: &Path, tls: Option<(&Path, &Path)>) -> Nginx {
         let nginx = ["/usr/sbin/nginx", "/usr/bin/nginx", "/usr/local/sbin/nginx"]
             .into_iter()
             .find(|p| Path::new(p).exists())
@@ -46,9 +55,14 @@ impl Nginx {
             "daemon off;\nmaster_process off;\nworker_processes 1;\npid {d}/nginx.pid;\nerror_log {d}/error.log;\n\
              events {{ worker_connections 512; }}\n\
              http {{\n  access_log off;\n  client_body_temp_path {d};\n  proxy_temp_path {d};\n  fastcgi_temp_path {d};\n  uwsgi_temp_path {d};\n  scgi_temp_path {d};\n\
-             server {{\n    listen 127.0.0.1:{port};\n    root {root};\n    location / {{ }}\n  }}\n}}\n",
+             server {{\n    listen 127.0.0.1:{port}{ssl};\n{certs}    root {root};\n    location / {{ }}\n  }}\n}}\n",
             d = dir.display(),
-            root = root.display()
+            root = root.display(),
+            ssl = if tls.is_some() { " ssl http2" } else { "" },
+            certs = match tls {
+                Some((c, k)) => format!("    ssl_certificate {};\n    ssl_certificate_key {};\n", c.display(), k.display()),
+                None => String::new(),
+            }
         );
         std::fs::write(dir.join("nginx.conf"), conf).unwrap();
         let child = Command::new(nginx)
@@ -75,6 +89,62 @@ impl Nginx {
     pub fn url(&self, path: &str) -> String {
         format!("http://127.0.0.1:{}/{path}", self.port)
     }
+
+    pub fn https_url(&self, path: &str) -> String {
+        format!("https://127.0.0.1:{}/{path}", self.port)
+    }
+}
+
+/// A test certificate authority and a certificate it signed for 127.0.0.1 (with the
+/// `openssl` command): (CA certificate, server certificate, server key).
+pub fn test_certificates(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
+    let run = |args: &[&str]| {
+        let out = Command::new("openssl").args(args).current_dir(dir).output().expect("running openssl");
+        assert!(out.status.success(), "openssl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    };
+    run(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=sluice test CA",
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign",
+    ]);
+    run(&["req", "-newkey", "rsa:2048", "-nodes", "-keyout", "srv.key", "-out", "srv.csr", "-subj", "/CN=127.0.0.1"]);
+    std::fs::write(
+        dir.join("ext.cnf"),
+        "subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n",
+    )
+    .unwrap();
+    run(&[
+        "x509",
+        "-req",
+        "-in",
+        "srv.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "srv.pem",
+        "-days",
+        "2",
+        "-extfile",
+        "ext.cnf",
+    ]);
+    (dir.join("ca.pem"), dir.join("srv.pem"), dir.join("srv.key"))
 }
 
 impl Drop for Nginx {

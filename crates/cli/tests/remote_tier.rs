@@ -1,7 +1,9 @@
-//! A process killed while it writes a remote model's local files — the stand-in of its dense
-//! weights, the disk tier's expert records, a whole copy — leaves nothing that a restart
-//! trusts wrongly: the restart gives the local file's output, and a copy resumes where it
-//! stopped and ends identical to the served file.
+//! The local tier of a remote model under processes that die or run side by side. A process
+//! killed while it writes the stand-in of the dense weights, the disk tier's expert records,
+//! or a whole copy leaves nothing that a restart trusts wrongly: the restart gives the local
+//! file's output, and a copy resumes where it stopped and ends identical to the served file.
+//! Processes sharing one disk tier (its quota small enough that they evict each other's
+//! records) each give the local file's output.
 
 mod common;
 #[path = "../../remote/tests/common/mod.rs"]
@@ -133,5 +135,63 @@ fn a_whole_copy_killed_midway_resumes_and_ends_identical() {
     let same = Command::new("cmp").arg(&out).arg(models.join(name)).status().unwrap();
     assert!(same.success(), "the copy differs from the served file");
     assert!(!log.exists());
+    std::fs::remove_dir_all(&scratch).unwrap();
+}
+
+#[test]
+fn processes_sharing_one_disk_tier_each_give_the_local_files_output() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests");
+    let nginx = Nginx::start(&root);
+    let rel = "golden/gguf/deepseek_v3-bf16.gguf";
+    let scratch = common::scratch("remote-shared");
+    let disk = scratch.join("tier");
+    let args = |model: &str, prompt: &str| -> Vec<String> {
+        [
+            "run",
+            "-m",
+            model,
+            "--prompt-tokens",
+            prompt,
+            "-n",
+            "16",
+            "--expert-cache",
+            "128KiB",
+            "--disk-cache",
+            &s(&disk),
+            "--disk-cache-size",
+            "96KiB",
+            "--no-pressure",
+            "--stats",
+        ]
+        .iter()
+        .map(|x| x.to_string())
+        .collect()
+    };
+    let prompts = ["1,2,3,4", "9,8,7,6,5", "11,12,13", "4,4,2,2"];
+    let local: Vec<String> = prompts
+        .iter()
+        .map(|p| ok(sluice(&args(&s(&root.join(rel)), p).iter().map(String::as_str).collect::<Vec<_>>())))
+        .collect();
+    let url = nginx.url(rel);
+    for round in 0..2 {
+        let children: Vec<_> = prompts
+            .iter()
+            .map(|p| {
+                Command::new(env!("CARGO_BIN_EXE_sluice"))
+                    .args(args(&url, p))
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        for (i, c) in children.into_iter().enumerate() {
+            let out = c.wait_with_output().unwrap();
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(out.status.success(), "round {round}, prompt {}: {err}", prompts[i]);
+            assert_eq!(String::from_utf8_lossy(&out.stdout), local[i], "round {round}, prompt {}", prompts[i]);
+            assert!(err.contains("disk tier:") && !err.contains("errors"), "{err}");
+        }
+    }
     std::fs::remove_dir_all(&scratch).unwrap();
 }
