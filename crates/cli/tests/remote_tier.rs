@@ -85,7 +85,8 @@ fn a_run_killed_while_writing_the_local_tier_restarts_with_the_local_files_outpu
     proxy.slow_ms.store(30, Ordering::Relaxed);
     let url = proxy.url(rel);
     // 1: killed while the stand-in of the dense weights is being filled (no marker yet).
-    let killed = kill_when(&run(&url, &disk), || !files_under(&disk, "model.gguf").is_empty(), Duration::from_secs(20));
+    let killed =
+        kill_when(&run(&url, &disk), || !files_under(&disk, "olmoe-bf16.gguf").is_empty(), Duration::from_secs(20));
     assert!(killed, "the run ended before it could be killed");
     assert!(files_under(&disk, "dense.json").is_empty(), "killed before the stand-in was complete");
     // 2: killed while expert records are being written.

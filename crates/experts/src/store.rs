@@ -21,11 +21,11 @@ pub fn layout_from_gguf(ck: &GgufCheckpoint) -> Result<Layout> {
         let part = |p: ExpertPart| -> Result<PartLoc> {
             let (r, dtype, [rows, cols]) = ck.expert_range(p, l, e)?;
             check_shape(cfg, p, rows, cols, &ck.file.path)?;
-            Ok(PartLoc { file: 0, offset: r.offset, len: r.len, dtype, rows, cols })
+            Ok(PartLoc { file: r.file, offset: r.offset, len: r.len, dtype, rows, cols })
         };
         Ok(ExpertPlan::from_parts([part(ExpertPart::Gate)?, part(ExpertPart::Up)?, part(ExpertPart::Down)?]))
     })?;
-    Ok(Layout { files: vec![ck.file.path.clone()], experts })
+    Ok(Layout { files: ck.file.files.iter().map(|f| f.0.clone()).collect(), experts })
 }
 
 /// The experts of a Hugging Face checkpoint as ranges of its safetensors shards.
@@ -82,7 +82,8 @@ pub fn fingerprint(files: &[PathBuf], header_bytes: &[u64]) -> Result<String> {
 
 /// The fingerprint of a GGUF model (header and tensor table, file size).
 pub fn gguf_fingerprint(ck: &GgufCheckpoint) -> Result<String> {
-    fingerprint(std::slice::from_ref(&ck.file.path), &[ck.file.data_offset])
+    let (paths, starts): (Vec<_>, Vec<_>) = ck.file.files.iter().cloned().unzip();
+    fingerprint(&paths, &starts)
 }
 
 /// The fingerprint of a Hugging Face checkpoint (every shard's header, sizes).

@@ -170,9 +170,11 @@ pub struct TensorInfo {
     /// GGML order: `dims[0]` is the contiguous (row) dimension.
     pub dims: Vec<u64>,
     pub dtype: DType,
-    /// Absolute byte offset in the file.
+    /// Absolute byte offset in its file.
     pub offset: u64,
     pub size: u64,
+    /// Which file of a split model holds it (0 for a single file).
+    pub file: usize,
 }
 
 impl TensorInfo {
@@ -186,8 +188,14 @@ impl TensorInfo {
     }
 }
 
+/// A GGUF model: one file, or the files of a split model (`NAME-00001-of-0000N.gguf` …, as
+/// llama.cpp's `gguf-split` writes them: the metadata in the first, the tensors spread over
+/// all, each file with a header of its own), opened from its first file.
 pub struct GgufFile {
+    /// The first (or only) file.
     pub path: PathBuf,
+    /// Every file, in split order, with the start of its tensor data.
+    pub files: Vec<(PathBuf, u64)>,
     pub version: u32,
     pub metadata: BTreeMap<String, Value>,
     /// In file order.
@@ -195,7 +203,7 @@ pub struct GgufFile {
     index: BTreeMap<String, usize>,
     pub alignment: u64,
     pub data_offset: u64,
-    map: Arc<memmap2::Mmap>,
+    maps: Vec<Arc<memmap2::Mmap>>,
 }
 
 /// Bounds-checked little-endian reader over the header bytes.
@@ -318,6 +326,62 @@ impl<'a> Reader<'a> {
 
 impl GgufFile {
     pub fn open(path: &Path) -> Result<GgufFile> {
+        let mut first = Self::open_one(path)?;
+        let count = first.get("split.count").and_then(Value::as_u64).unwrap_or(1);
+        if count <= 1 {
+            return Ok(first);
+        }
+        let no = first.get("split.no").and_then(Value::as_u64).unwrap_or(0);
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        if no != 0 {
+            let hint = split_name(name, 0, count as usize).unwrap_or_else(|| "the first file".into());
+            return Err(FormatError::invalid(
+                path,
+                format!("part {} of a model split in {count}: open {hint}", no + 1),
+            ));
+        }
+        for i in 1..count as usize {
+            let sibling = split_name(name, i, count as usize).ok_or_else(|| {
+                FormatError::invalid(
+                    path,
+                    format!("split in {count} files, but not named NAME-00001-of-{count:05}.gguf"),
+                )
+            })?;
+            let p = path.with_file_name(&sibling);
+            let part = Self::open_one(&p)?;
+            let (pno, pcount) =
+                (part.get("split.no").and_then(Value::as_u64), part.get("split.count").and_then(Value::as_u64));
+            if pno != Some(i as u64) || pcount != Some(count) {
+                return Err(FormatError::invalid(
+                    &p,
+                    format!(
+                        "expected part {} of {count} (split.no {i}); it says split.no {pno:?} of {pcount:?}",
+                        i + 1
+                    ),
+                ));
+            }
+            for mut t in part.tensors {
+                t.file = i;
+                if first.index.insert(t.name.clone(), first.tensors.len()).is_some() {
+                    return Err(FormatError::invalid(&p, format!("tensor `{}` is also in another part", t.name)));
+                }
+                first.tensors.push(t);
+            }
+            first.files.extend(part.files);
+            first.maps.extend(part.maps);
+        }
+        if let Some(n) = first.get("split.tensors.count").and_then(Value::as_u64) {
+            if n != first.tensors.len() as u64 {
+                return Err(FormatError::invalid(
+                    path,
+                    format!("split.tensors.count is {n}, the {count} parts hold {}", first.tensors.len()),
+                ));
+            }
+        }
+        Ok(first)
+    }
+
+    fn open_one(path: &Path) -> Result<GgufFile> {
         let file = std::fs::File::open(path).map_err(|e| FormatError::io(path, e))?;
         // SAFETY: read-only map; see `SafetensorsFile::open`.
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| FormatError::io(path, e))?;
@@ -345,7 +409,17 @@ impl GgufFile {
                 }
             }
         }
-        Ok(GgufFile { path: path.to_path_buf(), version, metadata, tensors, index, alignment, data_offset, map })
+        Ok(GgufFile {
+            path: path.to_path_buf(),
+            files: vec![(path.to_path_buf(), data_offset)],
+            version,
+            metadata,
+            tensors,
+            index,
+            alignment,
+            data_offset,
+            maps: vec![map],
+        })
     }
 
     pub fn get(&self, key: &str) -> Option<&Value> {
@@ -361,15 +435,16 @@ impl GgufFile {
         let t = self.tensor_info(name)?;
         Some(TensorData {
             name: t.name.clone(),
-            file: self.path.clone(),
+            file: self.files[t.file].0.clone(),
             dtype: t.dtype,
             shape: t.shape(),
-            data: Blob::new(self.map.clone() as Arc<dyn Backing>, t.offset as usize, t.size as usize),
+            data: Blob::new(self.maps[t.file].clone() as Arc<dyn Backing>, t.offset as usize, t.size as usize),
         })
     }
 
+    /// Bytes of every file of the model.
     pub fn file_len(&self) -> u64 {
-        self.map.len() as u64
+        self.maps.iter().map(|m| m.len() as u64).sum()
     }
 
     // Typed metadata accessors with errors naming the file and key.
@@ -689,7 +764,7 @@ fn parse_header(r: &mut Reader) -> Result<Header> {
         if index.insert(name.clone(), i as usize).is_some() {
             return Err(r.err(format!("tensor `{name}` appears twice")));
         }
-        tensors.push(TensorInfo { name, dims, dtype, offset, size });
+        tensors.push(TensorInfo { name, dims, dtype, offset, size, file: 0 });
     }
     let data_offset = (r.pos as u64).div_ceil(alignment) * alignment;
     Ok(Header { version, metadata, tensors, index, alignment, data_offset })
@@ -705,6 +780,20 @@ pub fn header_len(prefix: &[u8]) -> Result<Option<u64>> {
         Err(_) if r.ran_out => Ok(None),
         Err(e) => Err(e),
     }
+}
+
+/// The name of part `no` (from 0) of a model split in `count` files, from the name of any
+/// of its parts (`NAME-00001-of-00004.gguf` → `NAME-0000{no+1}-of-00004.gguf`); `None` when
+/// `name` does not follow that pattern for `count`.
+pub fn split_name(name: &str, no: usize, count: usize) -> Option<String> {
+    let stem = name.strip_suffix(".gguf")?;
+    let tail = format!("-of-{count:05}");
+    let base = stem.strip_suffix(&tail)?;
+    let (prefix, digits) = base.rsplit_once('-')?;
+    if digits.len() != 5 || !digits.bytes().all(|b| b.is_ascii_digit()) || no >= count {
+        return None;
+    }
+    Some(format!("{prefix}-{:05}{tail}.gguf", no + 1))
 }
 
 /// Parses GGUF bytes held in memory (the fuzz harness and tests use it).
@@ -735,6 +824,15 @@ mod tests {
         let mut out = Vec::new();
         w.write(&mut out, |i, o| if i == 0 { o.write_all(&[7u8; 68]) } else { o.write_all(&[1u8; 12]) }).unwrap();
         out
+    }
+
+    #[test]
+    fn split_names_follow_gguf_split() {
+        assert_eq!(split_name("m-00001-of-00004.gguf", 2, 4).as_deref(), Some("m-00003-of-00004.gguf"));
+        assert_eq!(split_name("a-b-00003-of-00012.gguf", 0, 12).as_deref(), Some("a-b-00001-of-00012.gguf"));
+        assert_eq!(split_name("m-00001-of-00004.gguf", 4, 4), None);
+        assert_eq!(split_name("m-00001-of-00004.gguf", 0, 3), None);
+        assert_eq!(split_name("m.gguf", 0, 2), None);
     }
 
     #[test]

@@ -36,6 +36,8 @@ impl GgufCheckpoint {
 /// The byte range of one expert's matrix inside the file (for stores that read it directly).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ExpertRange {
+    /// Which file of a split model (an index into `GgufFile::files`).
+    pub file: usize,
     pub offset: u64,
     pub len: u64,
 }
@@ -61,7 +63,7 @@ impl GgufCheckpoint {
             return Err(self.err(format!("tensor `{name}` holds {n_exp} experts; expert {e} requested")));
         }
         let per = t.size / n_exp as u64;
-        Ok((ExpertRange { offset: t.offset + per * e as u64, len: per }, t.dtype, [rows, cols]))
+        Ok((ExpertRange { file: t.file, offset: t.offset + per * e as u64, len: per }, t.dtype, [rows, cols]))
     }
 }
 
@@ -88,7 +90,7 @@ impl TensorSource for GgufCheckpoint {
         let start = (r.offset - self.file.tensor_info(&name).expect("found").offset) as usize;
         Ok(TensorData {
             name: format!("{name}[{expert}]"),
-            file: self.file.path.clone(),
+            file: whole.file.clone(),
             dtype,
             shape: vec![rows, cols],
             data: whole.data.slice(start, r.len as usize),

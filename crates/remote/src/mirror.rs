@@ -99,8 +99,25 @@ pub(crate) fn remote_files(url: &str, o: &RemoteOptions) -> io::Result<(Arc<Http
     let http = Arc::new(Http::new(http_opts)?);
     let gguf = target.split(['?', '#']).next().unwrap_or("").ends_with(".gguf");
     if gguf {
-        let r = http.open(&target)?;
-        return Ok((http, vec![("model.gguf".into(), Some(r), None)], true));
+        // One file, or every part of a split model (`NAME-00001-of-0000N.gguf` …).
+        let path = target.split(['?', '#']).next().unwrap_or("");
+        let (dir, name) = path.rsplit_once('/').unwrap_or(("", path));
+        let query = &target[path.len()..];
+        let count = name
+            .rsplit_once("-of-")
+            .and_then(|(_, c)| c.strip_suffix(".gguf"))
+            .and_then(|c| c.parse::<usize>().ok())
+            .filter(|c| *c > 1 && sluice_formats::gguf::split_name(name, 0, *c).is_some());
+        let names: Vec<String> = match count {
+            Some(c) => (0..c).map(|i| sluice_formats::gguf::split_name(name, i, c).expect("checked")).collect(),
+            None => vec![name.to_string()],
+        };
+        let mut files: Files = Vec::new();
+        for n in names {
+            let r = http.open(&format!("{dir}/{n}{query}"))?;
+            files.push((n, Some(r), None));
+        }
+        return Ok((http, files, true));
     }
     let base = target.trim_end_matches('/');
     let mut files: Files = Vec::new();
@@ -143,13 +160,15 @@ pub fn open(url: &str, o: &RemoteOptions) -> io::Result<Mirror> {
     unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) };
     let (http, all, gguf) = remote_files(url, o)?;
 
-    // The remote files and their stand-ins (small files are written whole).
-    let local = if gguf { model_dir.join("model.gguf") } else { model_dir.join("hf") };
+    // The remote files and their stand-ins, under their own names (the parts of a split GGUF
+    // find each other by name); small files are written whole.
+    let base = model_dir.join(if gguf { "gguf" } else { "hf" });
+    fs::create_dir_all(&base).map_err(|e| at(&base, e))?;
+    let local = if gguf { base.join(&all[0].0) } else { base.clone() };
     let mut files: Vec<(String, Remote, PathBuf)> = Vec::new();
     for (n, remote, small) in all {
-        let p = if gguf { local.clone() } else { local.join(&n) };
+        let p = base.join(&n);
         if let Some(b) = small {
-            fs::create_dir_all(&local).map_err(|e| at(&local, e))?;
             write_atomic(&p, &b)?;
         }
         if let Some(r) = remote {

@@ -156,3 +156,36 @@ fn gguf_conversions_are_at_least_as_close_to_transformers_as_llama_cpp() {
     eprintln!("{}", report.join("\n"));
     assert!(worse.is_empty(), "further from transformers than llama.cpp: {worse:?}\n{}", report.join("\n"));
 }
+
+#[test]
+fn a_split_gguf_gives_the_single_files_bits_resident_and_streamed() {
+    // Split by llama.cpp's own gguf-split (tools/golden/split_gguf.sh): the metadata in the
+    // first part, the tensors over four and six parts.
+    use sluice_runtime::placement::{ExpertMode, ExpertOptions};
+    for (fam, first) in
+        [("olmoe", "olmoe-bf16-00001-of-00004.gguf"), ("deepseek_v3", "deepseek_v3-bf16-00001-of-00006.gguf")]
+    {
+        let (tokens, _) = golden(fam);
+        let bits = |p: PathBuf, experts: ExpertOptions| -> Vec<u32> {
+            let e = Engine::load(&p, EngineOptions { threads: 2, max_context: 512, experts, ..Default::default() })
+                .unwrap();
+            let mut kv = e.new_state();
+            e.model.forward(&mut kv, &tokens, Logits::All, None).unwrap().iter().map(|x| x.to_bits()).collect()
+        };
+        let resident = || ExpertOptions { mode: ExpertMode::Resident, ..Default::default() };
+        let single = bits(root().join("golden/gguf").join(format!("{fam}-bf16.gguf")), resident());
+        let split = root().join("golden/gguf/split").join(first);
+        assert_eq!(bits(split.clone(), resident()), single, "{fam}: resident");
+        let streamed = ExpertOptions {
+            mode: ExpertMode::Stream,
+            cache_bytes: Some(128 << 10),
+            pressure: false,
+            ..Default::default()
+        };
+        assert_eq!(bits(split, streamed), single, "{fam}: streamed through a small cache");
+        // Opening a later part names the first.
+        let later = root().join("golden/gguf/split").join(first.replace("00001-of", "00002-of"));
+        let err = Engine::load(&later, EngineOptions::default()).err().unwrap().to_string();
+        assert!(err.contains("open") && err.contains(first), "{err}");
+    }
+}
