@@ -863,7 +863,7 @@ mod tests {
         assert!(a.data.iter().all(|b| *b == 7) && a.data.len() == 68);
         let b = f.tensor("b").unwrap();
         assert_eq!(b.data.len(), 12);
-        assert_eq!(b.data.as_ptr() as usize % 32, f.map.as_ptr() as usize % 32);
+        assert_eq!(b.data.as_ptr() as usize % 32, f.maps[0].as_ptr() as usize % 32);
     }
 
     #[test]
