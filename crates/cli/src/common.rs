@@ -448,7 +448,7 @@ pub fn stats_json(s: &ExpertStats, placement: &str, tokens: usize) -> serde_json
         "quota_bytes": s.quota_bytes,
         "resident_bytes": s.resident_bytes,
         "buffered_io": s.buffered_io,
-        "tiers": s.tiers.iter().map(|t| serde_json::json!({"tier": t.tier, "reads": t.reads, "bytes": t.bytes, "bytes_per_token": per(t.bytes), "read_s": t.read_ns as f64 / 1e9, "mean_read_ms": if t.reads == 0 { serde_json::Value::Null } else { (t.read_ns as f64 / t.reads as f64 / 1e6).into() }, "errors": t.errors})).collect::<Vec<_>>(),
+        "tiers": s.tiers.iter().map(|t| serde_json::json!({"tier": t.tier, "reads": t.reads, "bytes": t.bytes, "bytes_per_token": per(t.bytes), "read_s": t.read_ns as f64 / 1e9, "mean_read_ms": if t.reads == 0 { serde_json::Value::Null } else { (t.read_ns as f64 / t.reads as f64 / 1e6).into() }, "errors": t.errors, "merged": t.merged})).collect::<Vec<_>>(),
         "quota_changes": s.quota_changes.iter().map(|(t, a, b, why)| serde_json::json!({"t_s": t, "from": a, "to": b, "reason": why})).collect::<Vec<_>>(),
     })
 }
@@ -472,9 +472,10 @@ pub fn stats_line(s: &ExpertStats, tokens: usize) -> String {
         .iter()
         .map(|x| {
             format!(
-                "; {} tier: {} reads, {:.1} MB/token, {:.1} ms/read{}",
+                "; {} tier: {} reads{}, {:.1} MB/token, {:.1} ms/read{}",
                 x.tier,
                 x.reads,
+                if x.merged > 0 { format!(" ({} more coalesced into them)", x.merged) } else { String::new() },
                 x.bytes as f64 / t / 1e6,
                 x.read_ns as f64 / x.reads.max(1) as f64 / 1e6,
                 if x.errors > 0 { format!(", {} errors", x.errors) } else { String::new() }

@@ -286,6 +286,24 @@ pub trait RangeReader: Send + Sync {
     fn tiers(&self) -> Vec<sluice_model::expert::TierStat> {
         Vec::new()
     }
+    /// Most bytes of back-to-back reads of one file the pool hands over together to
+    /// `read_adjacent` (0: one at a time; a reader whose requests cost a round trip each
+    /// gains from fewer, larger ones).
+    fn merge_bytes(&self) -> usize {
+        0
+    }
+    /// Reads back-to-back ranges of `file`, the first at `offset`, each into its own buffer;
+    /// one result per buffer.
+    fn read_adjacent(&self, file: usize, offset: u64, dsts: &mut [&mut [u8]]) -> Vec<io::Result<usize>> {
+        let mut at = offset;
+        dsts.iter_mut()
+            .map(|d| {
+                let r = self.read_at(file, at, d);
+                at += d.len() as u64;
+                r
+            })
+            .collect()
+    }
 }
 
 /// Local files read with `pread`.
@@ -316,10 +334,46 @@ impl RangeReader for LocalFiles {
     }
 }
 
+/// The pool's queue of reads not yet taken by a worker.
+struct Jobs {
+    queue: Mutex<(VecDeque<IoRequest>, bool)>,
+    ready: std::sync::Condvar,
+}
+
+impl Jobs {
+    /// The next read, with the reads queued behind it that continue it in the same file (up
+    /// to `merge` bytes in all); `None` once the pool is closed and the queue empty.
+    fn take(&self, merge: usize) -> Option<Vec<IoRequest>> {
+        let mut g = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if let Some(first) = g.0.pop_front() {
+                let mut run = vec![first];
+                let mut end = first.offset + first.len as u64;
+                let mut bytes = first.len;
+                while merge > 0 {
+                    let Some(i) = g.0.iter().position(|q| q.file == first.file && q.offset == end) else { break };
+                    if bytes + g.0[i].len > merge {
+                        break;
+                    }
+                    let q = g.0.remove(i).expect("found");
+                    end += q.len as u64;
+                    bytes += q.len;
+                    run.push(q);
+                }
+                return Some(run);
+            }
+            if g.1 {
+                return None;
+            }
+            g = self.ready.wait(g).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+}
+
 /// Reads on a pool of threads, each blocking in a `RangeReader`: `pread` on local files
-/// (`PreadIo`), or a remote tier.
+/// (`PreadIo`), or a remote tier (whose back-to-back reads a worker takes together).
 pub struct PoolIo {
-    tx: Option<mpsc::Sender<IoRequest>>,
+    jobs: Arc<Jobs>,
     rx: mpsc::Receiver<IoCompletion>,
     workers: Vec<std::thread::JoinHandle<()>>,
     depth: usize,
@@ -355,7 +409,7 @@ impl PoolIo {
     ) -> io::Result<PoolIo> {
         let files = paths.iter().map(|p| reader.file_index(p)).collect::<io::Result<Vec<_>>>()?;
         let mut io = PoolIo::spawn(reader.clone(), files, arena, depth, threads);
-        io.label = format!("{} (depth {})", reader.name(), io.depth);
+        io.label = format!("{} (depth {}, {} connections)", reader.name(), io.depth, io.workers.len());
         io.direct = true;
         Ok(io)
     }
@@ -369,30 +423,41 @@ impl PoolIo {
     ) -> PoolIo {
         let depth = depth.clamp(1, 256);
         let files = Arc::new(files);
-        let (tx, jobs) = mpsc::channel::<IoRequest>();
-        let jobs = Arc::new(Mutex::new(jobs));
+        let jobs = Arc::new(Jobs { queue: Mutex::new((VecDeque::new(), false)), ready: std::sync::Condvar::new() });
         let (done_tx, rx) = mpsc::channel();
+        let merge = reader.merge_bytes();
         let workers = (0..depth.min(threads.max(1)))
             .map(|i| {
                 let (reader, files, arena, jobs, done) =
                     (reader.clone(), files.clone(), arena.clone(), jobs.clone(), done_tx.clone());
                 std::thread::Builder::new()
                     .name(format!("sluice-io-{i}"))
-                    .spawn(move || loop {
-                        let job = jobs.lock().unwrap_or_else(|e| e.into_inner()).recv();
-                        let Ok(r) = job else { return };
-                        // SAFETY: the slot range is reserved for this read until its completion.
-                        let dst =
-                            unsafe { std::slice::from_raw_parts_mut(arena.slot_ptr(r.slot).add(r.slot_offset), r.len) };
-                        let result = reader.read_at(files[r.file], r.offset, dst);
-                        if done.send(IoCompletion { tag: r.tag, result }).is_err() {
-                            return;
+                    .spawn(move || {
+                        while let Some(run) = jobs.take(merge) {
+                            // SAFETY: each read's slot range is reserved for it until its
+                            // completion; the ranges of one run are distinct reads.
+                            let mut dsts: Vec<&mut [u8]> = run
+                                .iter()
+                                .map(|r| unsafe {
+                                    std::slice::from_raw_parts_mut(arena.slot_ptr(r.slot).add(r.slot_offset), r.len)
+                                })
+                                .collect();
+                            let results = if run.len() == 1 {
+                                vec![reader.read_at(files[run[0].file], run[0].offset, dsts[0])]
+                            } else {
+                                reader.read_adjacent(files[run[0].file], run[0].offset, &mut dsts)
+                            };
+                            for (r, result) in run.iter().zip(results) {
+                                if done.send(IoCompletion { tag: r.tag, result }).is_err() {
+                                    return;
+                                }
+                            }
                         }
                     })
                     .expect("spawning an IO thread")
             })
             .collect();
-        PoolIo { tx: Some(tx), rx, workers, depth, in_flight: 0, label: String::new(), direct: false }
+        PoolIo { jobs, rx, workers, depth, in_flight: 0, label: String::new(), direct: false }
     }
 }
 
@@ -406,7 +471,11 @@ impl IoEngine for PoolIo {
     }
 
     fn start(&mut self, r: IoRequest) -> io::Result<()> {
-        self.tx.as_ref().expect("open").send(r).map_err(|_| io::Error::other("IO threads are gone"))?;
+        if self.workers.iter().all(|w| w.is_finished()) {
+            return Err(io::Error::other("IO threads are gone"));
+        }
+        self.jobs.queue.lock().unwrap_or_else(|e| e.into_inner()).0.push_back(r);
+        self.jobs.ready.notify_one();
         self.in_flight += 1;
         Ok(())
     }
@@ -437,7 +506,8 @@ impl IoEngine for PoolIo {
 
 impl Drop for PoolIo {
     fn drop(&mut self) {
-        self.tx.take();
+        self.jobs.queue.lock().unwrap_or_else(|e| e.into_inner()).1 = true;
+        self.jobs.ready.notify_all();
         for w in self.workers.drain(..) {
             let _ = w.join();
         }
@@ -687,5 +757,29 @@ mod tests {
         assert_eq!(*out[2].result.as_ref().unwrap(), slot);
         assert_eq!(io.in_flight(), 0);
         std::fs::remove_file(path).ok();
+    }
+
+    #[test]
+    fn a_worker_takes_the_reads_that_continue_the_first_together_within_the_limit() {
+        let r = |tag, file, offset: u64| IoRequest { tag, file, offset, len: 4096, slot: 0, slot_offset: 0 };
+        let jobs = Jobs { queue: Mutex::new((VecDeque::new(), false)), ready: std::sync::Condvar::new() };
+        let fill = || {
+            let mut q = jobs.queue.lock().unwrap();
+            q.0.clear();
+            // 1 continues 0 in file 0; 2 is another file; 3 continues 1; 4 is a gap away.
+            q.0.extend([r(0, 0, 0), r(2, 1, 4096), r(3, 0, 8192), r(1, 0, 4096), r(4, 0, 16384)]);
+        };
+        let tags = |v: Vec<IoRequest>| v.iter().map(|x| x.tag).collect::<Vec<_>>();
+        fill();
+        assert_eq!(tags(jobs.take(1 << 20).unwrap()), [0, 1, 3]);
+        assert_eq!(tags(jobs.take(1 << 20).unwrap()), [2]);
+        assert_eq!(tags(jobs.take(1 << 20).unwrap()), [4]);
+        fill();
+        assert_eq!(tags(jobs.take(8192).unwrap()), [0, 1], "at most the limit");
+        fill();
+        assert_eq!(tags(jobs.take(0).unwrap()), [0], "no merging: one at a time, in order");
+        jobs.queue.lock().unwrap().0.clear();
+        jobs.queue.lock().unwrap().1 = true;
+        assert!(jobs.take(1 << 20).is_none(), "closed and empty");
     }
 }

@@ -77,6 +77,9 @@ pub struct TierStat {
     pub read_ns: u64,
     /// Reads that failed (after retries), and ranges the tier refused as damaged.
     pub errors: u64,
+    /// Reads served by the same request as the read before them (back-to-back ranges
+    /// coalesced): requests saved.
+    pub merged: u64,
 }
 
 impl TierStat {
@@ -88,6 +91,7 @@ impl TierStat {
             bytes: self.bytes - e.bytes.min(self.bytes),
             read_ns: self.read_ns - e.read_ns.min(self.read_ns),
             errors: self.errors - e.errors.min(self.errors),
+            merged: self.merged - e.merged.min(self.merged),
         }
     }
 }

@@ -30,6 +30,9 @@ pub struct RemoteStats {
     pub errors: u64,
     /// Disk-tier writes that failed (the read itself still succeeded).
     pub keep_errors: u64,
+    /// Reads of the expert cache served by one request together with the read before them
+    /// (back-to-back ranges coalesced): requests saved.
+    pub coalesced: u64,
 }
 
 /// Both tiers' counters.
@@ -72,6 +75,38 @@ impl TieredReader {
     }
 }
 
+/// Most bytes of back-to-back reads one request fetches.
+const MERGE_BYTES: usize = 64 << 20;
+
+impl TieredReader {
+    /// One remote request, counted.
+    fn fetch(&self, f: &Source, offset: u64, dst: &mut [u8]) -> io::Result<usize> {
+        let t = Instant::now();
+        let got = self.http.read_at(&f.remote, offset, dst);
+        let ns = t.elapsed().as_nanos() as u64;
+        let mut s = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+        match &got {
+            Ok(n) => {
+                s.reads += 1;
+                s.bytes += *n as u64;
+                s.read_ns += ns;
+                s.max_read_ns = s.max_read_ns.max(ns);
+            }
+            Err(_) => s.errors += 1,
+        }
+        got
+    }
+
+    /// Keeps what the remote sent in the disk tier, if there is one.
+    fn keep(&self, f: &Source, offset: u64, asked: usize, data: &[u8]) {
+        if let Some(d) = &self.disk {
+            if d.put(&f.key, offset, asked, data).is_err() {
+                self.stats.lock().unwrap_or_else(|e| e.into_inner()).keep_errors += 1;
+            }
+        }
+    }
+}
+
 impl RangeReader for TieredReader {
     fn name(&self) -> String {
         let url = self.files.first().map_or("", |f| f.remote.url.as_str());
@@ -99,6 +134,7 @@ impl RangeReader for TieredReader {
                 bytes: d.hit_bytes,
                 read_ns: d.read_ns,
                 errors: d.bad_records,
+                merged: 0,
             });
         }
         v.push(TierStat {
@@ -107,8 +143,61 @@ impl RangeReader for TieredReader {
             bytes: s.remote.bytes,
             read_ns: s.remote.read_ns,
             errors: s.remote.errors,
+            merged: s.remote.coalesced,
         });
         v
+    }
+
+    fn merge_bytes(&self) -> usize {
+        MERGE_BYTES
+    }
+
+    fn read_adjacent(&self, file: usize, offset: u64, dsts: &mut [&mut [u8]]) -> Vec<io::Result<usize>> {
+        let f = &self.files[file];
+        let mut results: Vec<Option<io::Result<usize>>> = Vec::with_capacity(dsts.len());
+        let mut starts = Vec::with_capacity(dsts.len());
+        let mut at = offset;
+        for d in dsts.iter_mut() {
+            starts.push(at);
+            let hit = self.disk.as_ref().and_then(|disk| disk.get(&f.key, at, d));
+            results.push(hit.map(Ok));
+            at += d.len() as u64;
+        }
+        // Runs of misses, each fetched with one request.
+        let mut i = 0;
+        while i < dsts.len() {
+            if results[i].is_some() {
+                i += 1;
+                continue;
+            }
+            let mut j = i;
+            while j < dsts.len() && results[j].is_none() {
+                j += 1;
+            }
+            let total: usize = dsts[i..j].iter().map(|d| d.len()).sum();
+            let mut buf = vec![0u8; total];
+            match self.fetch(f, starts[i], &mut buf) {
+                Ok(n) => {
+                    self.stats.lock().unwrap_or_else(|e| e.into_inner()).coalesced += (j - i - 1) as u64;
+                    let mut pos = 0;
+                    for k in i..j {
+                        let len = dsts[k].len().min(n.saturating_sub(pos));
+                        dsts[k][..len].copy_from_slice(&buf[pos..pos + len]);
+                        self.keep(f, starts[k], dsts[k].len(), &dsts[k][..len]);
+                        results[k] = Some(Ok(len));
+                        pos += dsts[k].len();
+                    }
+                }
+                Err(e) => {
+                    let msg = e.to_string();
+                    for r in &mut results[i..j] {
+                        *r = Some(Err(io::Error::new(e.kind(), msg.clone())));
+                    }
+                }
+            }
+            i = j;
+        }
+        results.into_iter().map(|r| r.expect("every read answered")).collect()
     }
 
     fn read_at(&self, file: usize, offset: u64, dst: &mut [u8]) -> io::Result<usize> {
@@ -118,27 +207,8 @@ impl RangeReader for TieredReader {
                 return Ok(n);
             }
         }
-        let t = Instant::now();
-        let got = self.http.read_at(&f.remote, offset, dst);
-        let ns = t.elapsed().as_nanos() as u64;
-        let mut s = self.stats.lock().unwrap_or_else(|e| e.into_inner());
-        let n = match got {
-            Ok(n) => n,
-            Err(e) => {
-                s.errors += 1;
-                return Err(e);
-            }
-        };
-        s.reads += 1;
-        s.bytes += n as u64;
-        s.read_ns += ns;
-        s.max_read_ns = s.max_read_ns.max(ns);
-        drop(s);
-        if let Some(d) = &self.disk {
-            if d.put(&f.key, offset, dst.len(), &dst[..n]).is_err() {
-                self.stats.lock().unwrap_or_else(|e| e.into_inner()).keep_errors += 1;
-            }
-        }
+        let n = self.fetch(f, offset, dst)?;
+        self.keep(f, offset, dst.len(), &dst[..n]);
         Ok(n)
     }
 }

@@ -256,3 +256,41 @@ fn an_s3_model_is_read_with_signed_range_requests_and_gives_the_local_logits() {
     assert!(err.contains("nothing.gguf") && err.contains("404"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn back_to_back_reads_are_fetched_with_one_request_and_kept_as_records_of_their_own() {
+    use sluice_experts::io::RangeReader;
+    let server = Nginx::start(&tests_dir());
+    let proxy = FaultProxy::start(server.port);
+    let rel = "golden/gguf/olmoe-bf16.gguf";
+    let dir = scratch("merge");
+    let m = sluice_remote::open(&proxy.url(rel), &remote_options(&dir, 1 << 20)).unwrap();
+    let bytes = std::fs::read(tests_dir().join(rel)).unwrap();
+    let (offset, lens) = (65536u64, [4096usize, 8192, 4096]);
+    let mut bufs: Vec<Vec<u8>> = lens.iter().map(|l| vec![0u8; *l]).collect();
+    let before = proxy.requests.load(std::sync::atomic::Ordering::Relaxed);
+    let mut dsts: Vec<&mut [u8]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
+    let results = m.reader.read_adjacent(0, offset, &mut dsts);
+    assert!(results.iter().zip(lens).all(|(r, l)| *r.as_ref().unwrap() == l), "{results:?}");
+    assert_eq!(proxy.requests.load(std::sync::atomic::Ordering::Relaxed) - before, 1, "one request for three reads");
+    assert_eq!(bufs.concat(), &bytes[offset as usize..offset as usize + 16384]);
+    assert_eq!(m.reader.stats().remote.coalesced, 2);
+    // Each read is its own record: the middle one alone is a disk-tier hit, no request.
+    let mut mid = vec![0u8; 8192];
+    assert_eq!(m.reader.read_at(0, offset + 4096, &mut mid).unwrap(), 8192);
+    assert_eq!(mid, &bytes[offset as usize + 4096..offset as usize + 12288]);
+    assert_eq!(proxy.requests.load(std::sync::atomic::Ordering::Relaxed) - before, 1);
+    // With the first and last local, only the middle one is fetched.
+    std::fs::remove_dir_all(dir.join("experts")).unwrap();
+    let m = sluice_remote::open(&proxy.url(rel), &remote_options(&dir, 1 << 20)).unwrap();
+    let mut a = vec![0u8; 4096];
+    m.reader.read_at(0, offset, &mut a).unwrap();
+    m.reader.read_at(0, offset + 12288, &mut a).unwrap();
+    let before = proxy.requests.load(std::sync::atomic::Ordering::Relaxed);
+    let mut bufs: Vec<Vec<u8>> = lens.iter().map(|l| vec![0u8; *l]).collect();
+    let mut dsts: Vec<&mut [u8]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
+    assert!(m.reader.read_adjacent(0, offset, &mut dsts).iter().all(|r| r.is_ok()));
+    assert_eq!(bufs.concat(), &bytes[offset as usize..offset as usize + 16384]);
+    assert_eq!(proxy.requests.load(std::sync::atomic::Ordering::Relaxed) - before, 1);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

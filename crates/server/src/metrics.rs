@@ -171,9 +171,13 @@ impl Metrics {
         let c = self.experts_stall_ns.with_label_values(&[model]);
         c.inc_by(s.stall_ns.saturating_sub(c.get()));
         for t in &s.tiers {
-            for (event, v) in
-                [("read", t.reads), ("byte", t.bytes), ("read_nanosecond", t.read_ns), ("error", t.errors)]
-            {
+            for (event, v) in [
+                ("read", t.reads),
+                ("byte", t.bytes),
+                ("read_nanosecond", t.read_ns),
+                ("error", t.errors),
+                ("merged_read", t.merged),
+            ] {
                 let c = self.experts_tiers.with_label_values(&[model, &t.tier, event]);
                 c.inc_by(v.saturating_sub(c.get()));
             }
