@@ -350,8 +350,10 @@ impl Jobs {
                 let mut run = vec![first];
                 let mut end = first.offset + first.len as u64;
                 let mut bytes = first.len;
-                while merge > 0 {
-                    let Some(i) = g.0.iter().position(|q| q.file == first.file && q.offset == end) else { break };
+                while let Some(i) = (merge > 0)
+                    .then(|| g.0.iter().position(|q| q.file == first.file && q.offset == end))
+                    .flatten()
+                {
                     if bytes + g.0[i].len > merge {
                         break;
                     }
