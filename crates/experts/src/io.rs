@@ -286,23 +286,16 @@ pub trait RangeReader: Send + Sync {
     fn tiers(&self) -> Vec<sluice_model::expert::TierStat> {
         Vec::new()
     }
-    /// Most bytes of back-to-back reads of one file the pool hands over together to
-    /// `read_adjacent` (0: one at a time; a reader whose requests cost a round trip each
-    /// gains from fewer, larger ones).
+    /// Most bytes of reads of one file the pool hands over together to `read_run` (0: one at
+    /// a time; a reader whose requests cost a round trip each gains from fewer, larger ones).
     fn merge_bytes(&self) -> usize {
         0
     }
-    /// Reads back-to-back ranges of `file`, the first at `offset`, each into its own buffer;
+    /// Reads a run of ranges of `file`, `(offset, buffer)` in order of offset, each starting
+    /// at or before the end of those before it (they touch or overlap: together one range);
     /// one result per buffer.
-    fn read_adjacent(&self, file: usize, offset: u64, dsts: &mut [&mut [u8]]) -> Vec<io::Result<usize>> {
-        let mut at = offset;
-        dsts.iter_mut()
-            .map(|d| {
-                let r = self.read_at(file, at, d);
-                at += d.len() as u64;
-                r
-            })
-            .collect()
+    fn read_run(&self, file: usize, reads: &mut [(u64, &mut [u8])]) -> Vec<io::Result<usize>> {
+        reads.iter_mut().map(|(off, d)| self.read_at(file, *off, d)).collect()
     }
 }
 
@@ -347,20 +340,20 @@ impl Jobs {
         let mut g = self.queue.lock().unwrap_or_else(|e| e.into_inner());
         loop {
             if let Some(first) = g.0.pop_front() {
+                // Reads that continue the run: starting inside it or where it ends, reaching
+                // past its end (ranges widened to 4 KiB overlap their neighbours by a block).
                 let mut run = vec![first];
                 let mut end = first.offset + first.len as u64;
-                let mut bytes = first.len;
-                while let Some(i) = (merge > 0)
-                    .then(|| g.0.iter().position(|q| q.file == first.file && q.offset == end))
-                    .flatten()
-                {
-                    if bytes + g.0[i].len > merge {
+                let continues = |q: &IoRequest, end: u64| {
+                    q.file == first.file && q.offset >= first.offset && q.offset <= end && q.offset + q.len as u64 > end
+                };
+                while let Some(i) = (merge > 0).then(|| g.0.iter().position(|q| continues(q, end))).flatten() {
+                    let q_end = g.0[i].offset + g.0[i].len as u64;
+                    if q_end - first.offset > merge as u64 {
                         break;
                     }
-                    let q = g.0.remove(i).expect("found");
-                    end += q.len as u64;
-                    bytes += q.len;
-                    run.push(q);
+                    run.push(g.0.remove(i).expect("found"));
+                    end = q_end;
                 }
                 return Some(run);
             }
@@ -437,17 +430,19 @@ impl PoolIo {
                     .spawn(move || {
                         while let Some(run) = jobs.take(merge) {
                             // SAFETY: each read's slot range is reserved for it until its
-                            // completion; the ranges of one run are distinct reads.
-                            let mut dsts: Vec<&mut [u8]> = run
+                            // completion; the reads of one run are distinct reads.
+                            let mut reads: Vec<(u64, &mut [u8])> = run
                                 .iter()
-                                .map(|r| unsafe {
-                                    std::slice::from_raw_parts_mut(arena.slot_ptr(r.slot).add(r.slot_offset), r.len)
+                                .map(|r| {
+                                    (r.offset, unsafe {
+                                        std::slice::from_raw_parts_mut(arena.slot_ptr(r.slot).add(r.slot_offset), r.len)
+                                    })
                                 })
                                 .collect();
                             let results = if run.len() == 1 {
-                                vec![reader.read_at(files[run[0].file], run[0].offset, dsts[0])]
+                                vec![reader.read_at(files[run[0].file], run[0].offset, reads[0].1)]
                             } else {
-                                reader.read_adjacent(files[run[0].file], run[0].offset, &mut dsts)
+                                reader.read_run(files[run[0].file], &mut reads)
                             };
                             for (r, result) in run.iter().zip(results) {
                                 if done.send(IoCompletion { tag: r.tag, result }).is_err() {
@@ -768,16 +763,26 @@ mod tests {
         let fill = || {
             let mut q = jobs.queue.lock().unwrap();
             q.0.clear();
-            // 1 continues 0 in file 0; 2 is another file; 3 continues 1; 4 is a gap away.
-            q.0.extend([r(0, 0, 0), r(2, 1, 4096), r(3, 0, 8192), r(1, 0, 4096), r(4, 0, 16384)]);
+            // In file 0: 1 overlaps the end of 0 by a block, 3 starts where 1 ends, 5 lies
+            // inside the run (reaches no further), 4 is a gap away; 2 is another file.
+            let span = |tag, file, a: u64, b: u64| IoRequest { len: (b - a) as usize, ..r(tag, file, a) };
+            q.0.extend([
+                span(0, 0, 0, 8192),
+                span(2, 1, 8192, 12288),
+                span(1, 0, 4096, 12288),
+                span(3, 0, 12288, 16384),
+                span(5, 0, 2048, 6144),
+                span(4, 0, 20480, 24576),
+            ]);
         };
         let tags = |v: Vec<IoRequest>| v.iter().map(|x| x.tag).collect::<Vec<_>>();
         fill();
         assert_eq!(tags(jobs.take(1 << 20).unwrap()), [0, 1, 3]);
         assert_eq!(tags(jobs.take(1 << 20).unwrap()), [2]);
+        assert_eq!(tags(jobs.take(1 << 20).unwrap()), [5]);
         assert_eq!(tags(jobs.take(1 << 20).unwrap()), [4]);
         fill();
-        assert_eq!(tags(jobs.take(8192).unwrap()), [0, 1], "at most the limit");
+        assert_eq!(tags(jobs.take(12288).unwrap()), [0, 1], "at most the limit");
         fill();
         assert_eq!(tags(jobs.take(0).unwrap()), [0], "no merging: one at a time, in order");
         jobs.queue.lock().unwrap().0.clear();

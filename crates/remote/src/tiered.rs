@@ -152,50 +152,54 @@ impl RangeReader for TieredReader {
         MERGE_BYTES
     }
 
-    fn read_adjacent(&self, file: usize, offset: u64, dsts: &mut [&mut [u8]]) -> Vec<io::Result<usize>> {
+    fn read_run(&self, file: usize, reads: &mut [(u64, &mut [u8])]) -> Vec<io::Result<usize>> {
         let f = &self.files[file];
-        let mut results: Vec<Option<io::Result<usize>>> = Vec::with_capacity(dsts.len());
-        let mut starts = Vec::with_capacity(dsts.len());
-        let mut at = offset;
-        for d in dsts.iter_mut() {
-            starts.push(at);
-            let hit = self.disk.as_ref().and_then(|disk| disk.get(&f.key, at, d));
-            results.push(hit.map(Ok));
-            at += d.len() as u64;
-        }
-        // Runs of misses, each fetched with one request.
+        let mut results: Vec<Option<io::Result<usize>>> = reads
+            .iter_mut()
+            .map(|(off, d)| self.disk.as_ref().and_then(|disk| disk.get(&f.key, *off, d)).map(Ok))
+            .collect();
+        // The misses in runs that touch or overlap, each run fetched with one request.
         let mut i = 0;
-        while i < dsts.len() {
+        while i < reads.len() {
             if results[i].is_some() {
                 i += 1;
                 continue;
             }
-            let mut j = i;
-            while j < dsts.len() && results[j].is_none() {
+            let start = reads[i].0;
+            let mut end = start + reads[i].1.len() as u64;
+            let mut group = vec![i];
+            let mut j = i + 1;
+            while j < reads.len() {
+                if results[j].is_none() {
+                    if reads[j].0 > end {
+                        break;
+                    }
+                    end = end.max(reads[j].0 + reads[j].1.len() as u64);
+                    group.push(j);
+                }
                 j += 1;
             }
-            let total: usize = dsts[i..j].iter().map(|d| d.len()).sum();
-            let mut buf = vec![0u8; total];
-            match self.fetch(f, starts[i], &mut buf) {
+            let mut buf = vec![0u8; (end - start) as usize];
+            match self.fetch(f, start, &mut buf) {
                 Ok(n) => {
-                    self.stats.lock().unwrap_or_else(|e| e.into_inner()).coalesced += (j - i - 1) as u64;
-                    let mut pos = 0;
-                    for k in i..j {
-                        let len = dsts[k].len().min(n.saturating_sub(pos));
-                        dsts[k][..len].copy_from_slice(&buf[pos..pos + len]);
-                        self.keep(f, starts[k], dsts[k].len(), &dsts[k][..len]);
+                    self.stats.lock().unwrap_or_else(|e| e.into_inner()).coalesced += (group.len() - 1) as u64;
+                    for &k in &group {
+                        let (off, d) = &mut reads[k];
+                        let at = (*off - start) as usize;
+                        let len = d.len().min(n.saturating_sub(at));
+                        d[..len].copy_from_slice(&buf[at..at + len]);
+                        self.keep(f, *off, d.len(), &d[..len]);
                         results[k] = Some(Ok(len));
-                        pos += dsts[k].len();
                     }
                 }
                 Err(e) => {
                     let msg = e.to_string();
-                    for r in &mut results[i..j] {
-                        *r = Some(Err(io::Error::new(e.kind(), msg.clone())));
+                    for &k in &group {
+                        results[k] = Some(Err(io::Error::new(e.kind(), msg.clone())));
                     }
                 }
             }
-            i = j;
+            i += 1;
         }
         results.into_iter().map(|r| r.expect("every read answered")).collect()
     }

@@ -258,7 +258,7 @@ fn an_s3_model_is_read_with_signed_range_requests_and_gives_the_local_logits() {
 }
 
 #[test]
-fn back_to_back_reads_are_fetched_with_one_request_and_kept_as_records_of_their_own() {
+fn touching_and_overlapping_reads_are_fetched_with_one_request_and_kept_as_records_of_their_own() {
     use sluice_experts::io::RangeReader;
     let server = Nginx::start(&tests_dir());
     let proxy = FaultProxy::start(server.port);
@@ -266,31 +266,100 @@ fn back_to_back_reads_are_fetched_with_one_request_and_kept_as_records_of_their_
     let dir = scratch("merge");
     let m = sluice_remote::open(&proxy.url(rel), &remote_options(&dir, 1 << 20)).unwrap();
     let bytes = std::fs::read(tests_dir().join(rel)).unwrap();
-    let (offset, lens) = (65536u64, [4096usize, 8192, 4096]);
-    let mut bufs: Vec<Vec<u8>> = lens.iter().map(|l| vec![0u8; *l]).collect();
-    let before = proxy.requests.load(std::sync::atomic::Ordering::Relaxed);
-    let mut dsts: Vec<&mut [u8]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
-    let results = m.reader.read_adjacent(0, offset, &mut dsts);
-    assert!(results.iter().zip(lens).all(|(r, l)| *r.as_ref().unwrap() == l), "{results:?}");
-    assert_eq!(proxy.requests.load(std::sync::atomic::Ordering::Relaxed) - before, 1, "one request for three reads");
-    assert_eq!(bufs.concat(), &bytes[offset as usize..offset as usize + 16384]);
+    // Three reads: the second overlaps the first by a block (as ranges widened to 4 KiB do),
+    // the third starts where the second ends.
+    let reads_of = || -> Vec<(u64, Vec<u8>)> {
+        vec![(65536, vec![0u8; 8192]), (65536 + 4096, vec![0u8; 8192]), (65536 + 12288, vec![0u8; 4096])]
+    };
+    let check = |bufs: &[(u64, Vec<u8>)]| {
+        for (off, b) in bufs {
+            assert_eq!(&b[..], &bytes[*off as usize..*off as usize + b.len()], "bytes at {off}");
+        }
+    };
+    let requests = || proxy.requests.load(std::sync::atomic::Ordering::Relaxed);
+    let run = |m: &sluice_remote::Mirror, bufs: &mut Vec<(u64, Vec<u8>)>| {
+        let mut reads: Vec<(u64, &mut [u8])> = bufs.iter_mut().map(|(o, b)| (*o, b.as_mut_slice())).collect();
+        let results = m.reader.read_run(0, &mut reads);
+        assert!(results.iter().zip(&reads).all(|(r, (_, d))| *r.as_ref().unwrap() == d.len()), "{results:?}");
+    };
+    let mut bufs = reads_of();
+    let before = requests();
+    run(&m, &mut bufs);
+    assert_eq!(requests() - before, 1, "one request for three reads");
+    check(&bufs);
     assert_eq!(m.reader.stats().remote.coalesced, 2);
     // Each read is its own record: the middle one alone is a disk-tier hit, no request.
     let mut mid = vec![0u8; 8192];
-    assert_eq!(m.reader.read_at(0, offset + 4096, &mut mid).unwrap(), 8192);
-    assert_eq!(mid, &bytes[offset as usize + 4096..offset as usize + 12288]);
-    assert_eq!(proxy.requests.load(std::sync::atomic::Ordering::Relaxed) - before, 1);
+    assert_eq!(m.reader.read_at(0, 65536 + 4096, &mut mid).unwrap(), 8192);
+    assert_eq!(mid, &bytes[65536 + 4096..65536 + 12288]);
+    assert_eq!(requests() - before, 1);
     // With the first and last local, only the middle one is fetched.
     std::fs::remove_dir_all(dir.join("experts")).unwrap();
     let m = sluice_remote::open(&proxy.url(rel), &remote_options(&dir, 1 << 20)).unwrap();
-    let mut a = vec![0u8; 4096];
-    m.reader.read_at(0, offset, &mut a).unwrap();
-    m.reader.read_at(0, offset + 12288, &mut a).unwrap();
-    let before = proxy.requests.load(std::sync::atomic::Ordering::Relaxed);
-    let mut bufs: Vec<Vec<u8>> = lens.iter().map(|l| vec![0u8; *l]).collect();
-    let mut dsts: Vec<&mut [u8]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
-    assert!(m.reader.read_adjacent(0, offset, &mut dsts).iter().all(|r| r.is_ok()));
-    assert_eq!(bufs.concat(), &bytes[offset as usize..offset as usize + 16384]);
-    assert_eq!(proxy.requests.load(std::sync::atomic::Ordering::Relaxed) - before, 1);
+    let mut a = vec![0u8; 8192];
+    m.reader.read_at(0, 65536, &mut a).unwrap();
+    let mut c = vec![0u8; 4096];
+    m.reader.read_at(0, 65536 + 12288, &mut c).unwrap();
+    let before = requests();
+    let mut bufs = reads_of();
+    run(&m, &mut bufs);
+    check(&bufs);
+    assert_eq!(requests() - before, 1);
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Writes `src` (a Hugging Face directory with one `model.safetensors`) to `dst` as two shards
+/// with a `model.safetensors.index.json`, as `save_pretrained` shards larger models.
+fn shard_hf(src: &Path, dst: &Path) {
+    std::fs::create_dir_all(dst).unwrap();
+    for e in std::fs::read_dir(src).unwrap().flatten() {
+        let n = e.file_name().into_string().unwrap();
+        if n != "model.safetensors" {
+            std::fs::copy(e.path(), dst.join(&n)).unwrap();
+        }
+    }
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let hlen = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&bytes[8..8 + hlen]).unwrap();
+    let data = &bytes[8 + hlen..];
+    let names: Vec<&String> = header.keys().filter(|k| *k != "__metadata__").collect();
+    let mut weight_map = serde_json::Map::new();
+    for (part, chunk) in names.chunks(names.len().div_ceil(2)).enumerate() {
+        let file = format!("model-{:05}-of-00002.safetensors", part + 1);
+        let (mut h, mut body) = (serde_json::Map::new(), Vec::new());
+        for n in chunk {
+            let mut info = header[*n].clone();
+            let off = info["data_offsets"].as_array().unwrap();
+            let (a, b) = (off[0].as_u64().unwrap() as usize, off[1].as_u64().unwrap() as usize);
+            info["data_offsets"] = serde_json::json!([body.len(), body.len() + b - a]);
+            body.extend_from_slice(&data[a..b]);
+            h.insert((*n).clone(), info);
+            weight_map.insert((*n).clone(), file.clone().into());
+        }
+        let h = serde_json::to_vec(&h).unwrap();
+        let mut out = (h.len() as u64).to_le_bytes().to_vec();
+        out.extend_from_slice(&h);
+        out.extend_from_slice(&body);
+        std::fs::write(dst.join(&file), out).unwrap();
+    }
+    let index = serde_json::json!({"metadata": {}, "weight_map": weight_map});
+    std::fs::write(dst.join("model.safetensors.index.json"), serde_json::to_vec(&index).unwrap()).unwrap();
+}
+
+#[test]
+fn a_sharded_hugging_face_directory_is_read_through_its_index() {
+    let root = scratch("sharded-root");
+    shard_hf(&tests_dir().join("golden/qwen3_moe"), &root.join("qwen3_moe"));
+    let toks = tokens("qwen3_moe");
+    let want = local_bits(&tests_dir().join("golden/qwen3_moe"), &toks);
+    assert_eq!(local_bits(&root.join("qwen3_moe"), &toks), want, "the sharded copy is the same model");
+    let server = Nginx::start(&root);
+    let dir = scratch("sharded");
+    for quota in [0u64, 1 << 30] {
+        let (m, e) = load_remote(&server.url("qwen3_moe"), &remote_options(&dir, quota), 256 << 10);
+        assert_eq!(m.reader.files().len(), 2, "both shards");
+        assert_eq!(bits(&e, &toks).unwrap(), want, "disk tier {quota}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+    std::fs::remove_dir_all(&root).unwrap();
 }
