@@ -65,11 +65,34 @@ pub struct HttpOptions {
     pub timeout: Duration,
     /// Credentials that sign every request (an S3-compatible endpoint).
     pub s3: Option<S3Auth>,
+    /// A bearer token and the hosts it is sent to (a host, or a subdomain of it); never to
+    /// others, and (the client's rule) not along a redirect to another origin.
+    pub bearer: Option<(String, Vec<String>)>,
 }
 
 impl Default for HttpOptions {
     fn default() -> Self {
-        HttpOptions { retry: Retry::default(), timeout: Duration::from_secs(30), s3: None }
+        HttpOptions { retry: Retry::default(), timeout: Duration::from_secs(30), s3: None, bearer: None }
+    }
+}
+
+impl HttpOptions {
+    /// The defaults, with Hugging Face's token (`HF_TOKEN`, else `HUGGING_FACE_HUB_TOKEN`) for
+    /// its hosts, as its own tools send it (gated and private repositories need it).
+    pub fn from_env() -> HttpOptions {
+        let token =
+            ["HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"].iter().find_map(|k| std::env::var(k).ok().filter(|v| !v.is_empty()));
+        HttpOptions {
+            bearer: token.map(|t| (t, vec!["huggingface.co".to_string(), "hf.co".to_string()])),
+            ..HttpOptions::default()
+        }
+    }
+
+    /// The bearer token for `url`, if its host is one the token is for.
+    fn bearer_for(&self, url: &str) -> Option<&str> {
+        let (token, hosts) = self.bearer.as_ref()?;
+        let host = reqwest::Url::parse(url).ok()?.host_str()?.to_ascii_lowercase();
+        hosts.iter().any(|h| host == *h || host.ends_with(&format!(".{h}"))).then_some(token.as_str())
     }
 }
 
@@ -109,7 +132,10 @@ impl Http {
     }
 
     fn request(&self, method: reqwest::Method, url: &str, headers: HeaderMap) -> RequestBuilder {
-        let b = self.client.request(method.clone(), url).headers(headers.clone());
+        let mut b = self.client.request(method.clone(), url).headers(headers.clone());
+        if let Some(t) = self.opts.bearer_for(url) {
+            b = b.bearer_auth(t);
+        }
         match &self.opts.s3 {
             Some(auth) => b.headers(auth.sign(method.as_str(), url, &headers)),
             None => b,
@@ -336,6 +362,17 @@ mod tests {
             h.insert(CONTENT_RANGE, bad.parse().unwrap());
             assert!(content_range(&h).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn the_bearer_token_goes_only_to_its_hosts() {
+        let o = HttpOptions { bearer: Some(("t".into(), vec!["huggingface.co".into()])), ..Default::default() };
+        assert_eq!(o.bearer_for("https://huggingface.co/a/b/resolve/main/x.gguf"), Some("t"));
+        assert_eq!(o.bearer_for("https://cdn-lfs.huggingface.co/x"), Some("t"));
+        for other in ["https://evilhuggingface.co/x", "https://huggingface.co.example.com/x", "http://127.0.0.1/x"] {
+            assert_eq!(o.bearer_for(other), None, "{other}");
+        }
+        assert_eq!(HttpOptions::default().bearer_for("https://huggingface.co/x"), None);
     }
 
     #[test]

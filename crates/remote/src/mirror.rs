@@ -37,14 +37,15 @@ pub struct RemoteOptions {
 }
 
 impl RemoteOptions {
-    /// Defaults: `~/.cache/sluice/remote`, no expert records kept.
+    /// Defaults: `~/.cache/sluice/remote`, no expert records kept, Hugging Face's token from
+    /// the environment for its hosts.
     pub fn new() -> RemoteOptions {
         let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(std::env::temp_dir);
         RemoteOptions {
             dir: home.join(".cache/sluice/remote"),
             disk_quota: 0,
             s3_endpoint: None,
-            http: HttpOptions::default(),
+            http: HttpOptions::from_env(),
             parallel: 8,
         }
     }

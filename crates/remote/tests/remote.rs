@@ -43,7 +43,7 @@ fn remote_options(dir: &Path, disk_quota: u64) -> RemoteOptions {
         http: HttpOptions {
             retry: Retry { attempts: 6, first_wait: Duration::from_millis(5), max_wait: Duration::from_millis(50) },
             timeout: Duration::from_millis(1500),
-            s3: None,
+            ..HttpOptions::default()
         },
         ..RemoteOptions::new()
     }
@@ -362,4 +362,38 @@ fn a_sharded_hugging_face_directory_is_read_through_its_index() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
     std::fs::remove_dir_all(&root).unwrap();
+}
+
+#[test]
+fn a_redirect_is_followed_for_every_range_and_the_token_stays_with_its_host() {
+    // As Hugging Face's `resolve` URLs do: the file's URL answers with a redirect to another
+    // origin (here: another port) that serves the bytes.
+    let server = Nginx::start(&tests_dir());
+    let target = FaultProxy::start(server.port);
+    let redirector = Nginx::start_conf(
+        &tests_dir(),
+        // It wants the token (403 without it).
+        &format!(
+            "location /moved/ {{ if ($http_authorization != \"Bearer secret-token\") {{ return 403; }} rewrite ^/moved/(.*)$ http://127.0.0.1:{}/$1 redirect; }}",
+            target.port
+        ),
+    );
+    let rel = "golden/gguf/olmoe-bf16.gguf";
+    let toks = tokens("olmoe");
+    let want = local_bits(&tests_dir().join(rel), &toks);
+    let dir = scratch("redirect");
+    let mut o = remote_options(&dir, 0);
+    let err = sluice_remote::open(&redirector.url(&format!("moved/{rel}")), &o).err().unwrap().to_string();
+    assert!(err.contains("403"), "without the token: {err}");
+    o.http.bearer = Some(("secret-token".into(), vec!["127.0.0.1".into()]));
+    let (m, e) = load_remote(&redirector.url(&format!("moved/{rel}")), &o, 256 << 10);
+    assert_eq!(bits(&e, &toks).unwrap(), want);
+    let heads = target.heads.lock().unwrap().clone();
+    assert!(heads.len() as u64 >= m.reader.stats().remote.reads, "every read went through the redirect");
+    for h in &heads {
+        let h = h.to_ascii_lowercase();
+        assert!(h.contains("range: bytes="), "{h}");
+        assert!(!h.contains("secret-token"), "the token followed a redirect to another origin: {h}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
 }

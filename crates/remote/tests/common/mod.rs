@@ -36,15 +36,20 @@ pub struct Nginx {
 
 impl Nginx {
     pub fn start(root: &Path) -> Nginx {
-        Nginx::start_with(root, None)
+        Nginx::start_with(root, None, "")
+    }
+
+    /// nginx serving `root` with `extra` lines in its server block.
+    pub fn start_conf(root: &Path, extra: &str) -> Nginx {
+        Nginx::start_with(root, None, extra)
     }
 
     /// nginx over TLS with HTTP/2, with the certificate and key at `tls`.
     pub fn start_tls(root: &Path, cert: &Path, key: &Path) -> Nginx {
-        Nginx::start_with(root, Some((cert, key)))
+        Nginx::start_with(root, Some((cert, key)), "")
     }
 
-    fn start_with(root: &Path, tls: Option<(&Path, &Path)>) -> Nginx {
+    fn start_with(root: &Path, tls: Option<(&Path, &Path)>, extra: &str) -> Nginx {
         let nginx = ["/usr/sbin/nginx", "/usr/bin/nginx", "/usr/local/sbin/nginx"]
             .into_iter()
             .find(|p| Path::new(p).exists())
@@ -55,7 +60,7 @@ impl Nginx {
             "daemon off;\nmaster_process off;\nworker_processes 1;\npid {d}/nginx.pid;\nerror_log {d}/error.log;\n\
              events {{ worker_connections 512; }}\n\
              http {{\n  access_log off;\n  client_body_temp_path {d};\n  proxy_temp_path {d};\n  fastcgi_temp_path {d};\n  uwsgi_temp_path {d};\n  scgi_temp_path {d};\n\
-             server {{\n    listen 127.0.0.1:{port}{ssl};\n{certs}    root {root};\n    location / {{ }}\n  }}\n}}\n",
+             server {{\n    listen 127.0.0.1:{port}{ssl};\n{certs}    root {root};\n    location / {{ }}\n    {extra}\n  }}\n}}\n",
             d = dir.display(),
             root = root.display(),
             ssl = if tls.is_some() { " ssl http2" } else { "" },
