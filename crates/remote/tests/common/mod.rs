@@ -318,62 +318,66 @@ fn serve(
     }
 }
 
-/// s3rver (an S3-compatible server from npm; tools/test.sh installs it under
-/// ~/.cache/sluice/npm) over a scratch directory with one bucket, stopped on drop. It serves
-/// ranges and ETags as S3 does; it does not check Signature Version 4 signatures.
-pub struct S3rver {
+/// moto's server (an S3-compatible server from PyPI; tools/test.sh installs it under
+/// ~/.cache/sluice/moto) with authentication on: it recomputes every request's Signature
+/// Version 4 with botocore and refuses a wrong one. Set up with a bucket, the objects asked
+/// for, and a user allowed to read them; stopped on drop.
+pub struct S3Server {
     pub port: u16,
+    /// The user's access key and secret.
+    pub key: (String, String),
     child: Child,
-    dir: PathBuf,
 }
 
-impl S3rver {
-    pub fn start(bucket: &str) -> S3rver {
+const MOTO_SETUP: &str = r#"
+import boto3, json, sys
+port, bucket = sys.argv[1], sys.argv[2]
+kw = dict(endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1", aws_access_key_id="setup", aws_secret_access_key="setup")
+s3, iam = boto3.client("s3", **kw), boto3.client("iam", **kw)
+s3.create_bucket(Bucket=bucket)
+for pair in sys.argv[3:]:
+    key, path = pair.split("=", 1)
+    s3.put_object(Bucket=bucket, Key=key, Body=open(path, "rb").read())
+iam.create_user(UserName="sluice")
+iam.put_user_policy(UserName="sluice", PolicyName="read", PolicyDocument=json.dumps({"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:GetObject", "Resource": "*"}]}))
+k = iam.create_access_key(UserName="sluice")["AccessKey"]
+print(k["AccessKeyId"], k["SecretAccessKey"])
+"#;
+
+impl S3Server {
+    pub fn start(bucket: &str, objects: &[(&str, &Path)]) -> S3Server {
         let home = std::env::var_os("HOME").map(PathBuf::from).unwrap();
-        let npm = std::env::var_os("SLUICE_NPM").map(PathBuf::from).unwrap_or_else(|| home.join(".cache/sluice/npm"));
-        let bin = npm.join("node_modules/.bin/s3rver");
-        assert!(
-            bin.exists(),
-            "{} is missing: tools/test.sh installs it (npm install --prefix {} s3rver@3)",
-            bin.display(),
-            npm.display()
-        );
+        let lib = std::env::var_os("SLUICE_MOTO").map(PathBuf::from).unwrap_or_else(|| home.join(".cache/sluice/moto"));
+        assert!(lib.join("moto").exists(), "{} is missing: tools/test.sh installs moto[server] there", lib.display());
         let port = free_port();
-        let dir = scratch(&format!("s3rver-{port}"));
-        let child = Command::new(&bin)
-            .args(["-d", dir.to_str().unwrap(), "-p", &port.to_string(), "--configure-bucket", bucket, "--silent"])
+        // The setup's actions (bucket, objects, user, policy, key) are the unauthenticated ones.
+        let setup_actions = 4 + objects.len();
+        let child = Command::new("python3")
+            .args(["-m", "moto.server", "-p", &port.to_string()])
+            .env("PYTHONPATH", &lib)
+            .env("INITIAL_NO_AUTH_ACTION_COUNT", setup_actions.to_string())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
-            .expect("starting s3rver");
+            .expect("starting moto's server");
         let t = Instant::now();
         while TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(t.elapsed() < Duration::from_secs(20), "s3rver did not start");
+            assert!(t.elapsed() < Duration::from_secs(30), "moto's server did not start");
             std::thread::sleep(Duration::from_millis(50));
         }
-        S3rver { port, child, dir }
-    }
-
-    /// Stores `bytes` as `bucket/key` (an unsigned PUT, which s3rver accepts).
-    pub fn put(&self, bucket: &str, key: &str, bytes: Vec<u8>) {
-        let mut c = TcpStream::connect(("127.0.0.1", self.port)).unwrap();
-        let head = format!(
-            "PUT /{bucket}/{key} HTTP/1.1\r\nHost: 127.0.0.1:{}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-            self.port,
-            bytes.len()
-        );
-        c.write_all(head.as_bytes()).unwrap();
-        c.write_all(&bytes).unwrap();
-        let mut resp = String::new();
-        c.read_to_string(&mut resp).unwrap();
-        assert!(resp.starts_with("HTTP/1.1 200"), "PUT {key}: {}", resp.lines().next().unwrap_or(""));
+        let mut args = vec!["-c".to_string(), MOTO_SETUP.to_string(), port.to_string(), bucket.to_string()];
+        args.extend(objects.iter().map(|(k, p)| format!("{k}={}", p.display())));
+        let out = Command::new("python3").args(&args).env("PYTHONPATH", &lib).output().unwrap();
+        assert!(out.status.success(), "setting up moto: {}", String::from_utf8_lossy(&out.stderr));
+        let text = String::from_utf8_lossy(&out.stdout);
+        let (a, s) = text.trim().split_once(' ').expect("a key and a secret");
+        S3Server { port, key: (a.to_string(), s.to_string()), child }
     }
 }
 
-impl Drop for S3rver {
+impl Drop for S3Server {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
