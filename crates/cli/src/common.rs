@@ -37,7 +37,8 @@ pub struct ModelArgs {
     /// Do not prefetch the next layer's predicted experts.
     #[arg(long)]
     pub no_prefetch: bool,
-    /// Expert reads in flight at once.
+    /// Expert reads in flight at once (for a model at a URL: connections, with twice as many
+    /// reads in flight so that back-to-back ones queue and are fetched together).
     #[arg(long, default_value_t = 32)]
     pub io_depth: usize,
     /// IO engine: auto, uring, pread.

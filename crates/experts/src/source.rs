@@ -141,11 +141,11 @@ impl StreamingExperts {
             Arena::new(n, slot_bytes).map_err(|e| ExpertError::Model(format!("allocating the expert cache: {e}")))?,
         );
         let io: Box<dyn IoEngine> = match &o.io {
-            // Half as many workers as reads in flight: reads queued behind busy workers are
-            // taken together with the reads they continue (one request for back-to-back
-            // experts where the reader merges).
+            // `depth` workers (connections) and twice as many reads in flight: reads queued
+            // behind busy workers are taken together with the reads they continue (one
+            // request for back-to-back experts where the reader merges).
             IoKind::Ranges(reader) => Box::new(
-                PoolIo::over(reader.clone(), &layout.files, arena.clone(), o.depth, (o.depth / 2).max(1))
+                PoolIo::over(reader.clone(), &layout.files, arena.clone(), o.depth * 2, o.depth)
                     .map_err(|e| io_err(&layout, e))?,
             ),
             IoKind::Pread => {
