@@ -1,4 +1,4 @@
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use sluice_model::config::{MixerKind, QkNorm};
 use sluice_model::gguf::GgufCheckpoint;
 use sluice_model::hf::HfCheckpoint;
@@ -8,11 +8,14 @@ use std::path::PathBuf;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// A Hugging Face model directory or a GGUF file.
+    /// A Hugging Face model directory or a GGUF file, or either at an http(s):// or s3:// URL
+    /// (its header and dense weights are fetched into the local tier, as `run` would).
     path: PathBuf,
     /// Print JSON.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    remote: crate::common::RemoteArgs,
 }
 
 /// Whether a tensor name belongs to a routed expert.
@@ -36,11 +39,13 @@ fn is_mtp(c: &ModelConfig, name: &str) -> bool {
     }
 }
 
-/// "3× Gated DeltaNet + 1× attention (layers 3)": how the layers are composed.
+/// "3× Gated DeltaNet + 1× attention (layers 3)", "3× latent attention (MLA)": how the layers
+/// are composed.
 fn composition(c: &ModelConfig) -> String {
-    let attn: Vec<usize> =
-        (0..c.n_layer).filter(|l| matches!(c.layers[*l].mixer, MixerKind::Attention { .. })).collect();
-    let delta = c.n_layer - attn.len();
+    let of = |f: fn(&MixerKind) -> bool| -> Vec<usize> { (0..c.n_layer).filter(|l| f(&c.layers[*l].mixer)).collect() };
+    let attn = of(|m| matches!(m, MixerKind::Attention { .. }));
+    let delta = of(|m| matches!(m, MixerKind::GatedDeltaNet)).len();
+    let mla = of(|m| matches!(m, MixerKind::Mla)).len();
     let windows = (0..c.n_layer).filter(|l| c.window(*l).is_some()).count();
     let mut parts = Vec::new();
     if delta > 0 {
@@ -50,6 +55,11 @@ fn composition(c: &ModelConfig) -> String {
             String::new()
         };
         parts.push(format!("{delta}× Gated DeltaNet + {}× attention{list}", attn.len()));
+    } else if mla > 0 {
+        parts.push(format!("{mla}× latent attention (MLA)"));
+        if !attn.is_empty() {
+            parts.push(format!("{}× attention", attn.len()));
+        }
     } else {
         parts.push(format!("{}× attention", attn.len()));
     }
@@ -59,7 +69,12 @@ fn composition(c: &ModelConfig) -> String {
     parts.join(", ")
 }
 
-pub fn main(a: Args) -> Result<()> {
+pub fn main(mut a: Args) -> Result<()> {
+    let name = a.path.to_string_lossy().to_string();
+    if sluice_remote::is_remote(&name) {
+        let m = sluice_remote::open(&name, &a.remote.options()?).with_context(|| format!("opening {name}"))?;
+        a.path = m.local;
+    }
     if !a.path.exists() {
         bail!("{}: no such file or directory", a.path.display());
     }

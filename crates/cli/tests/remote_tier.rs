@@ -196,3 +196,26 @@ fn processes_sharing_one_disk_tier_each_give_the_local_files_output() {
     }
     std::fs::remove_dir_all(&scratch).unwrap();
 }
+
+#[test]
+fn inspect_reads_a_model_at_a_url_and_names_each_kind_of_layer() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests");
+    let nginx = Nginx::start(&root);
+    let scratch = common::scratch("remote-inspect");
+    let inspect = |model: &str| -> serde_json::Value {
+        serde_json::from_str(&ok(sluice(&["inspect", model, "--json", "--disk-cache", &s(&scratch)]))).unwrap()
+    };
+    for (rel, layers) in [
+        ("golden/gguf/deepseek_v3-bf16.gguf", "3× latent attention (MLA)"),
+        ("golden/gguf/split/deepseek_v3-bf16-00001-of-00006.gguf", "3× latent attention (MLA)"),
+        ("golden/gguf/olmoe-bf16.gguf", "2× attention"),
+    ] {
+        let local = inspect(&s(&root.join(rel)));
+        let remote = inspect(&nginx.url(rel));
+        assert_eq!(local["composition"], layers, "{rel}");
+        for k in ["composition", "architecture", "expert_bytes", "dense_bytes", "tensors"] {
+            assert_eq!(remote[k], local[k], "{rel}: {k}");
+        }
+    }
+    std::fs::remove_dir_all(&scratch).unwrap();
+}
