@@ -127,7 +127,10 @@ fn faults_are_retried_and_never_give_wrong_bytes() {
     for f in faults {
         proxy.push(f, 1);
     }
-    let (m, e) = load_remote(&proxy.url(rel), &remote_options(&dir, 0), 256 << 10);
+    // Enough tries that one request meeting every queued fault in a row still succeeds.
+    let mut patient = remote_options(&dir, 0);
+    patient.http.retry.attempts = 16;
+    let (m, e) = load_remote(&proxy.url(rel), &patient, 256 << 10);
     assert_eq!(proxy.pending(), 0, "the faults met the opening requests");
     for f in faults.iter().cycle().take(12) {
         proxy.push(*f, 1);
