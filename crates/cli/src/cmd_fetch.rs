@@ -44,15 +44,7 @@ pub fn main(a: Args) -> Result<()> {
     if a.output.is_some() {
         bail!("--output goes with --all");
     }
-    let m = sluice_remote::open(&a.url, &o).with_context(|| format!("opening {}", a.url))?;
-    eprintln!(
-        "sluice: {}: header and dense weights local in {} ({:.1} MB, {:.1} MB fetched now in {:.1} s)",
-        a.url,
-        m.local.display(),
-        m.dense_bytes as f64 / 1e6,
-        m.fetched_bytes as f64 / 1e6,
-        m.fetch_seconds
-    );
+    let m = crate::common::open_remote(&a.url, &o)?;
     if let Some(trace) = &a.experts {
         let layout = sluice_remote::fetch::layout(&m)?;
         let n_expert = layout.experts.iter().map(|l| l.len()).max().unwrap_or(0);

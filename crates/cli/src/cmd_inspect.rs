@@ -1,4 +1,4 @@
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use sluice_model::config::{MixerKind, QkNorm};
 use sluice_model::gguf::GgufCheckpoint;
 use sluice_model::hf::HfCheckpoint;
@@ -72,8 +72,7 @@ fn composition(c: &ModelConfig) -> String {
 pub fn main(mut a: Args) -> Result<()> {
     let name = a.path.to_string_lossy().to_string();
     if sluice_remote::is_remote(&name) {
-        let m = sluice_remote::open(&name, &a.remote.options()?).with_context(|| format!("opening {name}"))?;
-        a.path = m.local;
+        a.path = crate::common::open_remote(&name, &a.remote.options()?)?.local;
     }
     if !a.path.exists() {
         bail!("{}: no such file or directory", a.path.display());

@@ -74,6 +74,23 @@ pub struct RemoteArgs {
     pub s3_endpoint: Option<String>,
 }
 
+/// Opens the model at `url` (its header and dense weights fetched into the local tier if they
+/// are not there yet) and says which it was.
+pub fn open_remote(url: &str, o: &sluice_remote::RemoteOptions) -> Result<sluice_remote::Mirror> {
+    let m = sluice_remote::open(url, o).with_context(|| format!("opening {url}"))?;
+    if m.fetched_bytes > 0 {
+        eprintln!(
+            "sluice: {url}: fetched the header and dense weights ({:.1} MB) in {:.1} s into {}",
+            m.fetched_bytes as f64 / 1e6,
+            m.fetch_seconds,
+            m.local.display()
+        );
+    } else {
+        eprintln!("sluice: {url}: header and dense weights ({:.1} MB) already local", m.dense_bytes as f64 / 1e6);
+    }
+    Ok(m)
+}
+
 impl RemoteArgs {
     pub fn options(&self) -> Result<sluice_remote::RemoteOptions> {
         let mut o = sluice_remote::RemoteOptions::new();
@@ -342,17 +359,7 @@ impl ModelArgs {
         if self.pack.is_some() {
             bail!("--pack reads a local file; it cannot be combined with a model at a URL");
         }
-        let m = sluice_remote::open(&name, &self.remote.options()?).with_context(|| format!("opening {name}"))?;
-        if m.fetched_bytes > 0 {
-            eprintln!(
-                "sluice: {name}: fetched the header and dense weights ({:.1} MB) in {:.1} s into {}",
-                m.fetched_bytes as f64 / 1e6,
-                m.fetch_seconds,
-                m.local.display()
-            );
-        } else {
-            eprintln!("sluice: {name}: header and dense weights ({:.1} MB) already local", m.dense_bytes as f64 / 1e6);
-        }
+        let m = open_remote(&name, &self.remote.options()?)?;
         Ok((m.local, Some(m.reader)))
     }
 

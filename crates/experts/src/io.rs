@@ -310,21 +310,23 @@ impl RangeReader for LocalFiles {
         unreachable!("local files are indexed by their place in the layout")
     }
     fn read_at(&self, file: usize, offset: u64, dst: &mut [u8]) -> io::Result<usize> {
-        let mut got = 0;
-        loop {
-            match self.0[file].read_at(&mut dst[got..], offset + got as u64) {
-                Ok(0) => return Ok(got),
-                Ok(n) => {
-                    got += n;
-                    if got == dst.len() {
-                        return Ok(got);
-                    }
-                }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
-            }
+        read_full_at(&self.0[file], dst, offset)
+    }
+}
+
+/// Reads `dst.len()` bytes at `offset` of `f` with `pread`, retrying short reads and
+/// interruptions; fewer only where the file ends. Returns how many arrived.
+pub fn read_full_at(f: &File, dst: &mut [u8], offset: u64) -> io::Result<usize> {
+    let mut got = 0;
+    while got < dst.len() {
+        match f.read_at(&mut dst[got..], offset + got as u64) {
+            Ok(0) => break,
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
         }
     }
+    Ok(got)
 }
 
 /// The pool's queue of reads not yet taken by a worker.

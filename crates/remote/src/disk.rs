@@ -16,6 +16,7 @@
 //! simply a miss. Two processes writing the same range write the same bytes; the last rename
 //! wins and both are whole.
 
+use sluice_experts::io::read_full_at;
 use std::collections::HashMap;
 use std::fs::{self, File};
 use std::io::{self, Write};
@@ -55,7 +56,13 @@ pub struct DiskTier {
     index: Mutex<Index>,
     stats: Mutex<DiskStats>,
     tmp_counter: AtomicU64,
+    /// When the directory was last counted (every process's records).
+    last_scan: Mutex<std::time::Instant>,
 }
+
+/// How often eviction counts the directory again (other processes' records); in between it
+/// evicts from what this process knows, so a full tier does not walk the directory per write.
+const RESCAN: std::time::Duration = std::time::Duration::from_secs(1);
 
 fn record_name(offset: u64, len: usize) -> String {
     format!("{offset:016x}-{len:x}.rec")
@@ -72,6 +79,7 @@ impl DiskTier {
             index: Mutex::new(Index { records: HashMap::new(), total: 0, clock: 0 }),
             stats: Mutex::new(DiskStats::default()),
             tmp_counter: AtomicU64::new(0),
+            last_scan: Mutex::new(std::time::Instant::now()),
         };
         t.rescan()?;
         Ok(t)
@@ -249,14 +257,24 @@ impl DiskTier {
         Ok(())
     }
 
-    /// Counts every process's records again and removes the least recently used until the
-    /// total is within the quota.
+    /// Removes the least recently used records until the total is within the quota, after
+    /// counting every process's records again if that was last done more than `RESCAN` ago.
     fn evict(&self) -> io::Result<()> {
         // One evicting process at a time, so two do not both remove what one would have.
         let lock = File::create(self.dir.join(".evict.lock"))?;
         // SAFETY: flock on a descriptor this function owns.
         unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX) };
-        self.rescan()?;
+        let due = {
+            let mut last = self.last_scan.lock().unwrap_or_else(|e| e.into_inner());
+            let due = last.elapsed() >= RESCAN;
+            if due {
+                *last = std::time::Instant::now();
+            }
+            due
+        };
+        if due {
+            self.rescan()?;
+        }
         let mut ix = self.index.lock().unwrap_or_else(|e| e.into_inner());
         let mut by_age: Vec<(u64, PathBuf, u64)> = ix.records.iter().map(|(p, (l, t))| (*t, p.clone(), *l)).collect();
         by_age.sort();
@@ -333,19 +351,6 @@ impl Drop for Block {
     }
 }
 
-fn read_exact_plain(f: &File, buf: &mut [u8], offset: u64, want: usize) -> io::Result<()> {
-    let mut got = 0;
-    while got < want {
-        match f.read_at(&mut buf[got..], offset + got as u64) {
-            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
-            Ok(n) => got += n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
-}
-
 /// Reads and checks a record into `dst`; returns its payload length.
 fn read_record(path: &Path, (f, direct): &(File, bool), dst: &mut [u8]) -> io::Result<usize> {
     let bad = |m: &str| io::Error::new(io::ErrorKind::InvalidData, m.to_string());
@@ -364,23 +369,16 @@ fn read_record(path: &Path, (f, direct): &(File, bool), dst: &mut [u8]) -> io::R
     // O_DIRECT wants the address and length aligned: an expert cache slot is (its reads are
     // whole 4 KiB blocks); anything else reads through the page cache.
     let aligned = len.div_ceil(HEADER) * HEADER;
-    if *direct && (dst.as_ptr() as usize).is_multiple_of(HEADER) && aligned <= dst.len() {
-        let mut got = 0;
-        while got < len {
-            match f.read_at(&mut dst[got..aligned], (HEADER + got) as u64) {
-                Ok(0) => return Err(bad("record ends early")),
-                Ok(n) => got += n,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
-            }
-        }
+    let got = if *direct && (dst.as_ptr() as usize).is_multiple_of(HEADER) && aligned <= dst.len() {
+        read_full_at(f, &mut dst[..aligned], HEADER as u64)?
+    } else if *direct {
+        // Opened anew without O_DIRECT, for a destination that is not aligned.
+        read_full_at(&File::open(path)?, &mut dst[..len], HEADER as u64)?
     } else {
-        if *direct {
-            // Opened anew without O_DIRECT, for a destination that is not aligned.
-            read_exact_plain(&File::open(path)?, dst, HEADER as u64, len)?;
-        } else {
-            read_exact_plain(f, dst, HEADER as u64, len)?;
-        }
+        read_full_at(f, &mut dst[..len], HEADER as u64)?
+    };
+    if got < len {
+        return Err(bad("record ends early"));
     }
     let dst = &mut dst[..len];
     if checksum(dst) != sum {

@@ -281,7 +281,9 @@ fn build(
 ) -> io::Result<Vec<(usize, u64, u64, u64)>> {
     let mut handles = Vec::new();
     let mut headers = Vec::new();
-    for s in sources {
+    // Every range fetched, with its checksum: (file, offset, length, xxh3).
+    let mut done: Vec<(usize, u64, u64, u64)> = Vec::new();
+    for (i, s) in sources.iter().enumerate() {
         // A new file renamed over the old one: a process still running from the old stand-in
         // keeps its own (the old inode), and nobody trusts the new one before the marker.
         let tmp = s.local.with_extension(format!("building.{}", std::process::id()));
@@ -297,6 +299,7 @@ fn build(
         f.write_all_at(&head, 0).map_err(|e| at(&tmp, e))?;
         fs::rename(&tmp, &s.local).map_err(|e| at(&s.local, e))?;
         headers.push(head.len() as u64);
+        done.push((i, 0, head.len() as u64, xxhash_rust::xxh3::xxh3_64(&head)));
         handles.push(f);
     }
     // With headers in place the checkpoint opens; its expert layout says what not to fetch.
@@ -334,12 +337,6 @@ fn build(
                 x += n;
             }
         }
-    }
-    let mut done: Vec<(usize, u64, u64, u64)> = Vec::new();
-    for (i, h) in headers.iter().enumerate() {
-        let mut buf = vec![0u8; *h as usize];
-        handles[i].read_exact_at(&mut buf, 0).map_err(|e| at(&sources[i].local, e))?;
-        done.push((i, 0, *h, xxhash_rust::xxh3::xxh3_64(&buf)));
     }
     let results = Mutex::new(Vec::new());
     crate::each_parallel(&todo, parallel, |&(i, off, len), buf| {

@@ -23,6 +23,15 @@ pub fn scratch(name: &str) -> PathBuf {
     d
 }
 
+/// Waits until something accepts connections on `port`; fails with `why()` after `limit`.
+fn wait_for_port(port: u16, limit: Duration, why: impl Fn() -> String) {
+    let t = Instant::now();
+    while TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(t.elapsed() < limit, "{}", why());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
@@ -79,15 +88,9 @@ impl Nginx {
             .stderr(Stdio::null())
             .spawn()
             .expect("starting nginx");
-        let t = Instant::now();
-        while TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(
-                t.elapsed() < Duration::from_secs(10),
-                "nginx did not start: {:?}",
-                std::fs::read_to_string(dir.join("error.log"))
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        wait_for_port(port, Duration::from_secs(10), || {
+            format!("nginx did not start: {:?}", std::fs::read_to_string(dir.join("error.log")))
+        });
         Nginx { port, child, _dir: dir }
     }
 
@@ -360,11 +363,7 @@ impl S3Server {
             .stderr(Stdio::null())
             .spawn()
             .expect("starting moto's server");
-        let t = Instant::now();
-        while TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(t.elapsed() < Duration::from_secs(30), "moto's server did not start");
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        wait_for_port(port, Duration::from_secs(30), || "moto's server did not start".into());
         let mut args = vec!["-c".to_string(), MOTO_SETUP.to_string(), port.to_string(), bucket.to_string()];
         args.extend(objects.iter().map(|(k, p)| format!("{k}={}", p.display())));
         let out = Command::new("python3").args(&args).env("PYTHONPATH", &lib).output().unwrap();
