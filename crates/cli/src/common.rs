@@ -156,10 +156,12 @@ impl SamplingArgs {
 #[derive(ClapArgs, Clone, Debug)]
 pub struct SpecArgs {
     /// Speculative decoding: draft tokens with `ngram` (lookup in the prompt and the text so
-    /// far), `draft` (a smaller model with the same vocabulary, --draft-model) or `mtp` (the
-    /// checkpoint's multi-token-prediction head) and verify them in one pass of the model.
-    /// Greedy output is the same tokens; sampled output has the same distribution.
-    #[arg(long, value_name = "ngram|draft|mtp")]
+    /// far), `draft` (a smaller model with the same vocabulary, --draft-model), `mtp` (the
+    /// checkpoint's multi-token-prediction head) or `self` (the model itself, each layer
+    /// using only the experts its cache holds: drafting reads nothing) and verify them in one
+    /// pass of the model. Greedy output is the same tokens; sampled output has the same
+    /// distribution.
+    #[arg(long, value_name = "ngram|draft|mtp|self")]
     pub spec: Option<String>,
     /// The draft model for `--spec draft` (a Hugging Face directory or GGUF file).
     #[arg(long, value_name = "PATH")]
@@ -183,6 +185,11 @@ pub struct SpecArgs {
     /// The shortest n-gram `--spec ngram` looks up.
     #[arg(long, default_value_t = 2)]
     pub ngram_min: usize,
+    /// `--spec self`: do not hand the experts a draft chose but did not have in the cache
+    /// to the prefetcher (by default they are read while the draft goes on, ahead of the
+    /// verify pass that will want them).
+    #[arg(long)]
+    pub no_draft_prefetch: bool,
 }
 
 impl SpecArgs {
@@ -211,6 +218,7 @@ impl SpecArgs {
             p_min: self.draft_p_min,
             ngram_min: self.ngram_min,
             ngram_max: self.ngram_max,
+            guide_prefetch: !self.no_draft_prefetch,
             ..Default::default()
         }
     }

@@ -79,6 +79,9 @@ pub struct Slot {
     /// Filled by a prefetch and not yet asked for.
     pub prefetched_unused: bool,
     prio: Option<(u64, u64)>,
+    /// The eviction priority the slot had when `pin_ready` took it out of the evictable set,
+    /// restored when the last pin goes if no demand touched it meanwhile.
+    quiet_prio: Option<(u64, u64)>,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
@@ -134,7 +137,14 @@ impl Cache {
             slot_bytes,
             quota,
             slots: (0..n)
-                .map(|_| Slot { key: None, state: SlotState::Free, pins: 0, prefetched_unused: false, prio: None })
+                .map(|_| Slot {
+                    key: None,
+                    state: SlotState::Free,
+                    pins: 0,
+                    prefetched_unused: false,
+                    prio: None,
+                    quiet_prio: None,
+                })
                 .collect(),
             map: HashMap::new(),
             per_layer: Vec::new(),
@@ -220,7 +230,7 @@ impl Cache {
 
     fn make_evictable(&mut self, s: usize) {
         let key = self.slots[s].key.expect("a ready slot has a key");
-        let p = self.priority(key);
+        let p = self.slots[s].quiet_prio.take().unwrap_or_else(|| self.priority(key));
         self.slots[s].prio = Some(p);
         self.evictable.insert((p, s));
     }
@@ -244,6 +254,7 @@ impl Cache {
             self.counters.hits += 1;
             let slot = &mut self.slots[s];
             slot.pins += 1;
+            slot.quiet_prio = None;
             let ready = slot.state == SlotState::Ready;
             self.not_evictable(s);
             return if ready { Lookup::Ready(Pin(s)) } else { Lookup::Loading(Pin(s)) };
@@ -254,6 +265,24 @@ impl Cache {
         self.occupy(s, key, false);
         self.slots[s].pins = 1;
         Lookup::Reserved(Pin(s))
+    }
+
+    /// Pins `key` if it is resident and ready, as if nobody had asked: no counter moves, and
+    /// when the last pin goes the slot gets back the eviction priority it had (unless a demand
+    /// touched it meanwhile). For passes that use what the cache holds without being part of
+    /// its workload (drafting from the resident experts).
+    pub fn pin_ready(&mut self, key: Key) -> Option<Pin> {
+        let s = *self.map.get(&key)?;
+        if self.slots[s].state != SlotState::Ready {
+            return None;
+        }
+        if self.slots[s].pins == 0 {
+            let p = self.slots[s].prio;
+            self.not_evictable(s);
+            self.slots[s].quiet_prio = p;
+        }
+        self.slots[s].pins += 1;
+        Some(Pin(s))
     }
 
     /// Reserves a slot for reading `key` ahead of demand, unpinned (a `Loading` slot is never
@@ -397,7 +426,14 @@ impl Cache {
         }
         while self.slots.len() < target {
             self.free.push(self.slots.len());
-            self.slots.push(Slot { key: None, state: SlotState::Free, pins: 0, prefetched_unused: false, prio: None });
+            self.slots.push(Slot {
+                key: None,
+                state: SlotState::Free,
+                pins: 0,
+                prefetched_unused: false,
+                prio: None,
+                quiet_prio: None,
+            });
         }
         self.quota = self.slots.len() * self.slot_bytes;
         self.aging_period = (self.slots.len() as u64 * 8).max(64);
@@ -457,6 +493,39 @@ mod tests {
     fn quota_smaller_than_a_slot_is_refused() {
         assert!(Cache::new(100, 200, Policy::Lru).is_err());
         assert_eq!(Cache::new(450, 200, Policy::Lru).unwrap().capacity_slots(), 2);
+    }
+
+    #[test]
+    fn a_quiet_pin_moves_no_counter_and_keeps_the_eviction_order() {
+        for policy in [Policy::Lru, Policy::LfuAging] {
+            let mut c = Cache::new(3 * 10, 10, policy).unwrap();
+            for e in 0..3 {
+                let p = get(&mut c, (0, e));
+                c.unpin(p);
+            }
+            let before = c.counters.clone();
+            // Expert 0 is the victim; pinning it quietly (twice, as two layers' passes might)
+            // neither counts nor refreshes it.
+            let (a, b) = (c.pin_ready((0, 0)).unwrap(), c.pin_ready((0, 0)).unwrap());
+            assert!(c.pin_ready((0, 7)).is_none(), "not resident: nothing to pin");
+            c.unpin(a);
+            c.unpin(b);
+            c.check();
+            assert_eq!(c.counters, before, "{policy:?}");
+            let p = get(&mut c, (0, 3));
+            c.unpin(p);
+            assert!(c.slot_of((0, 0)).is_none(), "{policy:?}: expert 0 should have been evicted first");
+            // While quietly pinned it is not evictable; a demand touch meanwhile counts.
+            let q = c.pin_ready((0, 1)).unwrap();
+            let p = get(&mut c, (0, 1));
+            c.unpin(q);
+            c.unpin(p);
+            let p = get(&mut c, (0, 4));
+            c.unpin(p);
+            assert!(c.slot_of((0, 1)).is_some(), "{policy:?}: the demand touched expert 1, so 2 goes");
+            assert!(c.slot_of((0, 2)).is_none(), "{policy:?}");
+            c.check();
+        }
     }
 
     #[test]

@@ -554,6 +554,8 @@ struct StreamFetch<'s> {
     layer: u32,
     experts: Vec<u32>,
     items: Vec<Item>,
+    /// Indices of requested experts that will not be handed out (`fetch_resident`).
+    missing: Vec<usize>,
 }
 
 impl StreamFetch<'_> {
@@ -602,7 +604,15 @@ impl<'s> ExpertFetch<'s> for StreamFetch<'s> {
     /// Every requested expert pinned and resident: `next` will hand each out without waiting.
     fn all_resident(&self) -> bool {
         let b = self.src.book();
-        self.items.iter().all(|i| matches!(i, Item::Pinned(p) if b.cache.state(p.slot()) == SlotState::Ready))
+        self.items.iter().all(|i| match i {
+            Item::Pinned(p) => b.cache.state(p.slot()) == SlotState::Ready,
+            Item::NoSlot => false,
+            Item::Done => true,
+        })
+    }
+
+    fn missing(&self) -> &[usize] {
+        &self.missing
     }
 
     fn next(&mut self) -> Option<sluice_model::Result<(usize, Box<dyn ExpertView + 's>)>> {
@@ -701,10 +711,41 @@ impl ExpertSource for StreamingExperts {
             layer: layer as u32,
             experts: experts.to_vec(),
             items: Vec::with_capacity(experts.len()),
+            missing: Vec::new(),
         };
         fetch.items.extend(experts.iter().map(|_| Item::NoSlot));
         fetch.retry_reservations(&mut b);
         self.try_pump(&mut b);
+        drop(b);
+        Ok(Box::new(fetch))
+    }
+
+    fn fetch_resident<'s>(
+        &'s self,
+        layer: usize,
+        experts: &[u32],
+    ) -> sluice_model::Result<Box<dyn ExpertFetch<'s> + 's>> {
+        if let Some(e) = experts.iter().find(|e| self.layout.experts.get(layer).is_none_or(|l| **e as usize >= l.len()))
+        {
+            return Err(ModelError::Expert(format!("expert {e} out of range in layer {layer}")));
+        }
+        let mut b = self.book();
+        let mut fetch = StreamFetch {
+            src: self,
+            layer: layer as u32,
+            experts: experts.to_vec(),
+            items: Vec::with_capacity(experts.len()),
+            missing: Vec::new(),
+        };
+        for (i, &e) in experts.iter().enumerate() {
+            match b.cache.pin_ready((layer as u32, e)) {
+                Some(p) => fetch.items.push(Item::Pinned(p)),
+                None => {
+                    fetch.items.push(Item::Done);
+                    fetch.missing.push(i);
+                }
+            }
+        }
         drop(b);
         Ok(Box::new(fetch))
     }

@@ -34,6 +34,12 @@ pub trait ExpertFetch<'s> {
     fn all_resident(&self) -> bool {
         false
     }
+
+    /// Indices of requested experts this fetch will never hand out (only `fetch_resident`
+    /// leaves any out: those that were not resident).
+    fn missing(&self) -> &[usize] {
+        &[]
+    }
 }
 
 /// Counters an expert source keeps (zero for a resident source).
@@ -171,6 +177,15 @@ impl ExpertStats {
 pub trait ExpertSource: Send + Sync {
     /// Starts making `experts` of `layer` resident.
     fn fetch<'s>(&'s self, layer: usize, experts: &[u32]) -> Result<Box<dyn ExpertFetch<'s> + 's>>;
+
+    /// Those of `experts` that are resident now, pinned and handed out as `fetch` would,
+    /// reading nothing and leaving the counters and the eviction order as they were; the
+    /// others are named by the fetch's `missing`. For a pass that must cost no IO and leave
+    /// the cache as it found it (drafting from the resident experts). The default is `fetch`:
+    /// right for a source that holds every expert.
+    fn fetch_resident<'s>(&'s self, layer: usize, experts: &[u32]) -> Result<Box<dyn ExpertFetch<'s> + 's>> {
+        self.fetch(layer, experts)
+    }
 
     /// Whether a `prefetch` hint for `layer` could do anything (the model skips predicting
     /// otherwise): false when prefetch is off, or when every expert of `layer` is already
@@ -326,5 +341,83 @@ impl ExpertSource for ResidentExperts {
 
     fn describe(&self) -> String {
         format!("resident experts ({:.1} MiB)", self.bytes as f64 / (1 << 20) as f64)
+    }
+}
+
+/// What a source holds now, and nothing more: the view a draft pass runs through, so that
+/// drafting from the target model itself reads nothing and leaves the cache as it was. The
+/// router still scores every expert; the MoE block runs the chosen experts that are resident,
+/// their weights scaled to keep each token's sum (see `ffn::moe`), and hands the ones left
+/// out to `prefetch`, which, when `guide` is on, asks the real source to read them: the pass
+/// that verifies the draft is likely to want them.
+pub struct CachedOnly<'a> {
+    inner: &'a dyn ExpertSource,
+    guide: bool,
+    counts: std::sync::Mutex<CachedOnlyCounts>,
+}
+
+/// What passes through a `CachedOnly` did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CachedOnlyCounts {
+    /// Chosen experts run (resident).
+    pub used: u64,
+    /// Chosen experts left out (not resident).
+    pub left_out: u64,
+    /// (layer, expert) hinted to the real source's prefetch, in order (`guide` on).
+    pub hinted: Vec<(u32, u32)>,
+}
+
+impl<'a> CachedOnly<'a> {
+    pub fn new(inner: &'a dyn ExpertSource, guide: bool) -> CachedOnly<'a> {
+        CachedOnly { inner, guide, counts: Default::default() }
+    }
+
+    /// The counts so far, and starts over.
+    pub fn take_counts(&self) -> CachedOnlyCounts {
+        std::mem::take(&mut *self.counts.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+}
+
+impl ExpertSource for CachedOnly<'_> {
+    fn fetch<'s>(&'s self, layer: usize, experts: &[u32]) -> Result<Box<dyn ExpertFetch<'s> + 's>> {
+        let f = self.inner.fetch_resident(layer, experts)?;
+        let mut c = self.counts.lock().unwrap_or_else(|e| e.into_inner());
+        c.left_out += f.missing().len() as u64;
+        c.used += (experts.len() - f.missing().len()) as u64;
+        Ok(f)
+    }
+
+    fn fetch_resident<'s>(&'s self, layer: usize, experts: &[u32]) -> Result<Box<dyn ExpertFetch<'s> + 's>> {
+        self.fetch(layer, experts)
+    }
+
+    /// Never: a draft's hidden states are not the verify pass's, so the layer-ahead
+    /// prediction from them is left to the verify pass itself.
+    fn wants_prefetch(&self, _layer: usize) -> bool {
+        false
+    }
+
+    fn prefetch(&self, layer: usize, experts: &[u32]) {
+        if self.guide && !experts.is_empty() {
+            self.inner.prefetch(layer, experts);
+            let mut c = self.counts.lock().unwrap_or_else(|e| e.into_inner());
+            c.hinted.extend(experts.iter().map(|e| (layer as u32, *e)));
+        }
+    }
+
+    fn resident_bytes(&self) -> usize {
+        self.inner.resident_bytes()
+    }
+
+    fn expert_bytes(&self) -> usize {
+        self.inner.expert_bytes()
+    }
+
+    fn describe(&self) -> String {
+        format!("the resident experts of {}", self.inner.describe())
+    }
+
+    fn stats(&self) -> ExpertStats {
+        self.inner.stats()
     }
 }

@@ -216,6 +216,30 @@ impl Model {
     pub fn forward_batch(
         &self,
         items: &mut [BatchItem<'_>],
+        obs: Option<&mut dyn Observer>,
+    ) -> Result<Vec<(Vec<f32>, Vec<f32>)>> {
+        self.forward_batch_via(&*self.experts, items, obs)
+    }
+
+    /// `forward` with the routed experts served by `experts` instead of the model's own
+    /// source: a view of it such as `CachedOnly` (drafting from the resident experts), which
+    /// may change the output — the model's own source never does.
+    pub fn forward_via(
+        &self,
+        experts: &dyn ExpertSource,
+        kv: &mut SeqState,
+        tokens: &[u32],
+        want: Logits,
+    ) -> Result<Vec<f32>> {
+        let mut items = [BatchItem { state: kv, tokens, want }];
+        let mut out = self.forward_batch_via(experts, &mut items, None)?;
+        Ok(out.pop().expect("one item").0)
+    }
+
+    fn forward_batch_via(
+        &self,
+        experts: &dyn ExpertSource,
+        items: &mut [BatchItem<'_>],
         mut obs: Option<&mut dyn Observer>,
     ) -> Result<Vec<(Vec<f32>, Vec<f32>)>> {
         if items.is_empty() {
@@ -234,7 +258,7 @@ impl Model {
             }
             self.check_tokens(it.tokens)?;
         }
-        let r = self.forward_layers(items, &mut obs);
+        let r = self.forward_layers(experts, items, &mut obs);
         for it in items.iter_mut() {
             match &r {
                 Ok(_) => it.state.commit(it.tokens.len()),
@@ -256,6 +280,7 @@ impl Model {
 
     fn forward_layers(
         &self,
+        experts: &dyn ExpertSource,
         items: &mut [BatchItem<'_>],
         obs: &mut Option<&mut dyn Observer>,
     ) -> Result<Vec<(Vec<f32>, Vec<f32>)>> {
@@ -284,7 +309,7 @@ impl Model {
         }
         let mut scratch = LayerScratch::new(n, hd);
         for (l, lw) in self.layers.iter().enumerate() {
-            lw.forward(self, l, &mut x, &mut segs, &positions, &*self.experts, &mut scratch, obs)?;
+            lw.forward(self, l, &mut x, &mut segs, &positions, experts, &mut scratch, obs)?;
         }
         let mut out = Vec::with_capacity(wants.len());
         let mut start = 0;

@@ -204,6 +204,91 @@ fn mtp_greedy_is_lossless() {
     }
 }
 
+/// Loads `path` streaming its experts through a cache of `slots` slots.
+fn engine_slots(path: &Path, slots: usize) -> Engine {
+    let experts = ExpertOptions {
+        mode: ExpertMode::Stream,
+        cache_bytes: Some((slots * slot_bytes(path)) as u64),
+        pressure: false,
+        ..Default::default()
+    };
+    Engine::load(path, EngineOptions { threads: 1, max_context: 256, experts, mtp: false }).unwrap()
+}
+
+#[test]
+fn self_speculation_greedy_is_lossless_for_every_state_kind() {
+    // Drafting through the resident experts only: attention, Gated DeltaNet (rewinds by
+    // snapshot), latent attention, sliding windows with sinks; the smallest cache (drafts
+    // run on almost no experts), a middling one, and every expert resident (the draft is
+    // then the model itself, so every drafted token is kept).
+    let n = 32;
+    for m in ["qwen3_moe", "qwen3_next", "deepseek_v3", "gguf/gpt_oss-bf16.gguf"] {
+        let path = golden(m);
+        let resident = engine(&path, false, false);
+        let prompt = repetitive_prompt(resident.model.cfg.vocab_size as u32);
+        let plain = plain_greedy(&resident, &prompt, n);
+        let so = SpecOptions { p_min: 0.0, ..fixed(4) };
+        let got = spec_greedy(&resident, &prompt, n, SpecMethod::Cached, None, &so);
+        assert_lossless(&format!("{m} self (resident)"), &plain, &got);
+        assert_eq!(
+            got.2.accepted, got.2.drafted,
+            "{m}: with every expert resident the draft is the model: {:?}",
+            got.2
+        );
+        assert_eq!(got.2.proposer["draft_experts_left_out"], 0, "{m}");
+        let moe = resident.model.cfg.moe.as_ref().unwrap();
+        let half = moe.n_expert * resident.model.cfg.n_layer / 2;
+        for slots in [1, half] {
+            let e = engine_slots(&path, slots);
+            for so in [SpecOptions { p_min: 0.0, ..fixed(4) }, SpecOptions::default()] {
+                let got = spec_greedy(&e, &prompt, n, SpecMethod::Cached, None, &so);
+                let what = format!("{m} self ({slots} slots, adaptive: {})", so.adaptive);
+                assert_lossless(&what, &plain, &got);
+                let r = &got.2.proposer;
+                if !so.adaptive {
+                    assert!(got.2.drafted > 0, "{what}: {:?}", got.2);
+                    assert!(r["draft_experts_left_out"].as_u64().unwrap() > 0, "{what}: {r}");
+                    assert!(r["guided_prefetch"]["hinted"].as_u64().unwrap() > 0, "{what}: {r}");
+                    if slots > 1 {
+                        assert!(r["draft_experts_run"].as_u64().unwrap() > 0, "{what}: {r}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn drafting_from_the_cache_reads_nothing_and_leaves_the_cache_as_it_was() {
+    use sluice_model::expert::CachedOnly;
+    let path = golden("qwen3_moe");
+    let e = engine_slots(&path, 6);
+    let s = e.streaming.as_ref().unwrap();
+    let mut kv = e.new_state();
+    e.model.forward(&mut kv, &[5, 9, 13, 17], Logits::None, None).unwrap();
+    let (stats, held) = (e.model.experts.stats(), s.resident_experts());
+    let view = CachedOnly::new(&*e.model.experts, false);
+    let mut dkv = e.new_state();
+    for t in [3u32, 8, 21, 2, 30] {
+        e.model.forward_via(&view, &mut dkv, &[t], Logits::Last).unwrap();
+    }
+    let c = view.take_counts();
+    assert!(c.used > 0 && c.left_out > 0, "{c:?}");
+    assert!(c.hinted.is_empty());
+    let after = e.model.experts.stats();
+    assert_eq!((after.hits, after.misses, after.bytes_read), (stats.hits, stats.misses, stats.bytes_read));
+    assert_eq!(s.resident_experts(), held, "drafting changed what the cache holds");
+    s.check();
+    // Guided: the left-out experts go to the prefetcher (reads, but no demand misses).
+    let view = CachedOnly::new(&*e.model.experts, true);
+    e.model.forward_via(&view, &mut dkv, &[4], Logits::Last).unwrap();
+    let c = view.take_counts();
+    assert!(!c.hinted.is_empty(), "{c:?}");
+    let later = e.model.experts.stats();
+    assert_eq!(later.misses, stats.misses);
+    assert!(later.prefetch_issued > stats.prefetch_issued, "{later:?}");
+}
+
 /// Joint counts of the first two generated tokens over `n` seeds.
 fn joint(n: u64, mut run: impl FnMut(u64) -> Vec<u32>) -> HashMap<(u32, u32), u64> {
     let mut h = HashMap::new();
@@ -361,11 +446,13 @@ fn bad_settings_are_refused_with_reasons() {
     assert!(err.contains("--draft-max"), "{err}");
     let so = SpecOptions { draft_min: 9, draft_max: 4, ..Default::default() };
     assert!(so.validate().unwrap_err().contains("--draft-min"));
-    // Draft without a model; self-speculation.
+    // Draft without a model; self-speculation without experts.
     let err = spec::proposer(SpecMethod::Draft, &e, None, &opts, &SpecOptions::default()).err().unwrap().to_string();
     assert!(err.contains("--draft-model"), "{err}");
-    assert!(SpecMethod::parse("self").unwrap_err().contains("not implemented"));
-    assert!(SpecMethod::parse("bogus").unwrap_err().contains("ngram, draft, mtp"));
+    let err = spec::proposer(SpecMethod::Cached, &e, None, &opts, &SpecOptions::default()).err().unwrap().to_string();
+    assert!(err.contains("no routed experts"), "{err}");
+    assert_eq!(SpecMethod::parse("self"), Ok(SpecMethod::Cached));
+    assert!(SpecMethod::parse("bogus").unwrap_err().contains("ngram, draft, mtp, self"));
 }
 
 /// A synthetic model with a vocabulary of the goldens' size but other tokens.

@@ -172,10 +172,17 @@ pub fn moe_ffn(
 
     let mut y = vec![0f32; n * k * hd]; // (n·k, hidden) one output row per (token, rank)
     let mut fetch = experts.fetch(l, &wanted)?;
+    if !fetch.missing().is_empty() {
+        // A source that serves only what it holds (drafting): the chosen experts it left
+        // out are hinted to it, and each token's weights go to the experts it has.
+        let missing: Vec<u32> = fetch.missing().iter().map(|&i| wanted[i]).collect();
+        experts.prefetch(l, &missing);
+        reweigh_without(&chosen, &mut weights, k, &missing);
+    }
     // This layer's misses are on their way; now ask for the next sparse layer's likely
     // experts, so their reads queue behind them and overlap this layer's compute: the next
     // router applied to this layer's input predicts them.
-    prefetch_next(m, l, x, n);
+    prefetch_next(m, experts, l, x, n);
     if w.biases.is_none() && fetch.all_resident() {
         let mut views = Vec::with_capacity(wanted.len());
         while let Some(r) = fetch.next() {
@@ -235,6 +242,25 @@ pub fn moe_ffn(
         }
     }
     Ok(())
+}
+
+/// Drops the experts `missing` (sorted) from each token's choice (`chosen`, `weights`: n × k):
+/// their weights become zero and the others are scaled so that the token's weights keep their
+/// sum (a token left with none contributes nothing).
+fn reweigh_without(chosen: &[u32], weights: &mut [f32], k: usize, missing: &[u32]) {
+    for (c, w) in chosen.chunks_exact(k).zip(weights.chunks_exact_mut(k)) {
+        let all: f32 = w.iter().sum();
+        let mut kept = 0f32;
+        for (e, wi) in c.iter().zip(w.iter_mut()) {
+            if missing.binary_search(e).is_ok() {
+                *wi = 0.0;
+            } else {
+                kept += *wi;
+            }
+        }
+        let scale = if kept != 0.0 { all / kept } else { 0.0 };
+        w.iter_mut().for_each(|wi| *wi *= scale);
+    }
 }
 
 /// Into `xe`, in order, the rows of `x` (`hd` wide) of the tokens behind (token, rank) slots
@@ -376,12 +402,12 @@ fn router_logits(m: &Model, w: &MoeWeights, x: &[f32], n: usize) -> Vec<f32> {
 
 /// Predicts the experts of the next sparse layer after `l` from `x` (this layer's normed
 /// FFN input) and hands them to the expert source as a prefetch hint.
-fn prefetch_next(m: &Model, l: usize, x: &[f32], n: usize) {
+fn prefetch_next(m: &Model, experts: &dyn ExpertSource, l: usize, x: &[f32], n: usize) {
     if l >= m.cfg.n_layer {
         return; // the multi-token-prediction layer: nothing follows it
     }
     let Some(next) = (l + 1..m.cfg.n_layer).find(|&j| m.cfg.is_sparse(j)) else { return };
-    if !m.experts.wants_prefetch(next) {
+    if !experts.wants_prefetch(next) {
         return;
     }
     let FfnWeights::Moe(w) = &m.layers[next].ffn else { return };
@@ -396,6 +422,6 @@ fn prefetch_next(m: &Model, l: usize, x: &[f32], n: usize) {
             want[*e as usize] = true;
         }
     }
-    let experts: Vec<u32> = (0..ne as u32).filter(|e| want[*e as usize]).collect();
-    m.experts.prefetch(next, &experts);
+    let want_ids: Vec<u32> = (0..ne as u32).filter(|e| want[*e as usize]).collect();
+    experts.prefetch(next, &want_ids);
 }

@@ -26,10 +26,12 @@
 //! speculated like the others.
 //!
 //! Proposers, one per file: n-gram lookup over the text so far (`ngram.rs`), a smaller draft
-//! model (`draft.rs`), the checkpoint's multi-token-prediction head (`mtp.rs`). How many
-//! tokens to draft each round is chosen in `adapt.rs`.
+//! model (`draft.rs`), the checkpoint's multi-token-prediction head (`mtp.rs`), the target
+//! itself through the experts its cache holds (`cached.rs`). How many tokens to draft each
+//! round is chosen in `adapt.rs`.
 
 pub mod adapt;
+pub mod cached;
 pub mod draft;
 pub mod mtp;
 pub mod ngram;
@@ -40,7 +42,7 @@ use crate::error::{Result, RuntimeError};
 use crate::generate::{GenerateOptions, Generation, StopReason};
 use crate::sampler::{Candidates, Sampler};
 use sluice_model::{Logits, SeqState};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::time::Instant;
 pub use verify::Acceptance;
 
@@ -50,6 +52,9 @@ pub enum SpecMethod {
     Ngram,
     Draft,
     Mtp,
+    /// The target model itself, each routed layer using only the experts resident in its
+    /// cache (`--spec self`).
+    Cached,
 }
 
 impl SpecMethod {
@@ -58,8 +63,8 @@ impl SpecMethod {
             "ngram" | "lookup" => Ok(SpecMethod::Ngram),
             "draft" => Ok(SpecMethod::Draft),
             "mtp" => Ok(SpecMethod::Mtp),
-            "self" => Err("--spec self (drafting with the experts already in the cache) is not implemented; use ngram, draft or mtp".into()),
-            o => Err(format!("unknown --spec `{o}` (ngram, draft, mtp)")),
+            "self" => Ok(SpecMethod::Cached),
+            o => Err(format!("unknown --spec `{o}` (ngram, draft, mtp, self)")),
         }
     }
 
@@ -68,6 +73,7 @@ impl SpecMethod {
             SpecMethod::Ngram => "ngram",
             SpecMethod::Draft => "draft",
             SpecMethod::Mtp => "mtp",
+            SpecMethod::Cached => "self",
         }
     }
 }
@@ -88,6 +94,8 @@ pub struct SpecOptions {
     pub ngram_max: usize,
     /// The draft model's (or head's) sampling temperature, if not the target's.
     pub draft_temperature: Option<f32>,
+    /// `--spec self`: hand the experts a draft chose but did not have to the prefetcher.
+    pub guide_prefetch: bool,
     #[doc(hidden)]
     pub acceptance: Acceptance,
 }
@@ -102,6 +110,7 @@ impl Default for SpecOptions {
             ngram_min: 2,
             ngram_max: 4,
             draft_temperature: None,
+            guide_prefetch: true,
             acceptance: Acceptance::Exact,
         }
     }
@@ -179,6 +188,26 @@ pub trait Proposer {
     /// the last).
     fn propose(&mut self, context: &[u32], k: usize, out: &mut Draft) -> Result<()>;
 
+    /// `propose`, given the target's state (which holds every token of `context` but the
+    /// last): a proposer that drafts with the target model itself may run positions on it,
+    /// and must leave it as it found it. The default ignores it.
+    fn propose_on(&mut self, _kv: &mut SeqState, context: &[u32], k: usize, out: &mut Draft) -> Result<()> {
+        self.propose(context, k, out)
+    }
+
+    /// Whether it wants to see which experts each verify pass routed to (`verified`).
+    fn wants_routes(&self) -> bool {
+        false
+    }
+
+    /// The (layer, expert) pairs the last verify pass routed to.
+    fn verified(&mut self, _used: &HashSet<(u32, u32)>) {}
+
+    /// What it has to say about itself for `--stats`.
+    fn report(&self) -> Option<serde_json::Value> {
+        None
+    }
+
     /// The target kept `kept` tokens of the last proposal (none if there was none) and drew
     /// one of its own after them. `hidden`: the target's hidden rows of the `1 + kept`
     /// positions it ran and kept, when `wants_hidden`.
@@ -213,6 +242,9 @@ pub struct SpecStats {
     pub verify_misses: u64,
     /// The adaptive controller's estimates at the end.
     pub estimates: serde_json::Value,
+    /// The proposer's own report, if it has one (`--spec self`: the experts its drafts ran
+    /// and left out, and the precision of its prefetch hints).
+    pub proposer: serde_json::Value,
 }
 
 impl SpecStats {
@@ -272,6 +304,9 @@ impl SpecStats {
         v["verify_s"] = self.verify_secs.into();
         v["verify_misses"] = self.verify_misses.into();
         v["estimates"] = self.estimates.clone();
+        if !self.proposer.is_null() {
+            v["proposer"] = self.proposer.clone();
+        }
         v
     }
 
@@ -301,6 +336,14 @@ impl SpecStats {
         if !self.stops.is_empty() {
             s.push_str(&format!("\n  drafts cut short: {}", list(&self.stops)));
         }
+        if let Some(g) = self.proposer.get("guided_prefetch") {
+            let run = self.proposer["draft_experts_run"].as_u64().unwrap_or(0);
+            let out = self.proposer["draft_experts_left_out"].as_u64().unwrap_or(0);
+            s.push_str(&format!(
+                "\n  drafts ran {run} resident experts and left out {out}; {} left-out experts hinted to the prefetcher, {} of them used by the verify pass",
+                g["hinted"], g["used_by_verify"]
+            ));
+        }
         if self.verify_misses > 0 {
             s.push_str(&format!(
                 "\n  expert misses in verify passes: {:.1} per pass",
@@ -327,6 +370,7 @@ pub fn proposer<'a>(
             Box::new(draft::DraftModel::new(d, target, &opts.sampler, spec)?)
         }
         SpecMethod::Mtp => Box::new(mtp::MtpProposer::new(target, &opts.sampler, spec)?),
+        SpecMethod::Cached => Box::new(cached::CachedDraft::new(target, &opts.sampler, spec, spec.guide_prefetch)?),
     })
 }
 
@@ -389,7 +433,7 @@ pub fn generate_spec(
         draft.drafting_secs = None;
         let td = Instant::now();
         if k > 0 {
-            proposer.propose(&ctx, k, &mut draft)?;
+            proposer.propose_on(kv, &ctx, k, &mut draft)?;
             draft.truncate(k);
             if draft.tokens.len() < spec.draft_min.min(k) {
                 draft.stop.get_or_insert("shorter than --draft-min");
@@ -410,7 +454,13 @@ pub fn generate_spec(
         let mut batch = Vec::with_capacity(kd + 1);
         batch.push(*ctx.last().expect("the context holds the prompt"));
         batch.extend_from_slice(&draft.tokens);
-        let (rows, hidden) = model.forward_hidden(kv, &batch, Logits::All, None)?;
+        let mut routes = RouteSet::default();
+        let obs: Option<&mut dyn sluice_model::trace::Observer> =
+            if proposer.wants_routes() { Some(&mut routes) } else { None };
+        let (rows, hidden) = model.forward_hidden(kv, &batch, Logits::All, obs)?;
+        if proposer.wants_routes() {
+            proposer.verified(&routes.0);
+        }
         let mut out: Vec<(u32, usize)> = Vec::with_capacity(kd + 1);
         for i in 0..=kd {
             let p = sampler.candidates(&rows[i * vocab..(i + 1) * vocab]);
@@ -463,6 +513,7 @@ pub fn generate_spec(
         }
     }
     stats.estimates = adapt.summary();
+    stats.proposer = proposer.report().unwrap_or_default();
     let g = Generation {
         tokens,
         stop,
@@ -472,4 +523,14 @@ pub fn generate_spec(
         decode_secs: t1.elapsed().as_secs_f64(),
     };
     Ok((g, stats))
+}
+
+/// The (layer, expert) pairs a pass routed to.
+#[derive(Default)]
+struct RouteSet(HashSet<(u32, u32)>);
+
+impl sluice_model::trace::Observer for RouteSet {
+    fn routing(&mut self, layer: usize, _pos: usize, experts: &[u32], _weights: &[f32]) {
+        self.0.extend(experts.iter().map(|e| (layer as u32, *e)));
+    }
 }
