@@ -35,6 +35,31 @@ pub fn main(a: Args) -> Result<()> {
     model.ctx = model.ctx.max(chunk);
     let engine = model.load()?;
     let tokens = engine.encode(&text)?;
+    if engine.pinned.is_some() {
+        // Lossy routing: score with and without it, and compare the distributions.
+        let c = sluice_runtime::pinning::routing_cost(&engine, &tokens, chunk, a.chunks, a.batch)?;
+        if a.json {
+            let mut v = serde_json::to_value(&c)?;
+            v["ppl"] = c.ppl_pinned.into();
+            v["tokens"] = tokens.len().into();
+            v["pinned_routing"] = serde_json::to_value(&engine.pin_report)?;
+            println!("{v}");
+        } else {
+            println!(
+                "{} tokens, {} chunks of {}: PPL = {:.4} with pinned routing (LOSSY), {:.4} exact; KL(exact || pinned) = {:.5} nats per token (max {:.4}), same top token at {:.1}% of positions  ({:.1} s)",
+                tokens.len(),
+                c.chunks,
+                c.ctx,
+                c.ppl_pinned,
+                c.ppl_exact,
+                c.kl_mean,
+                c.kl_max,
+                100.0 * c.top1_agreement,
+                c.seconds
+            );
+        }
+        return Ok(());
+    }
     let r = perplexity(&engine, &tokens, chunk, a.chunks, a.batch)?;
     if a.json {
         println!(

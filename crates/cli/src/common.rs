@@ -54,6 +54,15 @@ pub struct ModelArgs {
     /// `run --trace` on a similar task) used most. Changes timing, never output.
     #[arg(long, value_name = "TRACE")]
     pub prewarm: Option<PathBuf>,
+    /// LOSSY, opt-in: each routed layer may choose only among the N experts of that layer the
+    /// --pin-trace trace used most (the top k is taken over them, as if the others were pruned);
+    /// they are loaded first, so a cache that holds them reads nothing while decoding. The
+    /// output is no longer the model's: `sluice perplexity` with the same flags says by how much.
+    #[arg(long, value_name = "N", requires = "pin_trace")]
+    pub pin_experts: Option<usize>,
+    /// The routing trace (`run --trace`) --pin-experts chooses from.
+    #[arg(long, value_name = "TRACE", requires = "pin_experts")]
+    pub pin_trace: Option<PathBuf>,
     #[command(flatten)]
     pub remote: RemoteArgs,
 }
@@ -383,6 +392,20 @@ impl ModelArgs {
         if e.model.cfg.is_moe() {
             eprintln!("sluice: {}", e.placement);
         }
+        if let (Some(n), Some(t)) = (self.pin_experts, &self.pin_trace) {
+            let p = sluice_runtime::pinning::pin(&mut e, t, n)
+                .with_context(|| format!("--pin-experts {n} --pin-trace {}", t.display()))?;
+            eprintln!(
+                "sluice: LOSSY: --pin-experts {n}: each routed layer chooses among {n} of its {} experts only (the ones {} used most: {:.0}% of its routing decisions); output differs from the model's{}",
+                p.n_expert,
+                t.display(),
+                100.0 * p.trace_coverage,
+                match p.resident {
+                    Some(r) => format!("; {r} pinned experts loaded ({:.1} MB)", p.bytes_read as f64 / 1e6),
+                    None => String::new(),
+                }
+            );
+        }
         if let Some(t) = &self.prewarm {
             match sluice_runtime::prewarm::prewarm(&mut e, t).with_context(|| format!("--prewarm {}", t.display()))? {
                 Some(p) => eprintln!(
@@ -433,6 +456,9 @@ pub fn parse_tokens(s: &str) -> Result<Vec<u32>> {
 pub fn expert_stats_json(e: &Engine, tokens: usize) -> serde_json::Value {
     let mut v = stats_json(&e.expert_stats(), &e.placement, tokens);
     v["prewarm"] = serde_json::to_value(&e.prewarmed).unwrap_or_default();
+    if let Some(p) = &e.pin_report {
+        v["pinned_routing"] = serde_json::to_value(p).unwrap_or_default();
+    }
     v["routing_note"] = e.routing_note().map_or(serde_json::Value::Null, Into::into);
     v
 }

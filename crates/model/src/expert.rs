@@ -187,6 +187,12 @@ pub trait ExpertSource: Send + Sync {
         self.fetch(layer, experts)
     }
 
+    /// The experts `layer`'s router may choose, where this source restricts routing (pinned
+    /// routing, lossy); `None`: any, as the model says.
+    fn route_mask(&self, _layer: usize) -> Option<&[bool]> {
+        None
+    }
+
     /// Whether a `prefetch` hint for `layer` could do anything (the model skips predicting
     /// otherwise): false when prefetch is off, or when every expert of `layer` is already
     /// resident or on its way.
@@ -389,6 +395,10 @@ impl ExpertSource for CachedOnly<'_> {
 
     fn fetch_resident<'s>(&'s self, layer: usize, experts: &[u32]) -> Result<Box<dyn ExpertFetch<'s> + 's>> {
         self.fetch(layer, experts)
+    }
+
+    fn route_mask(&self, layer: usize) -> Option<&[bool]> {
+        self.inner.route_mask(layer)
     }
 
     /// Never: a draft's hidden states are not the verify pass's, so the layer-ahead

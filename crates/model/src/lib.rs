@@ -12,6 +12,7 @@ pub mod hf;
 pub mod mixer;
 pub mod model;
 pub mod mtp;
+pub mod pinned;
 pub mod rope;
 pub mod state;
 pub mod synth;

@@ -51,6 +51,9 @@ pub struct Engine {
     pub synthetic_routing: Option<String>,
     /// What `--prewarm` did, if it ran; the expert counters it moved are set aside.
     pub prewarmed: Option<crate::prewarm::Prewarmed>,
+    /// Pinned routing (`--pin-experts`, lossy), when on: the switch, and what it chose.
+    pub pinned: Option<Arc<sluice_model::pinned::PinnedRouting>>,
+    pub pin_report: Option<crate::pinning::Pinned>,
     stats_base: sluice_model::expert::ExpertStats,
     /// The model's chat template, or why there is none.
     chat_template: std::result::Result<ChatTemplate, String>,
@@ -232,6 +235,8 @@ impl Engine {
             streaming,
             synthetic_routing,
             prewarmed: None,
+            pinned: None,
+            pin_report: None,
             stats_base: Default::default(),
             chat_template,
             _monitor: monitor,

@@ -8,6 +8,7 @@ pub mod error;
 pub mod fit;
 pub mod generate;
 pub mod perplexity;
+pub mod pinning;
 pub mod placement;
 pub mod prewarm;
 pub mod sampler;

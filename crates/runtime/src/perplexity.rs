@@ -5,7 +5,7 @@
 
 use crate::engine::Engine;
 use crate::error::{Result, RuntimeError};
-use sluice_model::Logits;
+use sluice_model::{Logits, SeqState};
 
 #[derive(Clone, Debug)]
 pub struct PerplexityResult {
@@ -25,6 +25,70 @@ pub fn log_prob(logits: &[f32], target: u32) -> f64 {
     logits[target as usize] as f64 - max - sum.ln()
 }
 
+/// How a text is cut into scored chunks.
+pub(crate) struct Chunks<'a> {
+    tokens: &'a [u32],
+    ctx: usize,
+    bos: Option<u32>,
+    /// Chunks scored.
+    pub n: usize,
+    /// The first position of a chunk whose prediction is scored.
+    pub first: usize,
+}
+
+impl<'a> Chunks<'a> {
+    pub fn new(engine: &Engine, tokens: &'a [u32], ctx: usize, max_chunks: usize) -> Result<Chunks<'a>> {
+        if ctx < 4 {
+            return Err(RuntimeError::Input(format!("context {ctx} is too small for perplexity (at least 4)")));
+        }
+        let mut n = tokens.len() / ctx;
+        if max_chunks > 0 {
+            n = n.min(max_chunks);
+        }
+        if n == 0 {
+            return Err(RuntimeError::Input(format!(
+                "the text has {} tokens, fewer than one chunk of {ctx}",
+                tokens.len()
+            )));
+        }
+        let bos = if engine.add_bos() { engine.model.cfg.bos_token } else { None };
+        Ok(Chunks { tokens, ctx, bos, n, first: ctx / 2 })
+    }
+
+    /// Chunk `c` as the model runs it.
+    pub fn tokens(&self, c: usize) -> Vec<u32> {
+        let mut chunk = self.tokens[c * self.ctx..(c + 1) * self.ctx].to_vec();
+        if let Some(b) = self.bos {
+            chunk[0] = b;
+        }
+        chunk
+    }
+
+    /// The token that follows position `j` of chunk `c` in the text.
+    pub fn next_token(&self, c: usize, j: usize) -> u32 {
+        self.tokens[c * self.ctx + j + 1]
+    }
+}
+
+/// Runs `chunk` from an empty state and returns the logits of its rows from `first` on.
+pub(crate) fn chunk_logits(
+    engine: &Engine,
+    kv: &mut SeqState,
+    chunk: &[u32],
+    first: usize,
+    batch: usize,
+) -> Result<Vec<f32>> {
+    kv.reset();
+    let vocab = engine.model.cfg.vocab_size;
+    let mut logits = Vec::with_capacity((chunk.len() - first) * vocab);
+    let batch = batch.max(1);
+    for (i, part) in chunk.chunks(batch).enumerate() {
+        let from = first.saturating_sub(i * batch);
+        logits.extend(engine.model.forward(kv, part, Logits::From(from), None)?);
+    }
+    Ok(logits)
+}
+
 /// Perplexity of `tokens` in chunks of `ctx`, at most `max_chunks` (0: all).
 pub fn perplexity(
     engine: &Engine,
@@ -33,42 +97,17 @@ pub fn perplexity(
     max_chunks: usize,
     batch: usize,
 ) -> Result<PerplexityResult> {
-    if ctx < 4 {
-        return Err(RuntimeError::Input(format!("context {ctx} is too small for perplexity (at least 4)")));
-    }
-    let mut n_chunk = tokens.len() / ctx;
-    if max_chunks > 0 {
-        n_chunk = n_chunk.min(max_chunks);
-    }
-    if n_chunk == 0 {
-        return Err(RuntimeError::Input(format!(
-            "the text has {} tokens, fewer than one chunk of {ctx}",
-            tokens.len()
-        )));
-    }
-    let bos = if engine.add_bos() { engine.model.cfg.bos_token } else { None };
+    let chunks = Chunks::new(engine, tokens, ctx, max_chunks)?;
     let vocab = engine.model.cfg.vocab_size;
-    let first = ctx / 2;
     let t0 = std::time::Instant::now();
     let (mut nll, mut nll2, mut count) = (0f64, 0f64, 0usize);
     let mut kv = engine.model.new_state(ctx);
-    for c in 0..n_chunk {
-        let mut chunk = tokens[c * ctx..(c + 1) * ctx].to_vec();
-        if let Some(b) = bos {
-            chunk[0] = b;
-        }
-        kv.reset();
+    for c in 0..chunks.n {
         // Only the scored half needs logits.
-        let mut logits = Vec::with_capacity((ctx - first) * vocab);
-        let batch = batch.max(1);
-        for (i, part) in chunk.chunks(batch).enumerate() {
-            let start = i * batch;
-            let from = first.saturating_sub(start);
-            logits.extend(engine.model.forward(&mut kv, part, Logits::From(from), None)?);
-        }
-        for j in first..ctx - 1 {
-            let row = j - first;
-            let lp = log_prob(&logits[row * vocab..(row + 1) * vocab], tokens[c * ctx + j + 1]);
+        let logits = chunk_logits(engine, &mut kv, &chunks.tokens(c), chunks.first, batch)?;
+        for j in chunks.first..ctx - 1 {
+            let row = j - chunks.first;
+            let lp = log_prob(&logits[row * vocab..(row + 1) * vocab], chunks.next_token(c, j));
             nll -= lp;
             nll2 += lp * lp;
             count += 1;
@@ -80,7 +119,7 @@ pub fn perplexity(
     Ok(PerplexityResult {
         ppl,
         ppl_err: ppl * (var / (count as f64 - 1.0).max(1.0)).sqrt(),
-        chunks: n_chunk,
+        chunks: chunks.n,
         ctx,
         tokens_scored: count,
         seconds: t0.elapsed().as_secs_f64(),

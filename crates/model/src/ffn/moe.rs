@@ -154,8 +154,9 @@ pub fn moe_ffn(
     let mut chosen = vec![0u32; n * k]; // (n, k) expert ids in rank order
     let mut weights = vec![0f32; n * k]; // (n, k)
     let (mut ex, mut wt) = (Vec::with_capacity(k), Vec::with_capacity(k));
+    let allowed = experts.route_mask(l);
     for t in 0..n {
-        route(moe.gating, &logits[t * ne..(t + 1) * ne], w.correction.as_deref(), k, &mut ex, &mut wt);
+        route(moe.gating, &logits[t * ne..(t + 1) * ne], w.correction.as_deref(), k, allowed, &mut ex, &mut wt);
         chosen[t * k..(t + 1) * k].copy_from_slice(&ex);
         weights[t * k..(t + 1) * k].copy_from_slice(&wt);
         if let Some(o) = obs.as_deref_mut() {
@@ -416,8 +417,17 @@ fn prefetch_next(m: &Model, experts: &dyn ExpertSource, l: usize, x: &[f32], n: 
     let logits = router_logits(m, w, x, n);
     let mut want = vec![false; ne];
     let (mut ex, mut wt) = (Vec::new(), Vec::new());
+    let allowed = experts.route_mask(next);
     for t in 0..n {
-        route(moe.gating, &logits[t * ne..(t + 1) * ne], w.correction.as_deref(), moe.n_expert_used, &mut ex, &mut wt);
+        route(
+            moe.gating,
+            &logits[t * ne..(t + 1) * ne],
+            w.correction.as_deref(),
+            moe.n_expert_used,
+            allowed,
+            &mut ex,
+            &mut wt,
+        );
         for e in &ex {
             want[*e as usize] = true;
         }
