@@ -9,9 +9,13 @@
 //! * `d`: the proposer's time per drafted token;
 //!
 //! and drafts the `k` in `[draft_min, draft_max]` that maximizes the expected tokens per
-//! second, `(1 + a[1] + a[1]a[2] + … + a[1]…a[k]) / (c(k) + k·d)`. Every eighth round that
-//! stops short of the limit tries one more, so estimates beyond the current choice keep
-//! being measured. With adaptation off it always drafts `draft_max`.
+//! second, `(1 + a[1] + a[1]a[2] + … + a[1]…a[k]) / (c(k) + k·d)`. The first round drafts
+//! `draft_min` (usually none: a plain step), so the line has a measured anchor at the short
+//! end — extrapolated from long drafts alone, the cost of a short pass can be overestimated
+//! several times over when experts stream (a pass's misses grow with its tokens), and the
+//! controller then never tries it. Every eighth round explores a length next to the current
+//! choice, one longer and one shorter in turn, so estimates on both sides keep being
+//! measured. With adaptation off it always drafts `draft_max`.
 
 use std::collections::BTreeMap;
 
@@ -39,6 +43,8 @@ pub struct Adapt {
 /// Why a round drafted the length it did.
 pub const REASON_BEST: &str = "best expected rate";
 pub const REASON_EXPLORE: &str = "exploring one longer";
+pub const REASON_EXPLORE_DOWN: &str = "exploring one shorter";
+pub const REASON_ANCHOR: &str = "measuring the shortest length first";
 pub const REASON_LIMIT: &str = "token budget or context limit";
 pub const REASON_FIXED: &str = "fixed (--draft-max)";
 
@@ -66,6 +72,9 @@ impl Adapt {
         if !self.adaptive {
             return (hi, if hi < self.max { REASON_LIMIT } else { REASON_FIXED });
         }
+        if self.cost[self.min].is_none() {
+            return (self.min, REASON_ANCHOR);
+        }
         let mut best = (self.min, f64::MIN);
         for k in self.min..=hi {
             let r = self.expected_tokens(k) / self.round_cost(k).max(1e-9);
@@ -74,8 +83,14 @@ impl Adapt {
             }
         }
         let k = best.0;
-        if k < hi && self.rounds & 7 == 0 {
-            return (k + 1, REASON_EXPLORE);
+        if self.rounds & 7 == 0 {
+            let down = self.rounds & 8 != 0;
+            if down && k > self.min {
+                return (k - 1, REASON_EXPLORE_DOWN);
+            }
+            if k < hi {
+                return (k + 1, REASON_EXPLORE);
+            }
         }
         (k, if k == hi && hi < self.max { REASON_LIMIT } else { REASON_BEST })
     }
@@ -193,6 +208,33 @@ mod tests {
         assert!(k <= 1, "{k} {why}");
         // Limits and fixed lengths.
         assert_eq!(a.choose(0).0, 0);
+        // Streamed experts: a plain step is cheap, any draft brings a pass's worth of misses,
+        // and about half the drafts are kept. Drafting does not pay; the controller must
+        // find that although long drafts are what it tries first.
+        // (Measured so on a synthetic OLMoE-shape model streamed through a 1 GiB cache: a plain
+        // step 0.4–0.9 s, passes of 3–6 drafts about 4 s whatever their length.)
+        let mut a = Adapt::new(0, 8, true);
+        let mut chosen = Vec::new();
+        let mut rng = 0x9E37_79B9u32;
+        for _ in 0..80 {
+            let (k, _) = a.choose(100);
+            chosen.push(k);
+            // Each position kept with probability 0.55, until the first refusal.
+            let mut kept = 0;
+            while kept < k {
+                rng ^= rng << 13;
+                rng ^= rng >> 17;
+                rng ^= rng << 5;
+                if rng % 100 >= 55 {
+                    break;
+                }
+                kept += 1;
+            }
+            a.observe(k, kept, if k == 0 { 0.4 } else { 4.0 }, 0.05 * k as f64);
+        }
+        assert_eq!(chosen[0], 0, "the first round measures a plain step");
+        assert_eq!(a.choose(100).0, 0, "{:?}", a.summary());
+        assert!(chosen[40..].iter().filter(|k| **k == 0).count() > 30, "{chosen:?}");
         let mut f = Adapt::new(2, 5, false);
         assert_eq!(f.choose(100), (5, REASON_FIXED));
         assert_eq!(f.choose(3), (3, REASON_LIMIT));
