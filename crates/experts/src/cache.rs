@@ -84,6 +84,12 @@ pub struct Slot {
     quiet_prio: Option<(u64, u64)>,
 }
 
+impl Slot {
+    fn free() -> Slot {
+        Slot { key: None, state: SlotState::Free, pins: 0, prefetched_unused: false, prio: None, quiet_prio: None }
+    }
+}
+
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct Counters {
     pub hits: u64,
@@ -136,16 +142,7 @@ impl Cache {
         Ok(Cache {
             slot_bytes,
             quota,
-            slots: (0..n)
-                .map(|_| Slot {
-                    key: None,
-                    state: SlotState::Free,
-                    pins: 0,
-                    prefetched_unused: false,
-                    prio: None,
-                    quiet_prio: None,
-                })
-                .collect(),
+            slots: (0..n).map(|_| Slot::free()).collect(),
             map: HashMap::new(),
             per_layer: Vec::new(),
             policy,
@@ -426,14 +423,7 @@ impl Cache {
         }
         while self.slots.len() < target {
             self.free.push(self.slots.len());
-            self.slots.push(Slot {
-                key: None,
-                state: SlotState::Free,
-                pins: 0,
-                prefetched_unused: false,
-                prio: None,
-                quiet_prio: None,
-            });
+            self.slots.push(Slot::free());
         }
         self.quota = self.slots.len() * self.slot_bytes;
         self.aging_period = (self.slots.len() as u64 * 8).max(64);

@@ -558,7 +558,24 @@ struct StreamFetch<'s> {
     missing: Vec<usize>,
 }
 
-impl StreamFetch<'_> {
+impl<'s> StreamFetch<'s> {
+    /// An empty request for `experts` of `layer`, checked against the layout.
+    fn new(src: &'s StreamingExperts, layer: usize, experts: &[u32]) -> sluice_model::Result<StreamFetch<'s>> {
+        let Some(ids) = src.layout.experts.get(layer).filter(|l| !l.is_empty()) else {
+            return Err(ModelError::Expert(format!("layer {layer} has no routed experts")));
+        };
+        if let Some(e) = experts.iter().find(|e| **e as usize >= ids.len()) {
+            return Err(ModelError::Expert(format!("expert {e} out of range in layer {layer}")));
+        }
+        Ok(StreamFetch {
+            src,
+            layer: layer as u32,
+            experts: experts.to_vec(),
+            items: Vec::with_capacity(experts.len()),
+            missing: Vec::new(),
+        })
+    }
+
     /// An item whose slot is ready or failed, handed out (or reported) now.
     fn settled(&mut self, b: &mut Book) -> Option<sluice_model::Result<usize>> {
         for i in 0..self.items.len() {
@@ -698,21 +715,9 @@ impl Drop for StreamFetch<'_> {
 
 impl ExpertSource for StreamingExperts {
     fn fetch<'s>(&'s self, layer: usize, experts: &[u32]) -> sluice_model::Result<Box<dyn ExpertFetch<'s> + 's>> {
-        if self.layout.experts.get(layer).is_none_or(|l| l.is_empty()) {
-            return Err(ModelError::Expert(format!("layer {layer} has no routed experts")));
-        }
-        if let Some(e) = experts.iter().find(|e| **e as usize >= self.layout.experts[layer].len()) {
-            return Err(ModelError::Expert(format!("expert {e} out of range in layer {layer}")));
-        }
+        let mut fetch = StreamFetch::new(self, layer, experts)?;
         let mut b = self.book();
         self.poll(&mut b).map_err(|e| ModelError::Expert(e.to_string()))?;
-        let mut fetch = StreamFetch {
-            src: self,
-            layer: layer as u32,
-            experts: experts.to_vec(),
-            items: Vec::with_capacity(experts.len()),
-            missing: Vec::new(),
-        };
         fetch.items.extend(experts.iter().map(|_| Item::NoSlot));
         fetch.retry_reservations(&mut b);
         self.try_pump(&mut b);
@@ -725,18 +730,8 @@ impl ExpertSource for StreamingExperts {
         layer: usize,
         experts: &[u32],
     ) -> sluice_model::Result<Box<dyn ExpertFetch<'s> + 's>> {
-        if let Some(e) = experts.iter().find(|e| self.layout.experts.get(layer).is_none_or(|l| **e as usize >= l.len()))
-        {
-            return Err(ModelError::Expert(format!("expert {e} out of range in layer {layer}")));
-        }
+        let mut fetch = StreamFetch::new(self, layer, experts)?;
         let mut b = self.book();
-        let mut fetch = StreamFetch {
-            src: self,
-            layer: layer as u32,
-            experts: experts.to_vec(),
-            items: Vec::with_capacity(experts.len()),
-            missing: Vec::new(),
-        };
         for (i, &e) in experts.iter().enumerate() {
             match b.cache.pin_ready((layer as u32, e)) {
                 Some(p) => fetch.items.push(Item::Pinned(p)),

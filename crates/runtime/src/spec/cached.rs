@@ -10,7 +10,7 @@
 //! cache's prefetcher while the draft continues, and their reads overlap drafting instead of
 //! stalling the verify pass. `report` says how many such hints the verify pass then used.
 
-use super::draft::draw;
+use super::draft::{draft_sampling, draw};
 use super::{Draft, Proposer, SpecMethod, SpecOptions};
 use crate::engine::Engine;
 use crate::error::{Result, RuntimeError};
@@ -56,17 +56,7 @@ impl<'a> CachedDraft<'a> {
                 target.path.display()
             )));
         }
-        let cfg = SamplerConfig {
-            temperature: if sampling.temperature == 0.0 {
-                0.0
-            } else {
-                spec.draft_temperature.unwrap_or(sampling.temperature)
-            },
-            presence_penalty: 0.0,
-            frequency_penalty: 0.0,
-            seed: sampling.seed ^ 0x5851_F42D_4C95_7F2D,
-            ..sampling.clone()
-        };
+        let cfg = draft_sampling(sampling, spec, 0x5851_F42D_4C95_7F2D);
         Ok(CachedDraft {
             model,
             view: CachedOnly::new(&*model.experts, guide),

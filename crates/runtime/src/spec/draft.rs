@@ -30,17 +30,7 @@ impl DraftModel {
     /// Drafts with `draft` for `target`; refuses a draft whose vocabulary differs.
     pub fn new(draft: Engine, target: &Engine, sampling: &SamplerConfig, spec: &SpecOptions) -> Result<DraftModel> {
         check_vocab(target, &draft)?;
-        let cfg = SamplerConfig {
-            temperature: if sampling.temperature == 0.0 {
-                0.0
-            } else {
-                spec.draft_temperature.unwrap_or(sampling.temperature)
-            },
-            presence_penalty: 0.0,
-            frequency_penalty: 0.0,
-            seed: sampling.seed ^ 0xD1B5_4A32_D192_ED03,
-            ..sampling.clone()
-        };
+        let cfg = draft_sampling(sampling, spec, 0xD1B5_4A32_D192_ED03);
         let state = draft.new_state();
         Ok(DraftModel {
             engine: draft,
@@ -103,6 +93,23 @@ pub fn check_vocab(target: &Engine, draft: &Engine) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The sampling a proposer drafts with: the target's (greedy stays greedy), at the draft
+/// temperature if one is given, without penalties, its generator seeded apart (`salt`) from
+/// the target's.
+pub fn draft_sampling(sampling: &SamplerConfig, spec: &SpecOptions, salt: u64) -> SamplerConfig {
+    SamplerConfig {
+        temperature: if sampling.temperature == 0.0 {
+            0.0
+        } else {
+            spec.draft_temperature.unwrap_or(sampling.temperature)
+        },
+        presence_penalty: 0.0,
+        frequency_penalty: 0.0,
+        seed: sampling.seed ^ salt,
+        ..sampling.clone()
+    }
 }
 
 /// The probability of the most likely token under the plain softmax of `logits`, and that token.

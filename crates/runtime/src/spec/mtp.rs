@@ -5,7 +5,7 @@
 //! head's own hidden output back with the draft before it. After verification the head's
 //! cache is cut back to the entries built from the target's real hidden states.
 
-use super::draft::draw;
+use super::draft::{draft_sampling, draw};
 use super::{Draft, Proposer, SpecMethod, SpecOptions};
 use crate::engine::Engine;
 use crate::error::{Result, RuntimeError};
@@ -34,17 +34,7 @@ impl<'a> MtpProposer<'a> {
                 if target.model.cfg.mtp.is_none() { " (its checkpoint declares none)" } else { "" }
             )));
         }
-        let cfg = SamplerConfig {
-            temperature: if sampling.temperature == 0.0 {
-                0.0
-            } else {
-                spec.draft_temperature.unwrap_or(sampling.temperature)
-            },
-            presence_penalty: 0.0,
-            frequency_penalty: 0.0,
-            seed: sampling.seed ^ 0x94D0_49BB_1331_11EB,
-            ..sampling.clone()
-        };
+        let cfg = draft_sampling(sampling, spec, 0x94D0_49BB_1331_11EB);
         Ok(MtpProposer {
             model: &target.model,
             state: target.model.new_mtp_state(target.options.max_context),
