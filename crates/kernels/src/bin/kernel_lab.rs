@@ -180,17 +180,23 @@ unsafe fn read_avx512(b: &[u8]) -> u64 {
     _mm512_reduce_add_epi64(s) as u64
 }
 
+/// Every variant against the reference, at a small batch (the row kernels) and a batch past
+/// the tiled kernels' threshold whose last panel is partial.
 fn check(dtype: DType, isa: Isa) -> Result<f32, String> {
-    let (rows, cols, n) = (37, 256 + 32 * dtype.block_elems().min(8), 5);
-    let cols = cols / dtype.block_elems() * dtype.block_elems();
-    let w = weights(dtype, rows, cols, 1);
-    let mut r = rng(2);
-    let x: Vec<f32> = (0..n * cols).map(|_| r()).collect();
-    let m = MatRef::new(dtype, rows, cols, &w).map_err(|e| e.to_string())?;
-    let mut want = vec![0f32; n * rows];
-    matmul_ref(m, &x, n, &mut want);
-    let got = sluice_kernels::matmul::matmul_with_isa(isa, &ThreadPool::new(1), m, &x, n);
-    relative_error(&got, &want)
+    let mut worst = 0f32;
+    for n in [5, 13] {
+        let (rows, cols) = (37, 256 + 32 * dtype.block_elems().min(8));
+        let cols = cols / dtype.block_elems() * dtype.block_elems();
+        let w = weights(dtype, rows, cols, 1);
+        let mut r = rng(2);
+        let x: Vec<f32> = (0..n * cols).map(|_| r()).collect();
+        let m = MatRef::new(dtype, rows, cols, &w).map_err(|e| e.to_string())?;
+        let mut want = vec![0f32; n * rows];
+        matmul_ref(m, &x, n, &mut want);
+        let got = sluice_kernels::matmul::matmul_with_isa(isa, &ThreadPool::new(1), m, &x, n);
+        worst = worst.max(relative_error(&got, &want)?);
+    }
+    Ok(worst)
 }
 
 /// The largest |got − want| / max(|want|, 1); a length mismatch or a NaN on either side is an
@@ -345,6 +351,43 @@ fn main() {
                 );
             }
             results.push(gbs);
+        }
+    }
+    // 2b. Small batches (a speculative verify pass, a few requests decoding together): the
+    //     time of n tokens against a matrix from memory, over the time of one. Weights read
+    //     once serve every token, so where decode is bound by reading them this stays near 1;
+    //     near n, each token pays its own arithmetic.
+    {
+        let (rows, cols) = shape.unwrap_or(if quick { (2048, 2048) } else { (8192, 4096) });
+        let pool = ThreadPool::new(2);
+        for &d in &dtypes {
+            if !cols.is_multiple_of(d.block_elems()) {
+                continue;
+            }
+            let mats = spread(weights(d, rows, cols, 10));
+            let mut r = rng(6);
+            let x: Vec<f32> = (0..16 * cols).map(|_| r()).collect();
+            let mut out = vec![0f32; 16 * rows];
+            let time = |n: usize, out: &mut Vec<f32>| {
+                1.0 / sweep_rate(&mats, |mat| {
+                    let m = MatRef::new(d, rows, cols, mat).expect("lab matrix");
+                    sluice_kernels::matmul(&pool, m, &x[..n * cols], n, &mut out[..n * rows]);
+                })
+            };
+            let one = time(1, &mut out);
+            let ratios: Vec<(usize, f64)> =
+                [2usize, 3, 4, 5, 8, 12, 16].iter().map(|&n| (n, time(n, &mut out) / one)).collect();
+            if json {
+                let r: Vec<String> = ratios.iter().map(|(n, x)| format!("\"{n}\":{x:.2}")).collect();
+                println!(
+                    "{{\"kernel\":\"small_batch\",\"dtype\":\"{}\",\"rows\":{rows},\"cols\":{cols},\"threads\":2,\"time_over_one_token\":{{{}}}}}",
+                    d.name(),
+                    r.join(",")
+                );
+            } else {
+                let r: Vec<String> = ratios.iter().map(|(n, x)| format!("n={n} {x:.2}×")).collect();
+                println!("small batch {:6} {rows}x{cols} threads 2, time over one token: {}", d.name(), r.join("  "));
+            }
         }
     }
     // 3. Prefill: many tokens against one matrix, as GMAC/s (arithmetic, not bandwidth, bound).

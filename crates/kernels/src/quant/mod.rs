@@ -97,7 +97,7 @@ pub(crate) fn matmul_quant_isa(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, x: &[
         return mxfp4_x86::matmul(pool, w, &act, n, o);
     }
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx512 && crate::cpu::has_vnni() && n >= GEMM_MIN_TOKENS && gemm_supports(w.dtype) {
+    if isa == Isa::Avx512 && crate::cpu::has_vnni() && n >= gemm_min_tokens(w.dtype) && gemm_supports(w.dtype) {
         return gemm_tiled(pool, w, &act, n, o);
     }
     // Q2_K and Q3_K: their own AVX2 kernels (decode at every level; prefill where the tiled
@@ -194,8 +194,20 @@ fn decode_k(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, o: SendPtr) {
     });
 }
 
-/// Fewest tokens for which the tiled kernel beats the row kernels.
-const GEMM_MIN_TOKENS: usize = 4;
+/// Fewest tokens for which the tiled kernel beats the row kernels. Its panels are 16 tokens
+/// wide, so a short batch pays for idle lanes: measured with the kernel lab's small-batch
+/// timings (2 threads, Xeon with VNNI), Q4_K at 4–5 tokens took 2.5× one token's time tiled
+/// and 2.0× on the row kernels, 8 tokens about the same either way (2.7× / 2.9×); Q6_K and
+/// Q2_K cross near 7, Q5_K and Q3_K near 10, the 32-value block formats (Q4_0 at 8 tokens:
+/// 4.2× tiled, 3.5× on the row kernels) past 10. Verify passes of speculative decoding and
+/// small decode batches are these sizes.
+fn gemm_min_tokens(dtype: DType) -> usize {
+    if is_block32(dtype) {
+        12
+    } else {
+        8
+    }
+}
 
 /// Formats the VNNI tiled kernel takes (Q8_0, paired with 16-bit activations, runs on the
 /// AVX2 kernels of `block32_x86`).
@@ -360,10 +372,11 @@ mod tests {
     #[test]
     fn every_isa_matches_the_reference_bit_for_bit() {
         let pool = ThreadPool::new(2);
-        // Batches (tiled and row kernels) and single tokens (the decode kernels, with rows
-        // left over after groups of four and blocks left over after groups of eight).
+        // Batches (row kernels at 6 tokens, the tiled kernels at 13: a partial panel) and single
+        // tokens (the decode kernels, with rows left over after groups of four and blocks left
+        // over after groups of eight).
         for (dtype, (rows, cols, n)) in
-            TYPES.iter().flat_map(|d| [(9, 512, 6), (9, 512, 1), (7, 2560, 1)].map(|s| (*d, s)))
+            TYPES.iter().flat_map(|d| [(9, 512, 6), (9, 512, 13), (9, 512, 1), (7, 2560, 1)].map(|s| (*d, s)))
         {
             let w: Vec<u8> = (0..rows).flat_map(|r| random_row(dtype, cols, 100 + r as u64)).collect();
             let m = MatRef::new(dtype, rows, cols, &w).unwrap();
@@ -381,14 +394,17 @@ mod tests {
 
     #[test]
     fn batch_and_threads_do_not_change_a_row() {
-        for dtype in [DType::Q4_K, DType::Q6_K, DType::Q8_0, DType::Q5_0] {
+        // 7 tokens run on the row kernels, 13 on the tiled ones where the CPU has them.
+        for (dtype, n) in
+            [DType::Q4_K, DType::Q6_K, DType::Q8_0, DType::Q5_0].into_iter().flat_map(|d| [(d, 7), (d, 13)])
+        {
             let (rows, cols) = (33, 256);
             let w: Vec<u8> = (0..rows).flat_map(|r| random_row(dtype, cols, r as u64)).collect();
             let m = MatRef::new(dtype, rows, cols, &w).unwrap();
-            let x = xs(7 * cols, 1);
-            let mut all = vec![0f32; 7 * rows];
-            crate::matmul(&ThreadPool::new(2), m, &x, 7, &mut all);
-            for t in 0..7 {
+            let x = xs(n * cols, 1);
+            let mut all = vec![0f32; n * rows];
+            crate::matmul(&ThreadPool::new(2), m, &x, n, &mut all);
+            for t in 0..n {
                 let mut one = vec![0f32; rows];
                 crate::matmul(&ThreadPool::new(1), m, &x[t * cols..(t + 1) * cols], 1, &mut one);
                 assert!(crate::compare::same_bits(&one, &all[t * rows..(t + 1) * rows]));
