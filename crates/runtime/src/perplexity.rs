@@ -20,9 +20,19 @@ pub struct PerplexityResult {
 
 /// Log-probability of `target` under `logits` (computed in f64).
 pub fn log_prob(logits: &[f32], target: u32) -> f64 {
+    log_prob_with(logits, target, softmax_norm(logits))
+}
+
+/// The softmax's normalizer of `logits` in f64: (max, ln Σ exp(logit − max)); their sum is
+/// the log-sum-exp.
+pub fn softmax_norm(logits: &[f32]) -> (f64, f64) {
     let max = logits.iter().fold(f32::NEG_INFINITY, |a, b| a.max(*b)) as f64;
-    let sum: f64 = logits.iter().map(|v| (*v as f64 - max).exp()).sum();
-    logits[target as usize] as f64 - max - sum.ln()
+    (max, logits.iter().map(|v| (*v as f64 - max).exp()).sum::<f64>().ln())
+}
+
+/// `log_prob` with the normalizer `softmax_norm` gave for the same row.
+pub fn log_prob_with(logits: &[f32], target: u32, (max, ln_sum): (f64, f64)) -> f64 {
+    logits[target as usize] as f64 - max - ln_sum
 }
 
 /// How a text is cut into scored chunks.

@@ -8,7 +8,7 @@
 
 use crate::engine::Engine;
 use crate::error::{Result, RuntimeError};
-use crate::perplexity::{chunk_logits, log_prob, Chunks};
+use crate::perplexity::{chunk_logits, log_prob_with, softmax_norm, Chunks};
 use sluice_model::pinned::PinnedRouting;
 use sluice_model::ExpertSource;
 use std::path::Path;
@@ -122,13 +122,8 @@ pub struct RoutingCost {
     pub seconds: f64,
 }
 
-/// KL(p ‖ q) of the softmaxes of two rows of logits, in f64.
-fn kl(p: &[f32], q: &[f32]) -> f64 {
-    let lse = |x: &[f32]| {
-        let m = x.iter().fold(f32::NEG_INFINITY, |a, b| a.max(*b)) as f64;
-        m + x.iter().map(|v| (*v as f64 - m).exp()).sum::<f64>().ln()
-    };
-    let (lp, lq) = (lse(p), lse(q));
+/// KL(p ‖ q) of the softmaxes of two rows of logits whose log-sum-exps are `lp` and `lq`, in f64.
+fn kl(p: &[f32], lp: f64, q: &[f32], lq: f64) -> f64 {
     p.iter()
         .zip(q)
         .map(|(a, b)| {
@@ -160,9 +155,10 @@ pub fn routing_cost(e: &Engine, tokens: &[u32], ctx: usize, max_chunks: usize, b
                 let row = j - chunks.first;
                 let (a, b) = (&exact[row * vocab..(row + 1) * vocab], &pinned[row * vocab..(row + 1) * vocab]);
                 let next = chunks.next_token(c, j);
-                nll_exact -= log_prob(a, next);
-                nll_pinned -= log_prob(b, next);
-                let d = kl(a, b);
+                let (na, nb) = (softmax_norm(a), softmax_norm(b));
+                nll_exact -= log_prob_with(a, next, na);
+                nll_pinned -= log_prob_with(b, next, nb);
+                let d = kl(a, na.0 + na.1, b, nb.0 + nb.1);
                 kl_sum += d;
                 kl_max = kl_max.max(d);
                 agree += (sluice_kernels::ops::argmax(a) == sluice_kernels::ops::argmax(b)) as usize;

@@ -11,12 +11,13 @@
 //! stalling the verify pass. `report` says how many such hints the verify pass then used.
 
 use super::draft::{draft_sampling, draw};
+use super::verify::rewind_state;
 use super::{Draft, Proposer, SpecMethod, SpecOptions};
 use crate::engine::Engine;
 use crate::error::{Result, RuntimeError};
 use crate::sampler::{Sampler, SamplerConfig};
 use sluice_model::expert::CachedOnly;
-use sluice_model::{Logits, Model, SeqState};
+use sluice_model::{Logits, Model, SeqState, Snapshot};
 use std::collections::HashSet;
 
 pub struct CachedDraft<'a> {
@@ -102,21 +103,25 @@ impl Proposer for CachedDraft<'_> {
         Ok(())
     }
 
-    fn propose_on(&mut self, kv: &mut SeqState, context: &[u32], k: usize, out: &mut Draft) -> Result<()> {
+    fn propose_on(
+        &mut self,
+        kv: &mut SeqState,
+        snap: &mut Option<Snapshot>,
+        context: &[u32],
+        k: usize,
+        out: &mut Draft,
+    ) -> Result<()> {
         let t0 = std::time::Instant::now();
         let n0 = kv.len();
-        let snap = kv.rewinds_by_snapshot().then(|| kv.snapshot());
+        if kv.rewinds_by_snapshot() {
+            snap.get_or_insert_with(|| kv.snapshot());
+        }
         let r = self.draft(kv, context, k, out);
         // Back to where the target was, whatever happened.
-        if kv.len() > n0 {
-            if kv.can_truncate(n0) {
-                kv.truncate(n0)?;
-            } else {
-                let s = snap
-                    .as_ref()
-                    .ok_or_else(|| RuntimeError::Input("internal: a state that rewinds by snapshot has none".into()))?;
-                kv.restore(s)?;
-            }
+        if rewind_state(kv, n0, snap.as_ref())? != n0 {
+            return Err(RuntimeError::Input(
+                "internal: the target's state could not be cut back after drafting".into(),
+            ));
         }
         let c = self.view.take_counts();
         self.totals.used += c.used;

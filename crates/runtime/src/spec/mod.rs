@@ -41,7 +41,7 @@ use crate::engine::Engine;
 use crate::error::{Result, RuntimeError};
 use crate::generate::{GenerateOptions, Generation, StopReason};
 use crate::sampler::{Candidates, Sampler};
-use sluice_model::{Logits, SeqState};
+use sluice_model::{Logits, SeqState, Snapshot};
 use std::collections::{BTreeMap, HashSet};
 use std::time::Instant;
 pub use verify::Acceptance;
@@ -190,8 +190,17 @@ pub trait Proposer {
 
     /// `propose`, given the target's state (which holds every token of `context` but the
     /// last): a proposer that drafts with the target model itself may run positions on it,
-    /// and must leave it as it found it. The default ignores it.
-    fn propose_on(&mut self, _kv: &mut SeqState, context: &[u32], k: usize, out: &mut Draft) -> Result<()> {
+    /// and must leave it as it found it. `snap` is the state's snapshot at its current
+    /// length, shared with the verify pass: a proposer that needs one to rewind takes it
+    /// there (`get_or_insert_with`), so it is taken once a round. The default ignores both.
+    fn propose_on(
+        &mut self,
+        _kv: &mut SeqState,
+        _snap: &mut Option<Snapshot>,
+        context: &[u32],
+        k: usize,
+        out: &mut Draft,
+    ) -> Result<()> {
         self.propose(context, k, out)
     }
 
@@ -432,8 +441,10 @@ pub fn generate_spec(
         draft.stop = None;
         draft.drafting_secs = None;
         let td = Instant::now();
+        // The snapshot a rewind by snapshot restores, at the length before the round.
+        let mut snap = None;
         if k > 0 {
-            proposer.propose_on(kv, &ctx, k, &mut draft)?;
+            proposer.propose_on(kv, &mut snap, &ctx, k, &mut draft)?;
             draft.truncate(k);
             if draft.tokens.len() < spec.draft_min.min(k) {
                 draft.stop.get_or_insert("shorter than --draft-min");
@@ -450,7 +461,9 @@ pub fn generate_spec(
         let tv = Instant::now();
         let m0 = misses();
         let n0 = kv.len();
-        let snap = (kd > 0 && kv.rewinds_by_snapshot()).then(|| kv.snapshot());
+        if kd > 0 && kv.rewinds_by_snapshot() && snap.is_none() {
+            snap = Some(kv.snapshot());
+        }
         let mut batch = Vec::with_capacity(kd + 1);
         batch.push(*ctx.last().expect("the context holds the prompt"));
         batch.extend_from_slice(&draft.tokens);
