@@ -113,8 +113,8 @@ pub(crate) fn matmul_quant_isa(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, x: &[
         return block32_x86::matmul(pool, w, &act, n, o);
     }
     #[cfg(target_arch = "x86_64")]
-    if n == 1 && isa >= Isa::Avx2 && matches!(w.dtype, DType::Q4_K | DType::Q5_K | DType::Q6_K) {
-        return decode_k(pool, w, &act, o);
+    if isa >= Isa::Avx2 && matches!(w.dtype, DType::Q4_K | DType::Q5_K | DType::Q6_K) {
+        return if n == 1 { decode_k(pool, w, &act, o) } else { batch_k(pool, w, &act, n, o) };
     }
     // Rows in blocks of ROWS, tokens in chunks of TOKENS: a block's weights and a chunk's
     // activations stay in L1 while every pair is computed.
@@ -129,7 +129,7 @@ pub(crate) fn matmul_quant_isa(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, x: &[
             while t0 < n {
                 let t1 = (t0 + TOKENS).min(n);
                 for r in r0..r1 {
-                    row_tokens(isa, w.dtype, w.row(r), &act, t0..t1, &mut vals);
+                    row_tokens(w.dtype, w.row(r), &act, t0..t1, &mut vals);
                     for (i, v) in vals[..t1 - t0].iter().enumerate() {
                         // SAFETY: this thread owns row r's column of the n × rows output.
                         unsafe { *o.get().add((t0 + i) * w.rows + r) = *v };
@@ -190,6 +190,58 @@ fn decode_k(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, o: SendPtr) {
                 DType::Q5_K => go!(13),
                 _ => go!(14),
             }
+        }
+    });
+}
+
+/// Several tokens against a Q4_K, Q5_K or Q6_K matrix: rows in blocks of 16 (whose weights
+/// stay in L1/L2 while every token passes), tokens in chunks of `x86::BATCH_TOKENS`, four rows
+/// at a time.
+#[cfg(target_arch = "x86_64")]
+fn batch_k(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, n: usize, o: SendPtr) {
+    const BLOCK_ROWS: usize = 16;
+    let rb = w.row_bytes();
+    pool.for_ranges(w.rows, 4, &|rows| {
+        let mut vals = [[0f32; x86::BATCH_TOKENS]; 4];
+        let mut b0 = rows.start;
+        while b0 < rows.end {
+            let b1 = (b0 + BLOCK_ROWS).min(rows.end);
+            for t0 in (0..n).step_by(x86::BATCH_TOKENS) {
+                let nt = (n - t0).min(x86::BATCH_TOKENS);
+                let mut r = b0;
+                while r < b1 {
+                    let k = (b1 - r).min(4);
+                    let wr = &w.data[r * rb..(r + k) * rb];
+                    macro_rules! go {
+                        ($dt:expr) => {
+                            match k {
+                                4 => x86::rowsk_batch::<4, { $dt }>(wr, rb, act, t0, nt, &mut vals),
+                                3 => x86::rowsk_batch::<3, { $dt }>(wr, rb, act, t0, nt, &mut vals),
+                                2 => x86::rowsk_batch::<2, { $dt }>(wr, rb, act, t0, nt, &mut vals),
+                                _ => x86::rowsk_batch::<1, { $dt }>(wr, rb, act, t0, nt, &mut vals),
+                            }
+                        };
+                    }
+                    // SAFETY: AVX2/FMA/F16C were detected; `wr` holds k whole rows; tokens
+                    // t0..t0 + nt exist; activation rows are padded to whole groups of eight
+                    // blocks.
+                    unsafe {
+                        match w.dtype {
+                            DType::Q4_K => go!(12),
+                            DType::Q5_K => go!(13),
+                            _ => go!(14),
+                        }
+                    }
+                    for (i, row_vals) in vals.iter().enumerate().take(k) {
+                        for (t, v) in row_vals.iter().enumerate().take(nt) {
+                            // SAFETY: this thread owns rows b0..b1 of every token's output.
+                            unsafe { *o.get().add((t0 + t) * w.rows + r + i) = *v };
+                        }
+                    }
+                    r += k;
+                }
+            }
+            b0 = b1;
         }
     });
 }
@@ -268,20 +320,7 @@ fn gemm_tiled(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, n: usize, o: Sen
 }
 
 /// One weight row against tokens `toks` of `act`, into `out` (one value per token).
-fn row_tokens(isa: Isa, dtype: DType, row: &[u8], act: &QuantAct, toks: std::ops::Range<usize>, out: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if isa >= Isa::Avx2 {
-        // SAFETY: AVX2/FMA/F16C were detected; rows and activation blocks have their formats'
-        // full sizes (checked by MatRef::new and QuantAct::new).
-        unsafe {
-            match dtype {
-                DType::Q4_K | DType::Q5_K => return x86::row_q4k_q5k(dtype == DType::Q5_K, row, act, toks, out),
-                DType::Q6_K => return x86::row_q6k(row, act, toks, out),
-                _ => {}
-            }
-        }
-    }
-    let _ = isa;
+fn row_tokens(dtype: DType, row: &[u8], act: &QuantAct, toks: std::ops::Range<usize>, out: &mut [f32]) {
     for (o, t) in out.iter_mut().zip(toks) {
         *o = dot_ref::row_dot(dtype, row, act, t);
     }

@@ -1,8 +1,8 @@
-//! AVX2 row kernels of Q4_K, Q5_K and Q6_K (one weight row against a range of tokens, each block
-//! unpacked once for all of them; decode over several rows), and the helpers other x86 kernels
-//! share. Decode runs here on every x86-64 CPU with AVX2; prefill runs here on CPUs without
-//! AVX-512 VNNI (see `x86_512` for the tiled kernel). The 32-element block formats have their
-//! own kernels (`block32_x86`).
+//! AVX2 kernels of Q4_K, Q5_K and Q6_K over several rows at once — one token (decode) or up
+//! to `BATCH_TOKENS` (small batches, and prefill in chunks of that many), each block unpacked
+//! once for all the tokens — and the helpers other x86 kernels share. Decode and small batches run here on
+//! every x86-64 CPU with AVX2; prefill runs here on CPUs without AVX-512 VNNI (see `x86_512`
+//! for the tiled kernel). The 32-element block formats have their own kernels (`block32_x86`).
 //!
 //! Integer sums are exact; the float side is `dot_ref::accumulate`, block after block, so
 //! results equal the scalar reference to the bit.
@@ -11,7 +11,6 @@
 #![allow(clippy::needless_range_loop)]
 
 use super::act::QuantAct;
-use super::dot_ref::{accumulate, BlockInts, BlockScales};
 use crate::DType;
 use std::arch::x86_64::*;
 
@@ -61,35 +60,6 @@ pub(crate) unsafe fn reduce8x8(a: &[__m256i; 8]) -> __m256i {
     let g2 = _mm256_hadd_epi32(h3, h4);
     _mm256_add_epi32(_mm256_permute2x128_si256(g1, g2, 0x20), _mm256_permute2x128_si256(g1, g2, 0x31))
 }
-
-/// # Safety
-///
-/// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
-#[inline(always)]
-unsafe fn hsum8(v: __m256i) -> i32 {
-    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-    _mm_cvtsi128_si32(s)
-}
-
-/// Asks for the cache lines of `len` bytes at `p + PREFETCH_AHEAD`: a single decode stream
-/// does not keep enough loads in flight for the hardware prefetcher to reach full bandwidth.
-///
-/// # Safety
-///
-/// Prefetches never fault, but the caller keeps `p .. p + len` inside one allocation (pointer
-/// arithmetic); the CPU has AVX2 (checked by `cpu::isa()`).
-#[inline(always)]
-pub(crate) unsafe fn prefetch_ahead(p: *const u8, len: usize) {
-    let mut o = 0;
-    while o < len {
-        _mm_prefetch(p.wrapping_add(PREFETCH_AHEAD + o) as *const i8, _MM_HINT_T0);
-        o += 64;
-    }
-}
-
-const PREFETCH_AHEAD: usize = 1024;
 
 /// Asks for the cache lines of `len` bytes at `p`.
 ///
@@ -213,103 +183,6 @@ unsafe fn dp_scaled(acc: __m256i, u: __m256i, x: __m256i, scale16: __m256i) -> _
     _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), scale16))
 }
 
-/// A Q4_K/Q5_K block's eight sub-block scales, and its eight mins each twice (a min
-/// multiplies the two 16-value sums of its 32-value sub-block).
-#[inline(always)]
-fn k4_scales_mins(blk: &[u8]) -> ([i16; 8], [i16; 16]) {
-    let mut s = [0i16; 8];
-    let mut m2 = [0i16; 16];
-    for j in 0..8 {
-        let (a, c) = crate::quant::blocks::scale_min_k4(j, &blk[4..16]);
-        s[j] = a as i16;
-        m2[2 * j] = c as i16;
-        m2[2 * j + 1] = c as i16;
-    }
-    (s, m2)
-}
-
-/// One Q4_K or Q5_K row against tokens `toks`.
-///
-/// # Safety
-///
-/// The CPU supports the features named in `target_feature` (AVX2; the dispatcher checks
-/// `cpu::isa()` first), and the slices hold what the format implies: whole blocks per row
-/// (`MatRef::new` checked the sizes), activations and outputs for every token in range.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn row_q4k_q5k(q5: bool, row: &[u8], act: &QuantAct, toks: std::ops::Range<usize>, out: &mut [f32]) {
-    let (t0, n) = (toks.start, toks.len());
-    let dtype = if q5 { DType::Q5_K } else { DType::Q4_K };
-    let bb = dtype.block_bytes();
-    out[..n].fill(0.0);
-    for b in 0..act.blocks_per_row() {
-        let w = &row[b * bb..(b + 1) * bb];
-        if act.rows == 1 {
-            prefetch_ahead(w.as_ptr(), bb);
-        }
-        let (s, m2) = k4_scales_mins(w);
-        let mins16 = _mm256_loadu_si256(m2.as_ptr() as *const __m256i);
-        let scales = BlockScales { d: f16_to_f32(f16_bits(w, 0)), m: f16_to_f32(f16_bits(w, 2)) };
-        let mut u = [_mm256_setzero_si256(); 8];
-        let mut sv = [_mm256_setzero_si256(); 8];
-        for c in 0..4 {
-            (u[2 * c], u[2 * c + 1]) = codes_q4k(q5, w, c);
-            sv[2 * c] = _mm256_set1_epi16(s[2 * c]);
-            sv[2 * c + 1] = _mm256_set1_epi16(s[2 * c + 1]);
-        }
-        for t in 0..n {
-            let xi = act.idx(t0 + t, b);
-            let xq = act.qs.as_ptr().add(xi * 256);
-            let mut acc = _mm256_setzero_si256();
-            for k in 0..8 {
-                acc = dp_scaled(acc, u[k], _mm256_loadu_si256(xq.add(32 * k) as *const __m256i), sv[k]);
-            }
-            let bs = _mm256_loadu_si256(act.bsums.as_ptr().add(xi * 16) as *const __m256i);
-            let ints = BlockInts { isum: hsum8(acc), mins: hsum8(_mm256_madd_epi16(mins16, bs)) };
-            out[t] = accumulate(dtype, out[t], scales, ints, *act.d.get_unchecked(xi), 0.0);
-        }
-    }
-}
-
-/// One Q6_K row against tokens `toks`: codes 0..63, the −32 taken off through the 16-value sums.
-///
-/// # Safety
-///
-/// The CPU supports the features named in `target_feature` (AVX2; the dispatcher checks
-/// `cpu::isa()` first), and the slices hold what the format implies: whole blocks per row
-/// (`MatRef::new` checked the sizes), activations and outputs for every token in range.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn row_q6k(row: &[u8], act: &QuantAct, toks: std::ops::Range<usize>, out: &mut [f32]) {
-    let (t0, n) = (toks.start, toks.len());
-    let bb = DType::Q6_K.block_bytes();
-    out[..n].fill(0.0);
-    for b in 0..act.blocks_per_row() {
-        let w = &row[b * bb..(b + 1) * bb];
-        if act.rows == 1 {
-            prefetch_ahead(w.as_ptr(), bb);
-        }
-        let sc = &w[192..208];
-        let scales = BlockScales { d: f16_to_f32(f16_bits(w, 208)), m: 0.0 };
-        let u = codes_q6k(w);
-        let mut sv = [_mm256_setzero_si256(); 8];
-        for (j, v) in sv.iter_mut().enumerate() {
-            *v = _mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 1] as i8 as i16), _mm_set1_epi16(sc[2 * j] as i8 as i16));
-        }
-        let sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(sc.as_ptr() as *const __m128i));
-        for t in 0..n {
-            let xi = act.idx(t0 + t, b);
-            let xq = act.qs.as_ptr().add(xi * 256);
-            let mut acc = _mm256_setzero_si256();
-            for j in 0..8 {
-                acc = dp_scaled(acc, u[j], _mm256_loadu_si256(xq.add(32 * j) as *const __m256i), sv[j]);
-            }
-            let bs = _mm256_loadu_si256(act.bsums.as_ptr().add(xi * 16) as *const __m256i);
-            let corr = hsum8(_mm256_madd_epi16(sc16, bs));
-            let ints = BlockInts { isum: hsum8(acc) - 32 * corr, mins: 0 };
-            out[t] = accumulate(DType::Q6_K, out[t], scales, ints, *act.d.get_unchecked(xi), 0.0);
-        }
-    }
-}
-
 /// Decode (one token) over R rows of a K-quant (Q4_K = 12, Q5_K = 13, Q6_K = 14 by GGML id)
 /// at once. Each block's integer sums stay in vector lanes until eight blocks are reduced
 /// together, the scale products are formed eight blocks at a time, and the per-block float
@@ -361,11 +234,11 @@ pub unsafe fn rowsk_decode<const R: usize, const K: u32>(
                 let xi = i0 + j;
                 let xq = act.qs.as_ptr().add(xi * 256);
                 let bs = _mm256_loadu_si256(act.bsums.as_ptr().add(xi * 16) as *const __m256i);
+                let (u, sv, sums16) = if q6 { unpack_q6k(blk) } else { unpack_q4k(q5, blk) };
+                (a[j], mn[j]) = dot_unpacked(q6, &u, &sv, sums16, xq, bs);
                 if q6 {
-                    a[j] = block_q6k(blk, xq, bs);
                     dbits[j] = (blk.add(208) as *const u16).read_unaligned();
                 } else {
-                    (a[j], mn[j]) = block_q4k(q5, blk, xq, bs);
                     dbits[j] = (blk as *const u16).read_unaligned();
                     mbits[j] = (blk.add(2) as *const u16).read_unaligned();
                 }
@@ -386,6 +259,114 @@ pub unsafe fn rowsk_decode<const R: usize, const K: u32>(
                 acc[r] = ddx[r][j].mul_add(isf[r][j], acc[r]);
                 if !q6 {
                     acc[r] = mdx[r][j].mul_add(minf[r][j], acc[r]);
+                }
+            }
+        }
+        b0 += m;
+    }
+    out[..R].copy_from_slice(&acc);
+}
+
+/// Most tokens `rowsk_batch` takes at once. Measured (kernel lab, AVX2 kernels, 2 threads):
+/// 16 made every batch size slower than 8 (Q4_K at 64 tokens 68 against 86 GMAC/s) — its
+/// scratch no longer sits in L1 beside the weights and activations.
+pub const BATCH_TOKENS: usize = 8;
+
+/// Tokens `t0..t0 + n` (n ≤ `BATCH_TOKENS`) over R rows of a K-quant (ids as in `rowsk_decode`): each
+/// block's codes and scales are unpacked once for all the tokens (four at a time), each
+/// token's integer sums stay in vector lanes until eight blocks are reduced together, and
+/// each (row, token) pair is its own float chain through the blocks in order — the
+/// operations of `rowsk_decode`, token by token, so every value has the decode kernel's
+/// bits. `out[r][t]` receives row r, token t0 + t.
+///
+/// # Safety
+///
+/// As `rowsk_decode`; `t0 + n` tokens exist in `act`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn rowsk_batch<const R: usize, const K: u32>(
+    w: &[u8],
+    row_bytes: usize,
+    act: &QuantAct,
+    t0: usize,
+    n: usize,
+    out: &mut [[f32; BATCH_TOKENS]; 4],
+) {
+    let (dtype, q5, q6) = const {
+        match K {
+            12 => (DType::Q4_K, false, false),
+            13 => (DType::Q5_K, true, false),
+            14 => (DType::Q6_K, false, true),
+            _ => panic!("not a K-quant handled here"),
+        }
+    };
+    debug_assert!((1..=BATCH_TOKENS).contains(&n));
+    let bb = dtype.block_bytes();
+    let nb = act.blocks_per_row();
+    let mut acc = [[0f32; BATCH_TOKENS]; R];
+    // Scratch, set up once: every group overwrites what it reads (zero lanes are only needed
+    // past the row's last block, in its last group).
+    let mut dx = [_mm256_setzero_ps(); BATCH_TOKENS];
+    // [row][token][block] products of scales and integer sums, as `rowsk_decode` forms them.
+    let mut ddx = [[[0f32; 8]; BATCH_TOKENS]; R];
+    let mut isf = [[[0f32; 8]; BATCH_TOKENS]; R];
+    let mut mdx = [[[0f32; 8]; BATCH_TOKENS]; R];
+    let mut minf = [[[0f32; 8]; BATCH_TOKENS]; R];
+    let mut a = [[_mm256_setzero_si256(); 8]; BATCH_TOKENS];
+    let mut mn = [[_mm256_setzero_si256(); 8]; BATCH_TOKENS];
+    let mut dbits = [0u16; 8];
+    let mut mbits = [0u16; 8];
+    let mut b0 = 0;
+    while b0 < nb {
+        let m = (nb - b0).min(8);
+        if m < 8 {
+            for t in 0..n {
+                a[t][m..].fill(_mm256_setzero_si256());
+                mn[t][m..].fill(_mm256_setzero_si256());
+            }
+        }
+        // Activation rows are padded with zero blocks to whole groups of eight.
+        for t in 0..n {
+            dx[t] = _mm256_loadu_ps(act.d.as_ptr().add(act.idx(t0 + t, b0)));
+        }
+        for r in 0..R {
+            let base = w.as_ptr().add(r * row_bytes + b0 * bb);
+            prefetch_rows(base.wrapping_add(R * row_bytes), m * bb);
+            for j in 0..m {
+                let blk = base.add(j * bb);
+                let (u, sv, sums16) = if q6 { unpack_q6k(blk) } else { unpack_q4k(q5, blk) };
+                for t in 0..n {
+                    let xi = act.idx(t0 + t, b0 + j);
+                    let xq = act.qs.as_ptr().add(xi * 256);
+                    let bs = _mm256_loadu_si256(act.bsums.as_ptr().add(xi * 16) as *const __m256i);
+                    (a[t][j], mn[t][j]) = dot_unpacked(q6, &u, &sv, sums16, xq, bs);
+                }
+                if q6 {
+                    dbits[j] = (blk.add(208) as *const u16).read_unaligned();
+                } else {
+                    dbits[j] = (blk as *const u16).read_unaligned();
+                    mbits[j] = (blk.add(2) as *const u16).read_unaligned();
+                }
+            }
+            let dw = _mm256_cvtph_ps(_mm_loadu_si128(dbits.as_ptr() as *const __m128i));
+            let mw = _mm256_cvtph_ps(_mm_loadu_si128(mbits.as_ptr() as *const __m128i));
+            for t in 0..n {
+                _mm256_storeu_ps(ddx[r][t].as_mut_ptr(), _mm256_mul_ps(dw, dx[t]));
+                _mm256_storeu_ps(isf[r][t].as_mut_ptr(), _mm256_cvtepi32_ps(reduce8x8(&a[t])));
+                if !q6 {
+                    let neg = _mm256_xor_ps(_mm256_mul_ps(mw, dx[t]), _mm256_set1_ps(-0.0));
+                    _mm256_storeu_ps(mdx[r][t].as_mut_ptr(), neg);
+                    _mm256_storeu_ps(minf[r][t].as_mut_ptr(), _mm256_cvtepi32_ps(reduce8x8(&mn[t])));
+                }
+            }
+        }
+        for j in 0..m {
+            for r in 0..R {
+                for t in 0..n {
+                    // accumulate(): fma(d·dx, isum, acc), then fma(−(dmin·dx), mins, acc).
+                    acc[r][t] = ddx[r][t][j].mul_add(isf[r][t][j], acc[r][t]);
+                    if !q6 {
+                        acc[r][t] = mdx[r][t][j].mul_add(minf[r][t][j], acc[r][t]);
+                    }
                 }
             }
         }
@@ -429,68 +410,84 @@ unsafe fn pick16(v: __m256i, k: i32) -> __m256i {
     _mm256_shuffle_epi8(v, _mm256_set1_epi16((((2 * k + 1) << 8) | (2 * k)) as i16))
 }
 
-/// One Q4_K/Q5_K block against Q8_K activations `xq` (with their 16-value sums `bs`):
-/// (Σ scale·code·x in 8 lanes, Σ min·(16-value sums) in 8 lanes).
+/// A Q4_K/Q5_K block unpacked for dot products with any number of tokens: its codes in
+/// element order (32 per vector), each vector's sub-block scale as i16 lanes, and its mins
+/// each twice (one per 16-value sum).
 ///
 /// # Safety
 ///
-/// `blk` points to one whole block and `xq` to its 256 activation codes; AVX2 is present.
+/// `blk` points to one whole block; AVX2 is present.
 #[inline(always)]
-unsafe fn block_q4k(q5: bool, blk: *const u8, xq: *const i8, bs: __m256i) -> (__m256i, __m256i) {
+unsafe fn unpack_q4k(q5: bool, blk: *const u8) -> ([__m256i; 8], [__m256i; 8], __m256i) {
     let (scales, mins2) = k4_scales_mins_v(blk.add(4));
     let w = std::slice::from_raw_parts(blk, if q5 { 176 } else { 144 });
-    let mut v = _mm256_setzero_si256();
+    let mut u = [_mm256_setzero_si256(); 8];
+    let mut sv = [_mm256_setzero_si256(); 8];
     for c in 0..4 {
-        let (lo, hi) = codes_q4k(q5, w, c);
-        let x0 = _mm256_loadu_si256(xq.add(64 * c) as *const __m256i);
-        let x1 = _mm256_loadu_si256(xq.add(64 * c + 32) as *const __m256i);
-        v = dp_scaled(v, lo, x0, pick16(scales, 2 * c as i32));
-        v = dp_scaled(v, hi, x1, pick16(scales, 2 * c as i32 + 1));
+        (u[2 * c], u[2 * c + 1]) = codes_q4k(q5, w, c);
+        sv[2 * c] = pick16(scales, 2 * c as i32);
+        sv[2 * c + 1] = pick16(scales, 2 * c as i32 + 1);
     }
-    (v, _mm256_madd_epi16(mins2, bs))
+    (u, sv, mins2)
 }
 
-/// One Q6_K block against Q8_K activations: Σ scale·code·x in 8 lanes, with the stored +32
-/// taken off through the 16-value sums.
+/// A Q6_K block unpacked likewise: codes 0..63 (32 per vector), each vector's two 16-value
+/// scales as i16 lanes (one per 128-bit half), and the sixteen scales as i16.
 ///
 /// # Safety
 ///
-/// `blk` points to one whole block and `xq` to its 256 activation codes; AVX2 is present.
+/// `blk` points to one whole block; AVX2 is present.
 #[inline(always)]
-unsafe fn block_q6k(blk: *const u8, xq: *const i8, bs: __m256i) -> __m256i {
-    let w = std::slice::from_raw_parts(blk, 210);
-    let u = codes_q6k(w);
+unsafe fn unpack_q6k(blk: *const u8) -> ([__m256i; 8], [__m256i; 8], __m256i) {
+    let u = codes_q6k(std::slice::from_raw_parts(blk, 210));
     let sc = _mm_loadu_si128(blk.add(192) as *const __m128i);
-    // Scales of sub-blocks 0..7 and 8..15 as i16, each in both halves: a 32-value sub-block
-    // k spans one half of code vector k/2... and code vector j holds 16-value groups 2j, 2j+1.
     let lo8 = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(sc));
     let hi8 = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_srli_si128(sc, 8)));
-    let mut v = _mm256_setzero_si256();
-    for (j, uj) in u.iter().enumerate() {
-        // Vector j: its low half is 16-value group 2j, its high half group 2j+1.
-        let src = if j < 4 { lo8 } else { hi8 };
-        let k = 2 * (j % 4) as i32;
-        let ctrl = _mm256_set_epi16(
-            ((2 * k + 3) << 8 | (2 * k + 2)) as i16,
-            ((2 * k + 3) << 8 | (2 * k + 2)) as i16,
-            ((2 * k + 3) << 8 | (2 * k + 2)) as i16,
-            ((2 * k + 3) << 8 | (2 * k + 2)) as i16,
-            ((2 * k + 3) << 8 | (2 * k + 2)) as i16,
-            ((2 * k + 3) << 8 | (2 * k + 2)) as i16,
-            ((2 * k + 3) << 8 | (2 * k + 2)) as i16,
-            ((2 * k + 3) << 8 | (2 * k + 2)) as i16,
-            ((2 * k + 1) << 8 | (2 * k)) as i16,
-            ((2 * k + 1) << 8 | (2 * k)) as i16,
-            ((2 * k + 1) << 8 | (2 * k)) as i16,
-            ((2 * k + 1) << 8 | (2 * k)) as i16,
-            ((2 * k + 1) << 8 | (2 * k)) as i16,
-            ((2 * k + 1) << 8 | (2 * k)) as i16,
-            ((2 * k + 1) << 8 | (2 * k)) as i16,
-            ((2 * k + 1) << 8 | (2 * k)) as i16,
-        );
-        let sv = _mm256_shuffle_epi8(src, ctrl);
-        v = dp_scaled(v, *uj, _mm256_loadu_si256(xq.add(32 * j) as *const __m256i), sv);
+    let mut sv = [_mm256_setzero_si256(); 8];
+    for (j, v) in sv.iter_mut().enumerate() {
+        *v = _mm256_shuffle_epi8(if j < 4 { lo8 } else { hi8 }, q6k_scale_ctrl(j));
     }
-    let sc16 = _mm256_cvtepi8_epi16(sc);
-    _mm256_sub_epi32(v, _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5))
+    (u, sv, _mm256_cvtepi8_epi16(sc))
+}
+
+/// The `vpshufb` control that spreads, from i16 scales of 16-value groups, group 2j's scale
+/// over the low half and group 2j+1's over the high half (code vector j holds both groups).
+///
+/// # Safety
+///
+/// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
+#[inline(always)]
+unsafe fn q6k_scale_ctrl(j: usize) -> __m256i {
+    let k = 2 * (j % 4) as i32;
+    let lo = ((2 * k + 1) << 8 | (2 * k)) as i16;
+    let hi = ((2 * k + 3) << 8 | (2 * k + 2)) as i16;
+    _mm256_set_m128i(_mm_set1_epi16(hi), _mm_set1_epi16(lo))
+}
+
+/// One unpacked K-quant block (`unpack_q4k` / `unpack_q6k`) against one token's Q8_K codes
+/// `xq` and 16-value sums `bs`: (Σ scale·code·x in 8 lanes, Σ min·(16-value sums) in 8 lanes
+/// — zero for Q6_K, whose stored +32 is taken off the first through the sums).
+///
+/// # Safety
+///
+/// `xq` points to the block's 256 activation codes; AVX2 is present.
+#[inline(always)]
+unsafe fn dot_unpacked(
+    q6: bool,
+    u: &[__m256i; 8],
+    sv: &[__m256i; 8],
+    sums16: __m256i,
+    xq: *const i8,
+    bs: __m256i,
+) -> (__m256i, __m256i) {
+    let mut v = _mm256_setzero_si256();
+    for k in 0..8 {
+        v = dp_scaled(v, u[k], _mm256_loadu_si256(xq.add(32 * k) as *const __m256i), sv[k]);
+    }
+    let m = _mm256_madd_epi16(sums16, bs);
+    if q6 {
+        (_mm256_sub_epi32(v, _mm256_slli_epi32(m, 5)), _mm256_setzero_si256())
+    } else {
+        (v, m)
+    }
 }
