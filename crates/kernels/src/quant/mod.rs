@@ -114,7 +114,7 @@ pub(crate) fn matmul_quant_isa(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, x: &[
     }
     #[cfg(target_arch = "x86_64")]
     if isa >= Isa::Avx2 && matches!(w.dtype, DType::Q4_K | DType::Q5_K | DType::Q6_K) {
-        return if n == 1 { decode_k(pool, w, &act, o) } else { batch_k(pool, w, &act, n, o) };
+        return if n == 1 { decode_k(pool, w, &act, o) } else { batch_k(isa, pool, w, &act, n, o) };
     }
     // Rows in blocks of ROWS, tokens in chunks of TOKENS: a block's weights and a chunk's
     // activations stay in L1 while every pair is computed.
@@ -198,7 +198,8 @@ fn decode_k(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, o: SendPtr) {
 /// stay in L1/L2 while every token passes), tokens in chunks of `x86::BATCH_TOKENS`, four rows
 /// at a time.
 #[cfg(target_arch = "x86_64")]
-fn batch_k(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, n: usize, o: SendPtr) {
+fn batch_k(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, n: usize, o: SendPtr) {
+    let zmm = isa == Isa::Avx512;
     const BLOCK_ROWS: usize = 16;
     let rb = w.row_bytes();
     pool.for_ranges(w.rows, 4, &|rows| {
@@ -214,16 +215,20 @@ fn batch_k(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, n: usize, o: SendPt
                     let wr = &w.data[r * rb..(r + k) * rb];
                     macro_rules! go {
                         ($dt:expr) => {
-                            match k {
-                                4 => x86::rowsk_batch::<4, { $dt }>(wr, rb, act, t0, nt, &mut vals),
-                                3 => x86::rowsk_batch::<3, { $dt }>(wr, rb, act, t0, nt, &mut vals),
-                                2 => x86::rowsk_batch::<2, { $dt }>(wr, rb, act, t0, nt, &mut vals),
-                                _ => x86::rowsk_batch::<1, { $dt }>(wr, rb, act, t0, nt, &mut vals),
+                            match (zmm, k) {
+                                (true, 4) => x86::rowsk_batch_zmm::<4, { $dt }>(wr, rb, act, t0, nt, &mut vals),
+                                (true, 3) => x86::rowsk_batch_zmm::<3, { $dt }>(wr, rb, act, t0, nt, &mut vals),
+                                (true, 2) => x86::rowsk_batch_zmm::<2, { $dt }>(wr, rb, act, t0, nt, &mut vals),
+                                (true, _) => x86::rowsk_batch_zmm::<1, { $dt }>(wr, rb, act, t0, nt, &mut vals),
+                                (false, 4) => x86::rowsk_batch::<4, { $dt }>(wr, rb, act, t0, nt, &mut vals),
+                                (false, 3) => x86::rowsk_batch::<3, { $dt }>(wr, rb, act, t0, nt, &mut vals),
+                                (false, 2) => x86::rowsk_batch::<2, { $dt }>(wr, rb, act, t0, nt, &mut vals),
+                                (false, _) => x86::rowsk_batch::<1, { $dt }>(wr, rb, act, t0, nt, &mut vals),
                             }
                         };
                     }
-                    // SAFETY: AVX2/FMA/F16C were detected; `wr` holds k whole rows; tokens
-                    // t0..t0 + nt exist; activation rows are padded to whole groups of eight
+                    // SAFETY: AVX2/FMA/F16C (and AVX-512 F/BW where `zmm`) were detected; `wr`
+                    // holds k whole rows; tokens t0..t0 + nt exist; activation rows are padded to whole groups of eight
                     // blocks.
                     unsafe {
                         match w.dtype {

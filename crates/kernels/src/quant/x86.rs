@@ -291,6 +291,39 @@ pub unsafe fn rowsk_batch<const R: usize, const K: u32>(
     n: usize,
     out: &mut [[f32; BATCH_TOKENS]; 4],
 ) {
+    batch_body::<R, K, false>(w, row_bytes, act, t0, n, out)
+}
+
+/// `rowsk_batch` with each token's products in 512-bit vectors (two 32-value sub-blocks per
+/// instruction, half the instructions per token); the integer sums are the same, so are the
+/// bits.
+///
+/// # Safety
+///
+/// As `rowsk_batch`, and the CPU has AVX-512 F and BW (checked by `cpu::isa()`).
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+pub unsafe fn rowsk_batch_zmm<const R: usize, const K: u32>(
+    w: &[u8],
+    row_bytes: usize,
+    act: &QuantAct,
+    t0: usize,
+    n: usize,
+    out: &mut [[f32; BATCH_TOKENS]; 4],
+) {
+    batch_body::<R, K, true>(w, row_bytes, act, t0, n, out)
+}
+
+/// The body of `rowsk_batch` (Z = false) and `rowsk_batch_zmm` (Z = true), inlined into each
+/// with its instruction set.
+#[inline(always)]
+unsafe fn batch_body<const R: usize, const K: u32, const Z: bool>(
+    w: &[u8],
+    row_bytes: usize,
+    act: &QuantAct,
+    t0: usize,
+    n: usize,
+    out: &mut [[f32; BATCH_TOKENS]; 4],
+) {
     let (dtype, q5, q6) = const {
         match K {
             12 => (DType::Q4_K, false, false),
@@ -334,11 +367,21 @@ pub unsafe fn rowsk_batch<const R: usize, const K: u32>(
             for j in 0..m {
                 let blk = base.add(j * bb);
                 let (u, sv, sums16) = if q6 { unpack_q6k(blk) } else { unpack_q4k(q5, blk) };
-                for t in 0..n {
-                    let xi = act.idx(t0 + t, b0 + j);
-                    let xq = act.qs.as_ptr().add(xi * 256);
-                    let bs = _mm256_loadu_si256(act.bsums.as_ptr().add(xi * 16) as *const __m256i);
-                    (a[t][j], mn[t][j]) = dot_unpacked(q6, &u, &sv, sums16, xq, bs);
+                if Z {
+                    let (u, sv) = super::x86_512::widen_unpacked(&u, &sv);
+                    for t in 0..n {
+                        let xi = act.idx(t0 + t, b0 + j);
+                        let xq = act.qs.as_ptr().add(xi * 256);
+                        let bs = _mm256_loadu_si256(act.bsums.as_ptr().add(xi * 16) as *const __m256i);
+                        (a[t][j], mn[t][j]) = super::x86_512::dot_unpacked(q6, &u, &sv, sums16, xq, bs);
+                    }
+                } else {
+                    for t in 0..n {
+                        let xi = act.idx(t0 + t, b0 + j);
+                        let xq = act.qs.as_ptr().add(xi * 256);
+                        let bs = _mm256_loadu_si256(act.bsums.as_ptr().add(xi * 16) as *const __m256i);
+                        (a[t][j], mn[t][j]) = dot_unpacked(q6, &u, &sv, sums16, xq, bs);
+                    }
                 }
                 if q6 {
                     dbits[j] = (blk.add(208) as *const u16).read_unaligned();

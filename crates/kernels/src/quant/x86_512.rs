@@ -397,3 +397,53 @@ unsafe fn gemm_k23<const R: usize, const Q3: bool>(
         _mm512_storeu_ps(out[r].as_mut_ptr(), accf[r]);
     }
 }
+
+/// Pairs of a K-quant block's unpacked 32-value code vectors and their scale vectors
+/// (`x86::unpack_q4k` / `unpack_q6k`) joined into 512-bit vectors: pair c holds vectors 2c
+/// and 2c+1, i.e. elements 64c..64c+64 in order.
+///
+/// # Safety
+///
+/// The CPU has AVX-512 F (checked by `cpu::isa()`); inlined only into functions compiled for it.
+#[inline(always)]
+pub(crate) unsafe fn widen_unpacked(u: &[__m256i; 8], sv: &[__m256i; 8]) -> ([__m512i; 4], [__m512i; 4]) {
+    let join = |a: __m256i, b: __m256i| _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+    let mut wu = [_mm512_setzero_si512(); 4];
+    let mut ws = [_mm512_setzero_si512(); 4];
+    for c in 0..4 {
+        wu[c] = join(u[2 * c], u[2 * c + 1]);
+        ws[c] = join(sv[2 * c], sv[2 * c + 1]);
+    }
+    (wu, ws)
+}
+
+/// `x86::dot_unpacked` on 512-bit vectors: the same integer sums (in 8 lanes, each lane the
+/// sum of the two lanes the 256-bit kernel would have had in two vectors — integers, so
+/// exactly the same totals once eight blocks are reduced).
+///
+/// # Safety
+///
+/// `xq` points to the block's 256 activation codes; the CPU has AVX-512 F and BW (checked by
+/// `cpu::isa()`); inlined only into functions compiled for them.
+#[inline(always)]
+pub(crate) unsafe fn dot_unpacked(
+    q6: bool,
+    u: &[__m512i; 4],
+    sv: &[__m512i; 4],
+    sums16: __m256i,
+    xq: *const i8,
+    bs: __m256i,
+) -> (__m256i, __m256i) {
+    let mut v = _mm512_setzero_si512();
+    for c in 0..4 {
+        let x = _mm512_loadu_si512(xq.add(64 * c) as *const _);
+        v = _mm512_add_epi32(v, _mm512_madd_epi16(_mm512_maddubs_epi16(u[c], x), sv[c]));
+    }
+    let v = _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+    let m = _mm256_madd_epi16(sums16, bs);
+    if q6 {
+        (_mm256_sub_epi32(v, _mm256_slli_epi32(m, 5)), _mm256_setzero_si256())
+    } else {
+        (v, m)
+    }
+}
