@@ -114,7 +114,12 @@ pub(crate) fn matmul_quant_isa(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, x: &[
     }
     #[cfg(target_arch = "x86_64")]
     if isa >= Isa::Avx2 && matches!(w.dtype, DType::Q4_K | DType::Q5_K | DType::Q6_K) {
-        return if n == 1 { decode_k(pool, w, &act, o) } else { batch_k(isa, pool, w, &act, n, o) };
+        if n == 1 {
+            return decode_k(pool, w, &act, o);
+        }
+        if n <= batch_k_max_tokens(isa) {
+            return batch_k(isa, pool, w, &act, n, o);
+        }
     }
     // Rows in blocks of ROWS, tokens in chunks of TOKENS: a block's weights and a chunk's
     // activations stay in L1 while every pair is computed.
@@ -129,7 +134,7 @@ pub(crate) fn matmul_quant_isa(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, x: &[
             while t0 < n {
                 let t1 = (t0 + TOKENS).min(n);
                 for r in r0..r1 {
-                    row_tokens(w.dtype, w.row(r), &act, t0..t1, &mut vals);
+                    row_tokens(isa, w.dtype, w.row(r), &act, t0..t1, &mut vals);
                     for (i, v) in vals[..t1 - t0].iter().enumerate() {
                         // SAFETY: this thread owns row r's column of the n × rows output.
                         unsafe { *o.get().add((t0 + i) * w.rows + r) = *v };
@@ -192,6 +197,22 @@ fn decode_k(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, o: SendPtr) {
             }
         }
     });
+}
+
+/// Most tokens for which `batch_k` beats one row against the tokens (`x86::row_q4k_q5k`,
+/// `row_q6k`, which unpack a block once for up to 32 tokens but pay two horizontal sums and a
+/// scalar accumulation per token and block). Measured with the kernel lab, old against new
+/// interleaved (2 threads, 8192×4096 from memory, time over one token): with 256-bit vectors
+/// Q6_K 1.75× → 1.20× at 2 tokens, 1.83× → 1.89× at 5, and at 64 tokens 71–76 against 61–66
+/// GMAC/s; with 512-bit vectors Q6_K 1.84× → 1.12× at 2, 1.85× → 1.53× at 5, Q4_K 2.24× →
+/// 1.92× at 5, even at 8 (where the VNNI tiled kernel takes over).
+#[cfg(target_arch = "x86_64")]
+fn batch_k_max_tokens(isa: Isa) -> usize {
+    if isa == Isa::Avx512 {
+        x86::BATCH_TOKENS
+    } else {
+        4
+    }
 }
 
 /// Several tokens against a Q4_K, Q5_K or Q6_K matrix: rows in blocks of 16 (whose weights
@@ -325,7 +346,20 @@ fn gemm_tiled(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, n: usize, o: Sen
 }
 
 /// One weight row against tokens `toks` of `act`, into `out` (one value per token).
-fn row_tokens(dtype: DType, row: &[u8], act: &QuantAct, toks: std::ops::Range<usize>, out: &mut [f32]) {
+fn row_tokens(isa: Isa, dtype: DType, row: &[u8], act: &QuantAct, toks: std::ops::Range<usize>, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if isa >= Isa::Avx2 {
+        // SAFETY: AVX2/FMA/F16C were detected; rows and activation blocks have their formats'
+        // full sizes (checked by MatRef::new and QuantAct::new).
+        unsafe {
+            match dtype {
+                DType::Q4_K | DType::Q5_K => return x86::row_q4k_q5k(dtype == DType::Q5_K, row, act, toks, out),
+                DType::Q6_K => return x86::row_q6k(row, act, toks, out),
+                _ => {}
+            }
+        }
+    }
+    let _ = isa;
     for (o, t) in out.iter_mut().zip(toks) {
         *o = dot_ref::row_dot(dtype, row, act, t);
     }
@@ -416,12 +450,13 @@ mod tests {
     #[test]
     fn every_isa_matches_the_reference_bit_for_bit() {
         let pool = ThreadPool::new(2);
-        // Batches (row kernels at 6 tokens, the tiled kernels at 13: a partial panel) and single
-        // tokens (the decode kernels, with rows left over after groups of four and blocks left
-        // over after groups of eight).
-        for (dtype, (rows, cols, n)) in
-            TYPES.iter().flat_map(|d| [(9, 512, 6), (9, 512, 13), (9, 512, 1), (7, 2560, 1)].map(|s| (*d, s)))
-        {
+        // Batches (the small-batch kernels at 3 tokens, 6 with 512-bit vectors; the row
+        // kernels at 6 with 256-bit ones; the tiled kernels at 13: a partial panel) and single
+        // tokens (the decode kernels), with rows left over after groups of four and blocks left
+        // over after groups of eight.
+        for (dtype, (rows, cols, n)) in TYPES.iter().flat_map(|d| {
+            [(9, 512, 3), (9, 512, 6), (9, 512, 13), (9, 512, 1), (7, 2560, 1), (6, 2560, 3)].map(|s| (*d, s))
+        }) {
             let w: Vec<u8> = (0..rows).flat_map(|r| random_row(dtype, cols, 100 + r as u64)).collect();
             let m = MatRef::new(dtype, rows, cols, &w).unwrap();
             let x = xs(n * cols, 9);
@@ -438,9 +473,10 @@ mod tests {
 
     #[test]
     fn batch_and_threads_do_not_change_a_row() {
-        // 7 tokens run on the row kernels, 13 on the tiled ones where the CPU has them.
+        // 3 tokens run on the small-batch kernels, 7 on the row (or, with 512-bit vectors, the
+        // small-batch) kernels, 13 on the tiled ones where the CPU has them.
         for (dtype, n) in
-            [DType::Q4_K, DType::Q6_K, DType::Q8_0, DType::Q5_0].into_iter().flat_map(|d| [(d, 7), (d, 13)])
+            [DType::Q4_K, DType::Q6_K, DType::Q8_0, DType::Q5_0].into_iter().flat_map(|d| [(d, 3), (d, 7), (d, 13)])
         {
             let (rows, cols) = (33, 256);
             let w: Vec<u8> = (0..rows).flat_map(|r| random_row(dtype, cols, r as u64)).collect();

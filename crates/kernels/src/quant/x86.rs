@@ -1,8 +1,9 @@
-//! AVX2 kernels of Q4_K, Q5_K and Q6_K over several rows at once — one token (decode) or up
-//! to `BATCH_TOKENS` (small batches, and prefill in chunks of that many), each block unpacked
-//! once for all the tokens — and the helpers other x86 kernels share. Decode and small batches run here on
-//! every x86-64 CPU with AVX2; prefill runs here on CPUs without AVX-512 VNNI (see `x86_512`
-//! for the tiled kernel). The 32-element block formats have their own kernels (`block32_x86`).
+//! AVX2 kernels of Q4_K, Q5_K and Q6_K: decode (one token over several rows), small batches
+//! (several rows against up to `BATCH_TOKENS` tokens) and prefill (one row against a range of
+//! tokens), each block unpacked once for all the tokens; and the helpers other x86 kernels
+//! share. Decode and small batches run here on every x86-64 CPU with AVX2; prefill runs here on
+//! CPUs without AVX-512 VNNI (see `x86_512` for the tiled kernel). The 32-element block formats
+//! have their own kernels (`block32_x86`).
 //!
 //! Integer sums are exact; the float side is `dot_ref::accumulate`, block after block, so
 //! results equal the scalar reference to the bit.
@@ -11,6 +12,7 @@
 #![allow(clippy::needless_range_loop)]
 
 use super::act::QuantAct;
+use super::dot_ref::{accumulate, BlockInts, BlockScales};
 use crate::DType;
 use std::arch::x86_64::*;
 
@@ -59,6 +61,17 @@ pub(crate) unsafe fn reduce8x8(a: &[__m256i; 8]) -> __m256i {
     let g1 = _mm256_hadd_epi32(h1, h2);
     let g2 = _mm256_hadd_epi32(h3, h4);
     _mm256_add_epi32(_mm256_permute2x128_si256(g1, g2, 0x20), _mm256_permute2x128_si256(g1, g2, 0x31))
+}
+
+/// # Safety
+///
+/// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
+#[inline(always)]
+unsafe fn hsum8(v: __m256i) -> i32 {
+    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    _mm_cvtsi128_si32(s)
 }
 
 /// Asks for the cache lines of `len` bytes at `p`.
@@ -181,6 +194,97 @@ pub(crate) unsafe fn codes_q6k(w: &[u8]) -> [__m256i; 8] {
 #[inline(always)]
 unsafe fn dp_scaled(acc: __m256i, u: __m256i, x: __m256i, scale16: __m256i) -> __m256i {
     _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), scale16))
+}
+
+/// A Q4_K/Q5_K block's eight sub-block scales, and its eight mins each twice (a min
+/// multiplies the two 16-value sums of its 32-value sub-block).
+#[inline(always)]
+fn k4_scales_mins(blk: &[u8]) -> ([i16; 8], [i16; 16]) {
+    let mut s = [0i16; 8];
+    let mut m2 = [0i16; 16];
+    for j in 0..8 {
+        let (a, c) = crate::quant::blocks::scale_min_k4(j, &blk[4..16]);
+        s[j] = a as i16;
+        m2[2 * j] = c as i16;
+        m2[2 * j + 1] = c as i16;
+    }
+    (s, m2)
+}
+
+/// One Q4_K or Q5_K row against tokens `toks`.
+///
+/// # Safety
+///
+/// The CPU supports the features named in `target_feature` (AVX2; the dispatcher checks
+/// `cpu::isa()` first), and the slices hold what the format implies: whole blocks per row
+/// (`MatRef::new` checked the sizes), activations and outputs for every token in range.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn row_q4k_q5k(q5: bool, row: &[u8], act: &QuantAct, toks: std::ops::Range<usize>, out: &mut [f32]) {
+    let (t0, n) = (toks.start, toks.len());
+    let dtype = if q5 { DType::Q5_K } else { DType::Q4_K };
+    let bb = dtype.block_bytes();
+    out[..n].fill(0.0);
+    for b in 0..act.blocks_per_row() {
+        let w = &row[b * bb..(b + 1) * bb];
+        let (s, m2) = k4_scales_mins(w);
+        let mins16 = _mm256_loadu_si256(m2.as_ptr() as *const __m256i);
+        let scales = BlockScales { d: f16_to_f32(f16_bits(w, 0)), m: f16_to_f32(f16_bits(w, 2)) };
+        let mut u = [_mm256_setzero_si256(); 8];
+        let mut sv = [_mm256_setzero_si256(); 8];
+        for c in 0..4 {
+            (u[2 * c], u[2 * c + 1]) = codes_q4k(q5, w, c);
+            sv[2 * c] = _mm256_set1_epi16(s[2 * c]);
+            sv[2 * c + 1] = _mm256_set1_epi16(s[2 * c + 1]);
+        }
+        for t in 0..n {
+            let xi = act.idx(t0 + t, b);
+            let xq = act.qs.as_ptr().add(xi * 256);
+            let mut acc = _mm256_setzero_si256();
+            for k in 0..8 {
+                acc = dp_scaled(acc, u[k], _mm256_loadu_si256(xq.add(32 * k) as *const __m256i), sv[k]);
+            }
+            let bs = _mm256_loadu_si256(act.bsums.as_ptr().add(xi * 16) as *const __m256i);
+            let ints = BlockInts { isum: hsum8(acc), mins: hsum8(_mm256_madd_epi16(mins16, bs)) };
+            out[t] = accumulate(dtype, out[t], scales, ints, *act.d.get_unchecked(xi), 0.0);
+        }
+    }
+}
+
+/// One Q6_K row against tokens `toks`: codes 0..63, the −32 taken off through the 16-value sums.
+///
+/// # Safety
+///
+/// The CPU supports the features named in `target_feature` (AVX2; the dispatcher checks
+/// `cpu::isa()` first), and the slices hold what the format implies: whole blocks per row
+/// (`MatRef::new` checked the sizes), activations and outputs for every token in range.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn row_q6k(row: &[u8], act: &QuantAct, toks: std::ops::Range<usize>, out: &mut [f32]) {
+    let (t0, n) = (toks.start, toks.len());
+    let bb = DType::Q6_K.block_bytes();
+    out[..n].fill(0.0);
+    for b in 0..act.blocks_per_row() {
+        let w = &row[b * bb..(b + 1) * bb];
+        let sc = &w[192..208];
+        let scales = BlockScales { d: f16_to_f32(f16_bits(w, 208)), m: 0.0 };
+        let u = codes_q6k(w);
+        let mut sv = [_mm256_setzero_si256(); 8];
+        for (j, v) in sv.iter_mut().enumerate() {
+            *v = _mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 1] as i8 as i16), _mm_set1_epi16(sc[2 * j] as i8 as i16));
+        }
+        let sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(sc.as_ptr() as *const __m128i));
+        for t in 0..n {
+            let xi = act.idx(t0 + t, b);
+            let xq = act.qs.as_ptr().add(xi * 256);
+            let mut acc = _mm256_setzero_si256();
+            for j in 0..8 {
+                acc = dp_scaled(acc, u[j], _mm256_loadu_si256(xq.add(32 * j) as *const __m256i), sv[j]);
+            }
+            let bs = _mm256_loadu_si256(act.bsums.as_ptr().add(xi * 16) as *const __m256i);
+            let corr = hsum8(_mm256_madd_epi16(sc16, bs));
+            let ints = BlockInts { isum: hsum8(acc) - 32 * corr, mins: 0 };
+            out[t] = accumulate(DType::Q6_K, out[t], scales, ints, *act.d.get_unchecked(xi), 0.0);
+        }
+    }
 }
 
 /// Decode (one token) over R rows of a K-quant (Q4_K = 12, Q5_K = 13, Q6_K = 14 by GGML id)
