@@ -1,6 +1,7 @@
-//! AVX2 kernels of Q2_K and Q3_K weights against Q8_K activations: decode (one token, several
-//! rows at once) and prefill (one row against a range of tokens, each block unpacked once for
-//! all of them). They run at the AVX2 and the AVX-512 levels alike.
+//! AVX2 kernels of Q2_K and Q3_K weights against Q8_K activations: how a block unpacks (which
+//! the decode and small-batch kernels of `x86` use too) and prefill (one row against a range of
+//! tokens, each block unpacked once for all of them). They run at the AVX2 and the AVX-512
+//! levels alike.
 //!
 //! Both formats keep 2-bit codes in `qs[64]`: code vector k (elements 32k..32k + 32, k = 4n + j)
 //! is bits 2j..2j + 2 of bytes 32n..32n + 32, and its low 16 lanes belong to 16-value group 2k,
@@ -18,7 +19,7 @@
 #![allow(clippy::needless_range_loop)]
 
 use super::act::QuantAct;
-use super::x86::{prefetch_rows, reduce8x8};
+use super::x86::{dot_unpacked, reduce8x8};
 use crate::dtype::DType;
 use crate::matmul::{MatRef, SendPtr};
 use crate::pool::ThreadPool;
@@ -100,6 +101,15 @@ pub(crate) struct Unpacked {
     s16: __m256i,
 }
 
+impl Unpacked {
+    /// (codes, scale vectors, the 16-value sums' factors), as the K-quant kernels of `x86`
+    /// take them.
+    #[inline(always)]
+    pub(crate) fn parts(self) -> ([__m256i; 8], [__m256i; 8], __m256i) {
+        (self.u, self.sv, self.s16)
+    }
+}
+
 /// Unpacks the block at `blk`.
 ///
 /// # Safety
@@ -144,28 +154,6 @@ pub(crate) unsafe fn unpack<const Q3: bool>(blk: *const u8) -> Unpacked {
     Unpacked { u, sv: scale_vectors(sc16), s16 }
 }
 
-/// One unpacked block against the 256 activation codes at `xq` (16-value sums `bs`): (`isum` in
-/// 8 lanes, Q2_K's `mins` in 8 lanes — for Q3_K the isum already has 4·Σ scale·bsum taken off,
-/// and the second vector is zero).
-///
-/// # Safety
-///
-/// `xq` is valid for reading 256 bytes; the CPU has AVX2 (checked by `cpu::isa()`).
-#[inline(always)]
-unsafe fn block_dot<const Q3: bool>(b: &Unpacked, xq: *const i8, bs: __m256i) -> (__m256i, __m256i) {
-    let mut v = _mm256_setzero_si256();
-    for k in 0..8 {
-        let x = _mm256_loadu_si256(xq.add(32 * k) as *const __m256i);
-        v = _mm256_add_epi32(v, _mm256_madd_epi16(_mm256_maddubs_epi16(b.u[k], x), b.sv[k]));
-    }
-    let side = _mm256_madd_epi16(b.s16, bs);
-    if Q3 {
-        (_mm256_sub_epi32(v, _mm256_slli_epi32(side, 2)), _mm256_setzero_si256())
-    } else {
-        (v, side)
-    }
-}
-
 /// The f16 at byte `o` of the block at `blk`, as bits.
 ///
 /// # Safety
@@ -174,80 +162,6 @@ unsafe fn block_dot<const Q3: bool>(b: &Unpacked, xq: *const i8, bs: __m256i) ->
 #[inline(always)]
 unsafe fn f16_bits_at(blk: *const u8, o: usize) -> u16 {
     (blk.add(o) as *const u16).read_unaligned()
-}
-
-/// Decode (one token) over R ≤ 4 rows at once, eight blocks at a time: each block's integer
-/// sums stay in vector lanes until the eight are reduced together, the scale products are formed
-/// eight at a time, and the rows' per-block float additions are R independent chains — the
-/// operations of `accumulate`, in its order, for each row.
-///
-/// # Safety
-///
-/// The CPU has AVX2, FMA and F16C (checked by `cpu::isa()`); `w` holds R whole rows of the
-/// format (Q3 false: Q2_K) of `row_bytes`; `act` is one token's Q8_K activations for rows of
-/// this width, padded to whole groups of eight blocks (as `QuantAct` pads them).
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn rows_decode<const R: usize, const Q3: bool>(
-    w: &[u8],
-    row_bytes: usize,
-    act: &QuantAct,
-    out: &mut [f32; 4],
-) {
-    let bb = block_bytes(Q3);
-    let nb = act.blocks_per_row();
-    debug_assert!(R <= 4 && w.len() >= R * row_bytes && row_bytes == nb * bb);
-    let (d_at, m_at) = if Q3 { (108, 0) } else { (80, 82) };
-    let mut acc = [0f32; R];
-    let mut b0 = 0;
-    while b0 < nb {
-        let m = (nb - b0).min(8);
-        let i0 = act.idx(0, b0);
-        // Activation rows are padded with zero blocks to whole groups of eight.
-        let dx = _mm256_loadu_ps(act.d.as_ptr().add(i0));
-        let mut ddx = [[0f32; 8]; R];
-        let mut isf = [[0f32; 8]; R];
-        let mut mdx = [[0f32; 8]; R];
-        let mut minf = [[0f32; 8]; R];
-        for r in 0..R {
-            let base = w.as_ptr().add(r * row_bytes + b0 * bb);
-            // The same blocks of the row R rows further down: the next pass reads them.
-            prefetch_rows(base.wrapping_add(R * row_bytes), m * bb);
-            let mut a = [_mm256_setzero_si256(); 8];
-            let mut mn = [_mm256_setzero_si256(); 8];
-            let mut dbits = [0u16; 8];
-            let mut mbits = [0u16; 8];
-            for j in 0..m {
-                let blk = base.add(j * bb);
-                let xi = i0 + j;
-                let bs = _mm256_loadu_si256(act.bsums.as_ptr().add(xi * 16) as *const __m256i);
-                (a[j], mn[j]) = block_dot::<Q3>(&unpack::<Q3>(blk), act.qs.as_ptr().add(xi * 256), bs);
-                dbits[j] = f16_bits_at(blk, d_at);
-                if !Q3 {
-                    mbits[j] = f16_bits_at(blk, m_at);
-                }
-            }
-            let dw = _mm256_cvtph_ps(_mm_loadu_si128(dbits.as_ptr() as *const __m128i));
-            _mm256_storeu_ps(ddx[r].as_mut_ptr(), _mm256_mul_ps(dw, dx));
-            _mm256_storeu_ps(isf[r].as_mut_ptr(), _mm256_cvtepi32_ps(reduce8x8(&a)));
-            if !Q3 {
-                let mw = _mm256_cvtph_ps(_mm_loadu_si128(mbits.as_ptr() as *const __m128i));
-                let neg = _mm256_xor_ps(_mm256_mul_ps(mw, dx), _mm256_set1_ps(-0.0));
-                _mm256_storeu_ps(mdx[r].as_mut_ptr(), neg);
-                _mm256_storeu_ps(minf[r].as_mut_ptr(), _mm256_cvtepi32_ps(reduce8x8(&mn)));
-            }
-        }
-        for j in 0..m {
-            for r in 0..R {
-                // accumulate(): fma(d·dx, isum, acc), then for Q2_K fma(−(dmin·dx), mins, acc).
-                acc[r] = ddx[r][j].mul_add(isf[r][j], acc[r]);
-                if !Q3 {
-                    acc[r] = mdx[r][j].mul_add(minf[r][j], acc[r]);
-                }
-            }
-        }
-        b0 += m;
-    }
-    out[..R].copy_from_slice(&acc);
 }
 
 /// One row against tokens `t0..t0 + out.len()` of `act` (prefill): each block unpacked once,
@@ -281,7 +195,14 @@ pub unsafe fn row_tokens<const Q3: bool>(row: &[u8], act: &QuantAct, t0: usize, 
             for i in 0..k {
                 let xi = act.idx(t0 + t + i, b);
                 let bs = _mm256_loadu_si256(act.bsums.as_ptr().add(xi * 16) as *const __m256i);
-                (a[i], mn[i]) = block_dot::<Q3>(&ub, act.qs.as_ptr().add(xi * 256), bs);
+                (a[i], mn[i]) = dot_unpacked(
+                    if Q3 { Some(2) } else { None },
+                    &ub.u,
+                    &ub.sv,
+                    ub.s16,
+                    act.qs.as_ptr().add(xi * 256),
+                    bs,
+                );
                 dx[i] = *act.d.get_unchecked(xi);
                 o[i] = out[t + i];
             }
@@ -300,36 +221,12 @@ pub unsafe fn row_tokens<const Q3: bool>(row: &[u8], act: &QuantAct, t0: usize, 
     }
 }
 
-/// `out = x · Wᵀ` for Q2_K or Q3_K weights with AVX2: the caller checked the CPU (`isa() ≥
-/// Avx2`), and `act` holds `n` tokens quantized for `w` (Q8_K); `o` is `n × w.rows`.
+/// `out = x · Wᵀ` for Q2_K or Q3_K weights with AVX2 (prefill: decode and small batches run in
+/// `x86`): the caller checked the CPU (`isa() ≥ Avx2`), and `act` holds `n` tokens quantized
+/// for `w` (Q8_K); `o` is `n × w.rows`.
 pub(crate) fn matmul(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, n: usize, o: SendPtr) {
     assert!(matches!(w.dtype, DType::Q2_K | DType::Q3_K) && act.rows == n && act.cols == w.cols);
     let q3 = w.dtype == DType::Q3_K;
-    let rb = w.row_bytes();
-    if n == 1 {
-        // Decode: four rows at a time (fewer at a range's end).
-        return super::rows_by_four(pool, w, o, |wr, k, vals| {
-            macro_rules! go {
-                ($q3:literal) => {
-                    match k {
-                        4 => rows_decode::<4, $q3>(wr, rb, act, vals),
-                        3 => rows_decode::<3, $q3>(wr, rb, act, vals),
-                        2 => rows_decode::<2, $q3>(wr, rb, act, vals),
-                        _ => rows_decode::<1, $q3>(wr, rb, act, vals),
-                    }
-                };
-            }
-            // SAFETY: AVX2/FMA/F16C were detected (the caller's contract); `wr` holds k whole
-            // rows (MatRef::new checked the size); `act` is padded by QuantAct.
-            unsafe {
-                if q3 {
-                    go!(true)
-                } else {
-                    go!(false)
-                }
-            }
-        });
-    }
     // Prefill: rows in blocks of ROWS, tokens in chunks of TOKENS, so a block of weight rows
     // and a chunk of activations stay in cache while every pair is computed.
     const ROWS: usize = 16;

@@ -100,8 +100,19 @@ pub(crate) fn matmul_quant_isa(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, x: &[
     if isa == Isa::Avx512 && crate::cpu::has_vnni() && n >= gemm_min_tokens(w.dtype) && gemm_supports(w.dtype) {
         return gemm_tiled(pool, w, &act, n, o);
     }
-    // Q2_K and Q3_K: their own AVX2 kernels (decode at every level; prefill where the tiled
-    // kernel above does not apply).
+    // K-quants: decode and small batches on the kernels of `x86` (every format; Q2_K and Q3_K
+    // unpacked by `k23_x86`).
+    #[cfg(target_arch = "x86_64")]
+    if isa >= Isa::Avx2 && is_k(w.dtype) {
+        if n == 1 {
+            return decode_k(pool, w, &act, o);
+        }
+        if n > 1 && n <= batch_k_max_tokens(isa) {
+            return batch_k(isa, pool, w, &act, n, o);
+        }
+    }
+    // Q2_K and Q3_K prefill: their own AVX2 kernels (where the tiled kernel above does not
+    // apply).
     #[cfg(target_arch = "x86_64")]
     if isa >= Isa::Avx2 && matches!(w.dtype, DType::Q2_K | DType::Q3_K) {
         return k23_x86::matmul(pool, w, &act, n, o);
@@ -111,15 +122,6 @@ pub(crate) fn matmul_quant_isa(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, x: &[
     #[cfg(target_arch = "x86_64")]
     if isa >= Isa::Avx2 && is_block32(w.dtype) {
         return block32_x86::matmul(pool, w, &act, n, o);
-    }
-    #[cfg(target_arch = "x86_64")]
-    if isa >= Isa::Avx2 && matches!(w.dtype, DType::Q4_K | DType::Q5_K | DType::Q6_K) {
-        if n == 1 {
-            return decode_k(pool, w, &act, o);
-        }
-        if n <= batch_k_max_tokens(isa) {
-            return batch_k(isa, pool, w, &act, n, o);
-        }
     }
     // Rows in blocks of ROWS, tokens in chunks of TOKENS: a block's weights and a chunk's
     // activations stay in L1 while every pair is computed.
@@ -147,6 +149,10 @@ pub(crate) fn matmul_quant_isa(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, x: &[
     });
 }
 
+fn is_k(dtype: DType) -> bool {
+    matches!(dtype, DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K)
+}
+
 fn is_block32(dtype: DType) -> bool {
     matches!(dtype, DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0)
 }
@@ -172,7 +178,7 @@ fn rows_by_four(pool: &ThreadPool, w: MatRef<'_>, o: SendPtr, f: impl Fn(&[u8], 
     });
 }
 
-/// One token against a Q4_K, Q5_K or Q6_K matrix, four rows at a time.
+/// One token against a K-quant matrix, four rows at a time.
 #[cfg(target_arch = "x86_64")]
 fn decode_k(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, o: SendPtr) {
     let rb = w.row_bytes();
@@ -191,6 +197,8 @@ fn decode_k(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, o: SendPtr) {
         // are padded to whole groups of eight blocks.
         unsafe {
             match w.dtype {
+                DType::Q2_K => go!(10),
+                DType::Q3_K => go!(11),
                 DType::Q4_K => go!(12),
                 DType::Q5_K => go!(13),
                 _ => go!(14),
@@ -215,7 +223,7 @@ fn batch_k_max_tokens(isa: Isa) -> usize {
     }
 }
 
-/// Several tokens against a Q4_K, Q5_K or Q6_K matrix: rows in blocks of 16 (whose weights
+/// Several tokens against a K-quant matrix: rows in blocks of 16 (whose weights
 /// stay in L1/L2 while every token passes), tokens in chunks of `x86::BATCH_TOKENS`, four rows
 /// at a time.
 #[cfg(target_arch = "x86_64")]
@@ -253,6 +261,8 @@ fn batch_k(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, n: usize,
                     // blocks.
                     unsafe {
                         match w.dtype {
+                            DType::Q2_K => go!(10),
+                            DType::Q3_K => go!(11),
                             DType::Q4_K => go!(12),
                             DType::Q5_K => go!(13),
                             _ => go!(14),

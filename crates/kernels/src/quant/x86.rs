@@ -287,8 +287,7 @@ pub unsafe fn row_q6k(row: &[u8], act: &QuantAct, toks: std::ops::Range<usize>, 
     }
 }
 
-/// Decode (one token) over R rows of a K-quant (Q4_K = 12, Q5_K = 13, Q6_K = 14 by GGML id)
-/// at once. Each block's integer sums stay in vector lanes until eight blocks are reduced
+/// Decode (one token) over R rows of a K-quant (ids as in `KFormat`) at once. Each block's integer sums stay in vector lanes until eight blocks are reduced
 /// together, the scale products are formed eight blocks at a time, and the per-block float
 /// additions of the R rows are R independent chains — the same operations as `accumulate`.
 ///
@@ -304,14 +303,8 @@ pub unsafe fn rowsk_decode<const R: usize, const K: u32>(
     act: &QuantAct,
     out: &mut [f32; 4],
 ) {
-    let (dtype, q5, q6) = const {
-        match K {
-            12 => (DType::Q4_K, false, false),
-            13 => (DType::Q5_K, true, false),
-            14 => (DType::Q6_K, false, true),
-            _ => panic!("not a K-quant handled here"),
-        }
-    };
+    let f = const { KFormat::of(K) };
+    let dtype = f.dtype;
     let bb = dtype.block_bytes();
     let nb = act.blocks_per_row();
     let mut acc = [0f32; R];
@@ -338,19 +331,17 @@ pub unsafe fn rowsk_decode<const R: usize, const K: u32>(
                 let xi = i0 + j;
                 let xq = act.qs.as_ptr().add(xi * 256);
                 let bs = _mm256_loadu_si256(act.bsums.as_ptr().add(xi * 16) as *const __m256i);
-                let (u, sv, sums16) = if q6 { unpack_q6k(blk) } else { unpack_q4k(q5, blk) };
-                (a[j], mn[j]) = dot_unpacked(q6, &u, &sv, sums16, xq, bs);
-                if q6 {
-                    dbits[j] = (blk.add(208) as *const u16).read_unaligned();
-                } else {
-                    dbits[j] = (blk as *const u16).read_unaligned();
-                    mbits[j] = (blk.add(2) as *const u16).read_unaligned();
+                let (u, sv, sums16) = unpack::<K>(blk);
+                (a[j], mn[j]) = dot_unpacked(f.offset_shift, &u, &sv, sums16, xq, bs);
+                dbits[j] = (blk.add(f.d_at) as *const u16).read_unaligned();
+                if let Some(m_at) = f.m_at {
+                    mbits[j] = (blk.add(m_at) as *const u16).read_unaligned();
                 }
             }
             let dw = _mm256_cvtph_ps(_mm_loadu_si128(dbits.as_ptr() as *const __m128i));
             _mm256_storeu_ps(ddx[r].as_mut_ptr(), _mm256_mul_ps(dw, dx));
             _mm256_storeu_ps(isf[r].as_mut_ptr(), _mm256_cvtepi32_ps(reduce8x8(&a)));
-            if !q6 {
+            if f.m_at.is_some() {
                 let mw = _mm256_cvtph_ps(_mm_loadu_si128(mbits.as_ptr() as *const __m128i));
                 let neg = _mm256_xor_ps(_mm256_mul_ps(mw, dx), _mm256_set1_ps(-0.0));
                 _mm256_storeu_ps(mdx[r].as_mut_ptr(), neg);
@@ -361,7 +352,7 @@ pub unsafe fn rowsk_decode<const R: usize, const K: u32>(
             for r in 0..R {
                 // accumulate(): fma(d·dx, isum, acc), then fma(−(dmin·dx), mins, acc).
                 acc[r] = ddx[r][j].mul_add(isf[r][j], acc[r]);
-                if !q6 {
+                if f.m_at.is_some() {
                     acc[r] = mdx[r][j].mul_add(minf[r][j], acc[r]);
                 }
             }
@@ -428,14 +419,8 @@ unsafe fn batch_body<const R: usize, const K: u32, const Z: bool>(
     n: usize,
     out: &mut [[f32; BATCH_TOKENS]; 4],
 ) {
-    let (dtype, q5, q6) = const {
-        match K {
-            12 => (DType::Q4_K, false, false),
-            13 => (DType::Q5_K, true, false),
-            14 => (DType::Q6_K, false, true),
-            _ => panic!("not a K-quant handled here"),
-        }
-    };
+    let f = const { KFormat::of(K) };
+    let dtype = f.dtype;
     debug_assert!((1..=BATCH_TOKENS).contains(&n));
     let bb = dtype.block_bytes();
     let nb = act.blocks_per_row();
@@ -470,28 +455,26 @@ unsafe fn batch_body<const R: usize, const K: u32, const Z: bool>(
             prefetch_rows(base.wrapping_add(R * row_bytes), m * bb);
             for j in 0..m {
                 let blk = base.add(j * bb);
-                let (u, sv, sums16) = if q6 { unpack_q6k(blk) } else { unpack_q4k(q5, blk) };
+                let (u, sv, sums16) = unpack::<K>(blk);
                 if Z {
                     let (u, sv) = super::x86_512::widen_unpacked(&u, &sv);
                     for t in 0..n {
                         let xi = act.idx(t0 + t, b0 + j);
                         let xq = act.qs.as_ptr().add(xi * 256);
                         let bs = _mm256_loadu_si256(act.bsums.as_ptr().add(xi * 16) as *const __m256i);
-                        (a[t][j], mn[t][j]) = super::x86_512::dot_unpacked(q6, &u, &sv, sums16, xq, bs);
+                        (a[t][j], mn[t][j]) = super::x86_512::dot_unpacked(f.offset_shift, &u, &sv, sums16, xq, bs);
                     }
                 } else {
                     for t in 0..n {
                         let xi = act.idx(t0 + t, b0 + j);
                         let xq = act.qs.as_ptr().add(xi * 256);
                         let bs = _mm256_loadu_si256(act.bsums.as_ptr().add(xi * 16) as *const __m256i);
-                        (a[t][j], mn[t][j]) = dot_unpacked(q6, &u, &sv, sums16, xq, bs);
+                        (a[t][j], mn[t][j]) = dot_unpacked(f.offset_shift, &u, &sv, sums16, xq, bs);
                     }
                 }
-                if q6 {
-                    dbits[j] = (blk.add(208) as *const u16).read_unaligned();
-                } else {
-                    dbits[j] = (blk as *const u16).read_unaligned();
-                    mbits[j] = (blk.add(2) as *const u16).read_unaligned();
+                dbits[j] = (blk.add(f.d_at) as *const u16).read_unaligned();
+                if let Some(m_at) = f.m_at {
+                    mbits[j] = (blk.add(m_at) as *const u16).read_unaligned();
                 }
             }
             let dw = _mm256_cvtph_ps(_mm_loadu_si128(dbits.as_ptr() as *const __m128i));
@@ -499,7 +482,7 @@ unsafe fn batch_body<const R: usize, const K: u32, const Z: bool>(
             for t in 0..n {
                 _mm256_storeu_ps(ddx[r][t].as_mut_ptr(), _mm256_mul_ps(dw, dx[t]));
                 _mm256_storeu_ps(isf[r][t].as_mut_ptr(), _mm256_cvtepi32_ps(reduce8x8(&a[t])));
-                if !q6 {
+                if f.m_at.is_some() {
                     let neg = _mm256_xor_ps(_mm256_mul_ps(mw, dx[t]), _mm256_set1_ps(-0.0));
                     _mm256_storeu_ps(mdx[r][t].as_mut_ptr(), neg);
                     _mm256_storeu_ps(minf[r][t].as_mut_ptr(), _mm256_cvtepi32_ps(reduce8x8(&mn[t])));
@@ -511,7 +494,7 @@ unsafe fn batch_body<const R: usize, const K: u32, const Z: bool>(
                 for t in 0..n {
                     // accumulate(): fma(d·dx, isum, acc), then fma(−(dmin·dx), mins, acc).
                     acc[r][t] = ddx[r][t][j].mul_add(isf[r][t][j], acc[r][t]);
-                    if !q6 {
+                    if f.m_at.is_some() {
                         acc[r][t] = mdx[r][t][j].mul_add(minf[r][t][j], acc[r][t]);
                     }
                 }
@@ -555,6 +538,53 @@ unsafe fn k4_scales_mins_v(sc: *const u8) -> (__m256i, __m256i) {
 #[inline(always)]
 unsafe fn pick16(v: __m256i, k: i32) -> __m256i {
     _mm256_shuffle_epi8(v, _mm256_set1_epi16((((2 * k + 1) << 8) | (2 * k)) as i16))
+}
+
+/// Where the K-quant kernels of this file find a format's fields (by GGML id: Q2_K = 10,
+/// Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14).
+#[derive(Clone, Copy)]
+pub(crate) struct KFormat {
+    pub(crate) dtype: DType,
+    /// Byte offset of the f16 super-block scale `d`.
+    d_at: usize,
+    /// Byte offset of the f16 `dmin`, for the formats with minima (Q2_K, Q4_K, Q5_K).
+    m_at: Option<usize>,
+    /// log2 of the offset stored in every code (Q3_K: 4, Q6_K: 32), taken off through the
+    /// 16-value sums.
+    offset_shift: Option<i32>,
+}
+
+impl KFormat {
+    pub(crate) const fn of(id: u32) -> KFormat {
+        let (dtype, d_at, m_at, offset_shift) = match id {
+            10 => (DType::Q2_K, 80, Some(82), None),
+            11 => (DType::Q3_K, 108, None, Some(2)),
+            12 => (DType::Q4_K, 0, Some(2), None),
+            13 => (DType::Q5_K, 0, Some(2), None),
+            14 => (DType::Q6_K, 208, None, Some(5)),
+            _ => panic!("not a K-quant handled here"),
+        };
+        KFormat { dtype, d_at, m_at, offset_shift }
+    }
+}
+
+/// The block at `blk` of K-quant `K` unpacked for dot products with any number of tokens:
+/// its codes in element order (unsigned, 32 per vector), each vector's scales as i16 lanes,
+/// and the i16 factors of the 16-value sums (the mins, or for formats with a stored offset
+/// the scales).
+///
+/// # Safety
+///
+/// `blk` points to one whole block; AVX2 is present.
+#[inline(always)]
+unsafe fn unpack<const K: u32>(blk: *const u8) -> ([__m256i; 8], [__m256i; 8], __m256i) {
+    match K {
+        10 => super::k23_x86::unpack::<false>(blk).parts(),
+        11 => super::k23_x86::unpack::<true>(blk).parts(),
+        12 => unpack_q4k(false, blk),
+        13 => unpack_q4k(true, blk),
+        _ => unpack_q6k(blk),
+    }
 }
 
 /// A Q4_K/Q5_K block unpacked for dot products with any number of tokens: its codes in
@@ -611,16 +641,17 @@ unsafe fn q6k_scale_ctrl(j: usize) -> __m256i {
     _mm256_set_m128i(_mm_set1_epi16(hi), _mm_set1_epi16(lo))
 }
 
-/// One unpacked K-quant block (`unpack_q4k` / `unpack_q6k`) against one token's Q8_K codes
-/// `xq` and 16-value sums `bs`: (Σ scale·code·x in 8 lanes, Σ min·(16-value sums) in 8 lanes
-/// — zero for Q6_K, whose stored +32 is taken off the first through the sums).
+/// One unpacked K-quant block (`unpack`) against one token's Q8_K codes `xq` and 16-value sums
+/// `bs`: (Σ scale·code·x in 8 lanes, Σ min·(16-value sums) in 8 lanes). Where the codes carry
+/// a stored offset (`offset_shift`: Q3_K's 4, Q6_K's 32 as powers of two), it is taken off the
+/// first through the sums and the second is zero.
 ///
 /// # Safety
 ///
 /// `xq` points to the block's 256 activation codes; AVX2 is present.
 #[inline(always)]
-unsafe fn dot_unpacked(
-    q6: bool,
+pub(crate) unsafe fn dot_unpacked(
+    offset_shift: Option<i32>,
     u: &[__m256i; 8],
     sv: &[__m256i; 8],
     sums16: __m256i,
@@ -632,9 +663,8 @@ unsafe fn dot_unpacked(
         v = dp_scaled(v, u[k], _mm256_loadu_si256(xq.add(32 * k) as *const __m256i), sv[k]);
     }
     let m = _mm256_madd_epi16(sums16, bs);
-    if q6 {
-        (_mm256_sub_epi32(v, _mm256_slli_epi32(m, 5)), _mm256_setzero_si256())
-    } else {
-        (v, m)
+    match offset_shift {
+        Some(sh) => (_mm256_sub_epi32(v, _mm256_sll_epi32(m, _mm_cvtsi32_si128(sh))), _mm256_setzero_si256()),
+        None => (v, m),
     }
 }

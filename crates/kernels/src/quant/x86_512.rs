@@ -427,7 +427,7 @@ pub(crate) unsafe fn widen_unpacked(u: &[__m256i; 8], sv: &[__m256i; 8]) -> ([__
 /// `cpu::isa()`); inlined only into functions compiled for them.
 #[inline(always)]
 pub(crate) unsafe fn dot_unpacked(
-    q6: bool,
+    offset_shift: Option<i32>,
     u: &[__m512i; 4],
     sv: &[__m512i; 4],
     sums16: __m256i,
@@ -441,9 +441,8 @@ pub(crate) unsafe fn dot_unpacked(
     }
     let v = _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
     let m = _mm256_madd_epi16(sums16, bs);
-    if q6 {
-        (_mm256_sub_epi32(v, _mm256_slli_epi32(m, 5)), _mm256_setzero_si256())
-    } else {
-        (v, m)
+    match offset_shift {
+        Some(sh) => (_mm256_sub_epi32(v, _mm256_sll_epi32(m, _mm_cvtsi32_si128(sh))), _mm256_setzero_si256()),
+        None => (v, m),
     }
 }
