@@ -20,6 +20,7 @@
 
 use super::act::QuantAct;
 use super::x86::{prefetch_rows, reduce8x8};
+use super::{BatchOut, SMALL_BATCH};
 use crate::dtype::DType;
 use crate::matmul::{MatRef, SendPtr};
 use crate::pool::ThreadPool;
@@ -623,10 +624,7 @@ pub unsafe fn row_tokens_q8(row: &[u8], act: &QuantAct, t0: usize, out: &mut [f3
     by_groups!(nb, |b0, m| group(row, act, t0, out, b0, m));
 }
 
-/// Most tokens `rows_batch` and `rows_batch_q8` take at once.
-pub const BATCH_TOKENS: usize = 8;
-
-/// Tokens `t0..t0 + n` (n ≤ `BATCH_TOKENS`) over R ≤ 4 rows of Q4_0, Q4_1, Q5_0 or Q5_1 (small
+/// Tokens `t0..t0 + n` (n ≤ `SMALL_BATCH`) over R ≤ 4 rows of Q4_0, Q4_1, Q5_0 or Q5_1 (small
 /// batches: verify passes, a few streams): each group of eight blocks of a row is unpacked
 /// once for all the tokens, and each token then runs `rows_decode`'s operations — its eight
 /// blocks' sums reduced together, the scale products formed eight at a time, the rows'
@@ -643,14 +641,14 @@ pub unsafe fn rows_batch<const R: usize, const DT: u32>(
     act: &QuantAct,
     t0: usize,
     n: usize,
-    out: &mut [[f32; 4]; BATCH_TOKENS],
+    out: &mut BatchOut,
 ) {
     let nb = act.blocks_per_row();
     debug_assert!(R <= 4 && w.len() >= R * row_bytes && row_bytes == nb * block_bytes(DT));
-    debug_assert!((1..=BATCH_TOKENS).contains(&n) && t0 + n <= act.rows);
-    let mut acc = [_mm_setzero_ps(); BATCH_TOKENS];
+    debug_assert!((1..=SMALL_BATCH).contains(&n) && t0 + n <= act.rows);
+    let mut acc = [_mm_setzero_ps(); SMALL_BATCH];
     // Per token; rows past R stay zero, and so do their lanes of `acc`.
-    let mut terms: [Terms; BATCH_TOKENS] = std::array::from_fn(|_| Terms::new());
+    let mut terms: [Terms; SMALL_BATCH] = std::array::from_fn(|_| Terms::new());
     /// # Safety
     ///
     /// As `rows_batch`'s, for the eight blocks from `b0` (`m` of them inside the row).
@@ -663,8 +661,8 @@ pub unsafe fn rows_batch<const R: usize, const DT: u32>(
         (t0, n): (usize, usize),
         b0: usize,
         m: usize,
-        terms: &mut [Terms; BATCH_TOKENS],
-        acc: &mut [__m128; BATCH_TOKENS],
+        terms: &mut [Terms; SMALL_BATCH],
+        acc: &mut [__m128; SMALL_BATCH],
     ) {
         let bb = block_bytes(DT);
         if has_min(DT) {
@@ -723,14 +721,14 @@ pub unsafe fn rows_batch_q8<const R: usize>(
     act: &QuantAct,
     t0: usize,
     n: usize,
-    out: &mut [[f32; 4]; BATCH_TOKENS],
+    out: &mut BatchOut,
 ) {
     const BB: usize = 34;
     let nb = act.blocks_per_row();
     debug_assert!(R <= 4 && w.len() >= R * row_bytes && row_bytes == nb * BB);
-    debug_assert!((1..=BATCH_TOKENS).contains(&n) && t0 + n <= act.rows);
-    let mut acc = [_mm_setzero_ps(); BATCH_TOKENS];
-    let mut terms: [Terms; BATCH_TOKENS] = std::array::from_fn(|_| Terms::new());
+    debug_assert!((1..=SMALL_BATCH).contains(&n) && t0 + n <= act.rows);
+    let mut acc = [_mm_setzero_ps(); SMALL_BATCH];
+    let mut terms: [Terms; SMALL_BATCH] = std::array::from_fn(|_| Terms::new());
     /// # Safety
     ///
     /// As `rows_batch_q8`'s, for the eight blocks from `b0` (`m` of them inside the row).
@@ -743,8 +741,8 @@ pub unsafe fn rows_batch_q8<const R: usize>(
         (t0, n): (usize, usize),
         b0: usize,
         m: usize,
-        terms: &mut [Terms; BATCH_TOKENS],
-        acc: &mut [__m128; BATCH_TOKENS],
+        terms: &mut [Terms; SMALL_BATCH],
+        acc: &mut [__m128; SMALL_BATCH],
     ) {
         for r in 0..R {
             let base = w.as_ptr().add(r * row_bytes + b0 * BB);
@@ -860,7 +858,7 @@ pub(crate) fn matmul(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, n: usize,
 }
 
 /// Tokens from which one row against a range of tokens (`row_tokens`, eight blocks unpacked
-/// once for up to 32 tokens) beats four rows against up to `BATCH_TOKENS` (`rows_batch`).
+/// once for up to 32 tokens) beats four rows against up to `SMALL_BATCH` (`rows_batch`).
 /// Measured with the kernel lab's small-batch timings (2 threads, AVX2 kernels), time over one
 /// token before → after: Q5_0 n=2 2.48× → 1.26×, n=5 3.01× → 2.23×; Q8_0 n=2 2.11× → 1.34×,
 /// n=8 3.09× → 3.05×, n=16 5.20× → 6.03× (so the rows-batch kernel stops below 8). Decode
@@ -868,54 +866,31 @@ pub(crate) fn matmul(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, n: usize,
 /// against 17.0.
 const BATCH_MIN_ROW_TOKENS: usize = 8;
 
-/// Small batches: rows in blocks of 16 (their weights stay in L1/L2 while every token
-/// passes), tokens in chunks of `BATCH_TOKENS`, four rows at a time.
+/// Small batches (`super::small_batches` on `rows_batch` / `rows_batch_q8`).
 fn batch(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, n: usize, o: SendPtr) {
-    const BLOCK_ROWS: usize = 16;
     let rb = w.row_bytes();
-    pool.for_ranges(w.rows, 4, &|rows| {
-        let mut vals = [[0f32; 4]; BATCH_TOKENS];
-        let mut b0 = rows.start;
-        while b0 < rows.end {
-            let b1 = (b0 + BLOCK_ROWS).min(rows.end);
-            for t0 in (0..n).step_by(BATCH_TOKENS) {
-                let nt = (n - t0).min(BATCH_TOKENS);
-                let mut r = b0;
-                while r < b1 {
-                    let k = (b1 - r).min(4);
-                    let wr = &w.data[r * rb..(r + k) * rb];
-                    macro_rules! go {
-                        ($f:ident $(, $dt:expr)?) => {
-                            match k {
-                                4 => $f::<4 $(, $dt)?>(wr, rb, act, t0, nt, &mut vals),
-                                3 => $f::<3 $(, $dt)?>(wr, rb, act, t0, nt, &mut vals),
-                                2 => $f::<2 $(, $dt)?>(wr, rb, act, t0, nt, &mut vals),
-                                _ => $f::<1 $(, $dt)?>(wr, rb, act, t0, nt, &mut vals),
-                            }
-                        };
-                    }
-                    // SAFETY: AVX2/FMA/F16C were detected (the caller's contract); `wr` holds k
-                    // whole rows; tokens t0..t0 + nt are rows of `act`, padded by QuantAct and of
-                    // the kind the format pairs with (asserted by `matmul`).
-                    unsafe {
-                        match w.dtype {
-                            DType::Q4_0 => go!(rows_batch, Q4_0),
-                            DType::Q4_1 => go!(rows_batch, Q4_1),
-                            DType::Q5_0 => go!(rows_batch, Q5_0),
-                            DType::Q5_1 => go!(rows_batch, Q5_1),
-                            _ => go!(rows_batch_q8),
-                        }
-                    }
-                    for (t, row_vals) in vals.iter().enumerate().take(nt) {
-                        for (i, v) in row_vals.iter().enumerate().take(k) {
-                            // SAFETY: this thread owns rows b0..b1 of every token's output.
-                            unsafe { *o.get().add((t0 + t) * w.rows + r + i) = *v };
-                        }
-                    }
-                    r += k;
+    super::small_batches(pool, w, n, o, |wr, k, t0, nt, vals| {
+        macro_rules! go {
+            ($f:ident $(, $dt:expr)?) => {
+                match k {
+                    4 => $f::<4 $(, $dt)?>(wr, rb, act, t0, nt, vals),
+                    3 => $f::<3 $(, $dt)?>(wr, rb, act, t0, nt, vals),
+                    2 => $f::<2 $(, $dt)?>(wr, rb, act, t0, nt, vals),
+                    _ => $f::<1 $(, $dt)?>(wr, rb, act, t0, nt, vals),
                 }
+            };
+        }
+        // SAFETY: AVX2/FMA/F16C were detected (the caller's contract); `wr` holds k whole rows;
+        // tokens t0..t0 + nt are rows of `act`, padded by QuantAct and of the kind the format
+        // pairs with (asserted by `matmul`).
+        unsafe {
+            match w.dtype {
+                DType::Q4_0 => go!(rows_batch, Q4_0),
+                DType::Q4_1 => go!(rows_batch, Q4_1),
+                DType::Q5_0 => go!(rows_batch, Q5_0),
+                DType::Q5_1 => go!(rows_batch, Q5_1),
+                _ => go!(rows_batch_q8),
             }
-            b0 = b1;
         }
     });
 }

@@ -217,59 +217,48 @@ fn decode_k(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, o: SendPtr) {
 #[cfg(target_arch = "x86_64")]
 fn batch_k_max_tokens(isa: Isa) -> usize {
     if isa == Isa::Avx512 {
-        x86::BATCH_TOKENS
+        SMALL_BATCH
     } else {
         4
     }
 }
 
-/// Several tokens against a K-quant matrix: rows in blocks of 16 (whose weights
-/// stay in L1/L2 while every token passes), tokens in chunks of `x86::BATCH_TOKENS`, four rows
-/// at a time.
+/// Most tokens the small-batch kernels take at once (`x86::rowsk_batch`,
+/// `block32_x86::rows_batch`, `mxfp4_x86::rows_batch`). Measured (kernel lab, AVX2 K-quant
+/// kernel, 2 threads): 16 made every batch size slower than 8 (Q4_K at 64 tokens 68 against
+/// 86 GMAC/s) — the scratch no longer sits in L1 beside the weights and activations.
+pub(crate) const SMALL_BATCH: usize = 8;
+
+/// One small-batch kernel call's results: `[token][row]`.
+pub(crate) type BatchOut = [[f32; 4]; SMALL_BATCH];
+
+/// Several tokens against a matrix on a small-batch kernel: rows in blocks of 16 (whose
+/// weights stay in L1/L2 while every token passes), tokens in chunks of `SMALL_BATCH`, four
+/// rows at a time. `f(rows, k, t0, nt, vals)` computes the k rows whose bytes are `rows`
+/// against tokens `t0..t0 + nt` into `vals[t][r]`.
 #[cfg(target_arch = "x86_64")]
-fn batch_k(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, n: usize, o: SendPtr) {
-    let zmm = isa == Isa::Avx512;
+pub(crate) fn small_batches(
+    pool: &ThreadPool,
+    w: MatRef<'_>,
+    n: usize,
+    o: SendPtr,
+    f: impl Fn(&[u8], usize, usize, usize, &mut BatchOut) + Sync,
+) {
     const BLOCK_ROWS: usize = 16;
     let rb = w.row_bytes();
     pool.for_ranges(w.rows, 4, &|rows| {
-        let mut vals = [[0f32; x86::BATCH_TOKENS]; 4];
+        let mut vals = [[0f32; 4]; SMALL_BATCH];
         let mut b0 = rows.start;
         while b0 < rows.end {
             let b1 = (b0 + BLOCK_ROWS).min(rows.end);
-            for t0 in (0..n).step_by(x86::BATCH_TOKENS) {
-                let nt = (n - t0).min(x86::BATCH_TOKENS);
+            for t0 in (0..n).step_by(SMALL_BATCH) {
+                let nt = (n - t0).min(SMALL_BATCH);
                 let mut r = b0;
                 while r < b1 {
                     let k = (b1 - r).min(4);
-                    let wr = &w.data[r * rb..(r + k) * rb];
-                    macro_rules! go {
-                        ($dt:expr) => {
-                            match (zmm, k) {
-                                (true, 4) => x86::rowsk_batch_zmm::<4, { $dt }>(wr, rb, act, t0, nt, &mut vals),
-                                (true, 3) => x86::rowsk_batch_zmm::<3, { $dt }>(wr, rb, act, t0, nt, &mut vals),
-                                (true, 2) => x86::rowsk_batch_zmm::<2, { $dt }>(wr, rb, act, t0, nt, &mut vals),
-                                (true, _) => x86::rowsk_batch_zmm::<1, { $dt }>(wr, rb, act, t0, nt, &mut vals),
-                                (false, 4) => x86::rowsk_batch::<4, { $dt }>(wr, rb, act, t0, nt, &mut vals),
-                                (false, 3) => x86::rowsk_batch::<3, { $dt }>(wr, rb, act, t0, nt, &mut vals),
-                                (false, 2) => x86::rowsk_batch::<2, { $dt }>(wr, rb, act, t0, nt, &mut vals),
-                                (false, _) => x86::rowsk_batch::<1, { $dt }>(wr, rb, act, t0, nt, &mut vals),
-                            }
-                        };
-                    }
-                    // SAFETY: AVX2/FMA/F16C (and AVX-512 F/BW where `zmm`) were detected; `wr`
-                    // holds k whole rows; tokens t0..t0 + nt exist; activation rows are padded to whole groups of eight
-                    // blocks.
-                    unsafe {
-                        match w.dtype {
-                            DType::Q2_K => go!(10),
-                            DType::Q3_K => go!(11),
-                            DType::Q4_K => go!(12),
-                            DType::Q5_K => go!(13),
-                            _ => go!(14),
-                        }
-                    }
-                    for (i, row_vals) in vals.iter().enumerate().take(k) {
-                        for (t, v) in row_vals.iter().enumerate().take(nt) {
+                    f(&w.data[r * rb..(r + k) * rb], k, t0, nt, &mut vals);
+                    for (t, row_vals) in vals.iter().enumerate().take(nt) {
+                        for (i, v) in row_vals.iter().enumerate().take(k) {
                             // SAFETY: this thread owns rows b0..b1 of every token's output.
                             unsafe { *o.get().add((t0 + t) * w.rows + r + i) = *v };
                         }
@@ -278,6 +267,42 @@ fn batch_k(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, n: usize,
                 }
             }
             b0 = b1;
+        }
+    });
+}
+
+/// Several tokens against a K-quant matrix (`small_batches` on `x86::rowsk_batch`, or
+/// `rowsk_batch_zmm` at the AVX-512 level).
+#[cfg(target_arch = "x86_64")]
+fn batch_k(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, n: usize, o: SendPtr) {
+    let zmm = isa == Isa::Avx512;
+    let rb = w.row_bytes();
+    small_batches(pool, w, n, o, |wr, k, t0, nt, vals| {
+        macro_rules! go {
+            ($dt:expr) => {
+                match (zmm, k) {
+                    (true, 4) => x86::rowsk_batch_zmm::<4, { $dt }>(wr, rb, act, t0, nt, vals),
+                    (true, 3) => x86::rowsk_batch_zmm::<3, { $dt }>(wr, rb, act, t0, nt, vals),
+                    (true, 2) => x86::rowsk_batch_zmm::<2, { $dt }>(wr, rb, act, t0, nt, vals),
+                    (true, _) => x86::rowsk_batch_zmm::<1, { $dt }>(wr, rb, act, t0, nt, vals),
+                    (false, 4) => x86::rowsk_batch::<4, { $dt }>(wr, rb, act, t0, nt, vals),
+                    (false, 3) => x86::rowsk_batch::<3, { $dt }>(wr, rb, act, t0, nt, vals),
+                    (false, 2) => x86::rowsk_batch::<2, { $dt }>(wr, rb, act, t0, nt, vals),
+                    (false, _) => x86::rowsk_batch::<1, { $dt }>(wr, rb, act, t0, nt, vals),
+                }
+            };
+        }
+        // SAFETY: AVX2/FMA/F16C (and AVX-512 F/BW where `zmm`) were detected; `wr` holds k
+        // whole rows; tokens t0..t0 + nt exist; activation rows are padded to whole groups of
+        // eight blocks.
+        unsafe {
+            match w.dtype {
+                DType::Q2_K => go!(10),
+                DType::Q3_K => go!(11),
+                DType::Q4_K => go!(12),
+                DType::Q5_K => go!(13),
+                _ => go!(14),
+            }
         }
     });
 }

@@ -1,6 +1,7 @@
 //! AVX2 kernels of MXFP4 weights against Q8_0 activations: decode (one token, several rows at
-//! once) and prefill (one row against a range of tokens, eight blocks unpacked once for all of
-//! them). They run at the AVX2 and the AVX-512 levels alike.
+//! once), small batches (several rows against a few tokens) and prefill (one row against a
+//! range of tokens), each group of eight blocks unpacked once for all the tokens. They run at
+//! the AVX2 and the AVX-512 levels alike.
 //!
 //! A block is an E8M0 exponent and 32 four-bit codes indexing the doubled FP4 table
 //! (`MXFP4_VALUES`, −12..12). The codes are looked up with `vpshufb` in that table plus 12, so
@@ -17,6 +18,7 @@
 use super::act::QuantAct;
 use super::blocks::MXFP4_VALUES;
 use super::x86::prefetch_rows;
+use super::{BatchOut, SMALL_BATCH};
 use crate::dtype::DType;
 use crate::matmul::{MatRef, SendPtr};
 use crate::pool::ThreadPool;
@@ -298,6 +300,67 @@ pub unsafe fn rows_decode<const R: usize>(w: &[u8], row_bytes: usize, act: &Quan
     out[..R].copy_from_slice(&v[..R]);
 }
 
+/// Tokens `t0..t0 + n` (n ≤ `SMALL_BATCH`) over R ≤ 4 rows at once (small batches): each group
+/// of eight blocks of a row is unpacked once for all the tokens, and each token then runs
+/// `rows_decode`'s operations — so every value has the decode kernel's bits. `out[t][r]`
+/// receives row r, token t0 + t.
+///
+/// # Safety
+///
+/// As `rows_decode`, with tokens `t0..t0 + n` rows of `act`.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn rows_batch<const R: usize>(
+    w: &[u8],
+    row_bytes: usize,
+    act: &QuantAct,
+    t0: usize,
+    n: usize,
+    out: &mut BatchOut,
+) {
+    let nb = act.blocks_per_row();
+    debug_assert!(R <= 4 && w.len() >= R * row_bytes && row_bytes == nb * BB);
+    debug_assert!((1..=SMALL_BATCH).contains(&n) && t0 + n <= act.rows);
+    let t = table();
+    let mut acc = [_mm_setzero_ps(); SMALL_BATCH];
+    // Per token; rows past R stay zero, and so do their lanes of `acc`.
+    let mut ddx = [[_mm256_setzero_ps(); 4]; SMALL_BATCH];
+    let mut isf = [[_mm256_setzero_ps(); 4]; SMALL_BATCH];
+    by_groups!(nb, |b0, m| {
+        for r in 0..R {
+            let base = w.as_ptr().add(r * row_bytes + b0 * BB);
+            // The same blocks of the row R rows further down: the next pass reads them.
+            prefetch_rows(base.wrapping_add(R * row_bytes), 8 * BB);
+            // Blocks past the row's end stay zero (their activations are zero padding).
+            let mut u = [_mm256_setzero_si256(); 8];
+            let mut e = _mm_setzero_si128();
+            blocks8!(m, J, {
+                let blk = base.add(J * BB);
+                u[J] = codes(t, blk);
+                e = with_exponent::<{ J as i32 }>(e, blk);
+            });
+            let dw = scales8(e);
+            for i in 0..n {
+                let i0 = act.idx(t0 + i, b0);
+                let xq = act.qs.as_ptr().add(i0 * 32);
+                let mut h = [_mm256_setzero_si256(); 4];
+                for k in 0..4 {
+                    h[k] = _mm256_hadd_epi16(pairs(u[2 * k], xq.add(64 * k)), pairs(u[2 * k + 1], xq.add(64 * k + 32)));
+                }
+                ddx[i][r] = _mm256_mul_ps(dw, _mm256_loadu_ps(act.d.as_ptr().add(i0)));
+                isf[i][r] = _mm256_cvtepi32_ps(_mm256_sub_epi32(reduce8(&h), offset_sums(act, i0)));
+            }
+        }
+        for i in 0..n {
+            acc[i] = accumulate4(acc[i], &ddx[i], &isf[i], m);
+        }
+    });
+    for i in 0..n {
+        let mut v = [0f32; 4];
+        _mm_storeu_ps(v.as_mut_ptr(), acc[i]);
+        out[i][..R].copy_from_slice(&v[..R]);
+    }
+}
+
 /// One row against tokens `t0..t0 + out.len()` of `act` (prefill): eight blocks unpacked once,
 /// then for every token their sums reduced together and their scale products formed together,
 /// and four tokens' additions, block after block as `accumulate` makes them, in the lanes of one
@@ -364,6 +427,11 @@ pub unsafe fn row_tokens(row: &[u8], act: &QuantAct, t0: usize, out: &mut [f32])
     by_groups!(nb, |b0, m| group(row, act, t, t0, out, b0, m));
 }
 
+/// Tokens from which one row against a range of tokens (`row_tokens`) takes over from four rows
+/// against up to `SMALL_BATCH` (`rows_batch`), as for the 32-value block formats whose kernels
+/// these follow.
+const BATCH_MIN_ROW_TOKENS: usize = 8;
+
 /// `out = x · Wᵀ` for MXFP4 weights with AVX2: the caller checked the CPU (`isa() ≥ Avx2`), and
 /// `act` holds `n` tokens quantized for `w` (Q8_0); `o` is `n × w.rows`.
 pub(crate) fn matmul(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, n: usize, o: SendPtr) {
@@ -380,6 +448,20 @@ pub(crate) fn matmul(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, n: usize,
                     3 => rows_decode::<3>(wr, rb, act, vals),
                     2 => rows_decode::<2>(wr, rb, act, vals),
                     _ => rows_decode::<1>(wr, rb, act, vals),
+                }
+            }
+        });
+    }
+    if n < BATCH_MIN_ROW_TOKENS {
+        return super::small_batches(pool, w, n, o, |wr, k, t0, nt, vals| {
+            // SAFETY: AVX2/FMA were detected (the caller's contract); `wr` holds k whole rows;
+            // tokens t0..t0 + nt are rows of `act`, padded by QuantAct.
+            unsafe {
+                match k {
+                    4 => rows_batch::<4>(wr, rb, act, t0, nt, vals),
+                    3 => rows_batch::<3>(wr, rb, act, t0, nt, vals),
+                    2 => rows_batch::<2>(wr, rb, act, t0, nt, vals),
+                    _ => rows_batch::<1>(wr, rb, act, t0, nt, vals),
                 }
             }
         });

@@ -1,5 +1,5 @@
 //! AVX2 kernels of Q4_K, Q5_K and Q6_K: decode (one token over several rows), small batches
-//! (several rows against up to `BATCH_TOKENS` tokens) and prefill (one row against a range of
+//! (several rows against up to `SMALL_BATCH` tokens) and prefill (one row against a range of
 //! tokens), each block unpacked once for all the tokens; and the helpers other x86 kernels
 //! share. Decode and small batches run here on every x86-64 CPU with AVX2; prefill runs here on
 //! CPUs without AVX-512 VNNI (see `x86_512` for the tiled kernel). The 32-element block formats
@@ -13,6 +13,7 @@
 
 use super::act::QuantAct;
 use super::dot_ref::{accumulate, BlockInts, BlockScales};
+use super::{BatchOut, SMALL_BATCH};
 use crate::DType;
 use std::arch::x86_64::*;
 
@@ -362,17 +363,12 @@ pub unsafe fn rowsk_decode<const R: usize, const K: u32>(
     out[..R].copy_from_slice(&acc);
 }
 
-/// Most tokens `rowsk_batch` takes at once. Measured (kernel lab, AVX2 kernels, 2 threads):
-/// 16 made every batch size slower than 8 (Q4_K at 64 tokens 68 against 86 GMAC/s) — its
-/// scratch no longer sits in L1 beside the weights and activations.
-pub const BATCH_TOKENS: usize = 8;
-
-/// Tokens `t0..t0 + n` (n ≤ `BATCH_TOKENS`) over R rows of a K-quant (ids as in `rowsk_decode`): each
+/// Tokens `t0..t0 + n` (n ≤ `SMALL_BATCH`) over R rows of a K-quant (ids as in `rowsk_decode`): each
 /// block's codes and scales are unpacked once for all the tokens (four at a time), each
 /// token's integer sums stay in vector lanes until eight blocks are reduced together, and
 /// each (row, token) pair is its own float chain through the blocks in order — the
 /// operations of `rowsk_decode`, token by token, so every value has the decode kernel's
-/// bits. `out[r][t]` receives row r, token t0 + t.
+/// bits. `out[t][r]` receives row r, token t0 + t.
 ///
 /// # Safety
 ///
@@ -384,7 +380,7 @@ pub unsafe fn rowsk_batch<const R: usize, const K: u32>(
     act: &QuantAct,
     t0: usize,
     n: usize,
-    out: &mut [[f32; BATCH_TOKENS]; 4],
+    out: &mut BatchOut,
 ) {
     batch_body::<R, K, false>(w, row_bytes, act, t0, n, out)
 }
@@ -403,7 +399,7 @@ pub unsafe fn rowsk_batch_zmm<const R: usize, const K: u32>(
     act: &QuantAct,
     t0: usize,
     n: usize,
-    out: &mut [[f32; BATCH_TOKENS]; 4],
+    out: &mut BatchOut,
 ) {
     batch_body::<R, K, true>(w, row_bytes, act, t0, n, out)
 }
@@ -417,24 +413,24 @@ unsafe fn batch_body<const R: usize, const K: u32, const Z: bool>(
     act: &QuantAct,
     t0: usize,
     n: usize,
-    out: &mut [[f32; BATCH_TOKENS]; 4],
+    out: &mut BatchOut,
 ) {
     let f = const { KFormat::of(K) };
     let dtype = f.dtype;
-    debug_assert!((1..=BATCH_TOKENS).contains(&n));
+    debug_assert!((1..=SMALL_BATCH).contains(&n));
     let bb = dtype.block_bytes();
     let nb = act.blocks_per_row();
-    let mut acc = [[0f32; BATCH_TOKENS]; R];
+    let mut acc = [[0f32; SMALL_BATCH]; R];
     // Scratch, set up once: every group overwrites what it reads (zero lanes are only needed
     // past the row's last block, in its last group).
-    let mut dx = [_mm256_setzero_ps(); BATCH_TOKENS];
+    let mut dx = [_mm256_setzero_ps(); SMALL_BATCH];
     // [row][token][block] products of scales and integer sums, as `rowsk_decode` forms them.
-    let mut ddx = [[[0f32; 8]; BATCH_TOKENS]; R];
-    let mut isf = [[[0f32; 8]; BATCH_TOKENS]; R];
-    let mut mdx = [[[0f32; 8]; BATCH_TOKENS]; R];
-    let mut minf = [[[0f32; 8]; BATCH_TOKENS]; R];
-    let mut a = [[_mm256_setzero_si256(); 8]; BATCH_TOKENS];
-    let mut mn = [[_mm256_setzero_si256(); 8]; BATCH_TOKENS];
+    let mut ddx = [[[0f32; 8]; SMALL_BATCH]; R];
+    let mut isf = [[[0f32; 8]; SMALL_BATCH]; R];
+    let mut mdx = [[[0f32; 8]; SMALL_BATCH]; R];
+    let mut minf = [[[0f32; 8]; SMALL_BATCH]; R];
+    let mut a = [[_mm256_setzero_si256(); 8]; SMALL_BATCH];
+    let mut mn = [[_mm256_setzero_si256(); 8]; SMALL_BATCH];
     let mut dbits = [0u16; 8];
     let mut mbits = [0u16; 8];
     let mut b0 = 0;
@@ -502,7 +498,11 @@ unsafe fn batch_body<const R: usize, const K: u32, const Z: bool>(
         }
         b0 += m;
     }
-    out[..R].copy_from_slice(&acc);
+    for r in 0..R {
+        for t in 0..n {
+            out[t][r] = acc[r][t];
+        }
+    }
 }
 
 /// A Q4_K/Q5_K block's eight 6-bit scales and eight mins, unpacked with word arithmetic:
