@@ -1,6 +1,6 @@
-//! AVX2 kernels of the IQ formats: decode (one token, several rows at once) and prefill (one
-//! row against a range of tokens, each block unpacked once for all of them). They run at the
-//! AVX2 and the AVX-512 levels alike.
+//! AVX2 kernels of the IQ formats: decode (one token, several rows at once), small batches
+//! (several rows against a few tokens) and prefill (one row against a range of tokens), each
+//! block unpacked once for all the tokens. They run at the AVX2 and the AVX-512 levels alike.
 //!
 //! Each format unpacks a 32-value group into byte magnitudes, a sign source and sixteen i16
 //! scales (`for_groups`); a group's contribution is then `vpmaddubsw` of the magnitudes with the
@@ -19,6 +19,7 @@
 use super::act::QuantAct;
 use super::iq::scale_factor;
 use super::iq_tables::*;
+use super::{BatchOut, SMALL_BATCH};
 use crate::dtype::DType;
 use crate::matmul::{MatRef, SendPtr};
 use crate::pool::ThreadPool;
@@ -679,6 +680,96 @@ pub unsafe fn rows_decode<const R: usize, const DT: u32>(
     out[..R].copy_from_slice(&acc);
 }
 
+/// Tokens `t0..t0 + n` (n ≤ `SMALL_BATCH`) over R rows at once (small batches): each block's
+/// groups are unpacked once for all the tokens, and each token then runs `rows_decode`'s
+/// operations — its eight blocks' sums reduced together, the scale products formed eight at a
+/// time, one float chain per (row, token) through the blocks in order — so every value has the
+/// decode kernel's bits. `out[t][r]` receives row r, token t0 + t.
+///
+/// # Safety
+///
+/// As `rows_decode`, with tokens `t0..t0 + n` rows of `act`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn rows_batch<const R: usize, const DT: u32>(
+    w: &[u8],
+    row_bytes: usize,
+    act: &QuantAct,
+    t0: usize,
+    n: usize,
+    out: &mut BatchOut,
+) {
+    let dt = const { dtype_const(DT) };
+    let (bb, bl, ng) = (dt.block_bytes(), dt.block_elems(), groups(dt));
+    let factor = _mm256_set1_ps(scale_factor(dt));
+    let nb = act.blocks_per_row();
+    debug_assert!(w.len() >= R * row_bytes && act.cols == row_bytes / bb * bl);
+    debug_assert!((1..=SMALL_BATCH).contains(&n) && t0 + n <= act.rows);
+    let mut acc = [[0f32; SMALL_BATCH]; R];
+    // Scratch, set up once: every group of blocks overwrites what it reads (zero lanes are only
+    // needed past the row's last block).
+    let mut a = [[_mm256_setzero_si256(); 8]; SMALL_BATCH];
+    let mut ddx = [[[0f32; 8]; SMALL_BATCH]; R];
+    let mut isf = [[[0f32; 8]; SMALL_BATCH]; R];
+    let mut b0 = 0;
+    while b0 < nb {
+        let m = (nb - b0).min(8);
+        if m < 8 {
+            for t in 0..n {
+                a[t][m..].fill(_mm256_setzero_si256());
+            }
+        }
+        for r in 0..R {
+            let base = w.as_ptr().add(r * row_bytes + b0 * bb);
+            // The same blocks of the row R rows further down: the next pass reads them.
+            prefetch(base.wrapping_add(R * row_bytes), m * bb);
+            let mut dbits = [0u16; 8];
+            for j in 0..m {
+                let blk = base.add(j * bb);
+                let mut mag = [_mm256_setzero_si256(); 8];
+                let mut sgn = [_mm256_setzero_si256(); 8];
+                let mut scl = [_mm256_setzero_si256(); 8];
+                for_groups::<DT>(blk, |k, g_mag, g_sgn, g_scl| {
+                    (mag[k], sgn[k], scl[k]) = (g_mag, g_sgn, g_scl);
+                });
+                let off16 = if signed(dt) { _mm256_setzero_si256() } else { iq1_scales16::<DT>(blk) };
+                for t in 0..n {
+                    let xi = act.idx(t0 + t, b0 + j);
+                    let xq = act.qs.as_ptr().add(xi * bl);
+                    let mut v = _mm256_setzero_si256();
+                    for k in 0..ng {
+                        v = _mm256_add_epi32(v, group_dot::<DT>(mag[k], sgn[k], scl[k], xq.add(32 * k)));
+                    }
+                    if !signed(dt) {
+                        v = _mm256_sub_epi32(v, offset_sums(off16, act.bsums.as_ptr().add(xi * 16)));
+                    }
+                    a[t][j] = v;
+                }
+                dbits[j] = d_bits::<DT>(blk);
+            }
+            // D = f16 · 2^-k (exact), then D·dx rounded once, as `accumulate` forms it.
+            let dw = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(dbits.as_ptr() as *const __m128i)), factor);
+            for t in 0..n {
+                let dx = _mm256_loadu_ps(act.d.as_ptr().add(act.idx(t0 + t, b0)));
+                _mm256_storeu_ps(ddx[r][t].as_mut_ptr(), _mm256_mul_ps(dw, dx));
+                _mm256_storeu_ps(isf[r][t].as_mut_ptr(), _mm256_cvtepi32_ps(reduce8x8(&a[t])));
+            }
+        }
+        for j in 0..m {
+            for r in 0..R {
+                for t in 0..n {
+                    acc[r][t] = ddx[r][t][j].mul_add(isf[r][t][j], acc[r][t]);
+                }
+            }
+        }
+        b0 += m;
+    }
+    for r in 0..R {
+        for t in 0..n {
+            out[t][r] = acc[r][t];
+        }
+    }
+}
+
 /// One row against tokens `toks` of `act` (prefill): each block unpacked once, then every
 /// token's sums from the unpacked groups.
 ///
@@ -803,6 +894,10 @@ macro_rules! by_dtype {
     };
 }
 
+/// Tokens from which one row against a range of tokens (`row_tokens`) takes over from four rows
+/// against up to `SMALL_BATCH` (`rows_batch`).
+const BATCH_MIN_ROW_TOKENS: usize = 8;
+
 /// `out = x · Wᵀ` for IQ weights with AVX2: the caller checked the CPU (`isa() ≥ Avx2`), and
 /// `act` holds `n` tokens quantized for `w` (`ActKind::for_weights`); `o` is `n × w.rows`.
 pub(crate) fn matmul(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, n: usize, o: SendPtr) {
@@ -837,6 +932,23 @@ pub(crate) fn matmul(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, n: usize,
             }
         });
         return;
+    }
+    if n < BATCH_MIN_ROW_TOKENS {
+        return super::small_batches(pool, w, n, o, |wr, k, t0, nt, vals| {
+            macro_rules! go {
+                ($dt:literal) => {
+                    match k {
+                        4 => rows_batch::<4, $dt>(wr, rb, act, t0, nt, vals),
+                        3 => rows_batch::<3, $dt>(wr, rb, act, t0, nt, vals),
+                        2 => rows_batch::<2, $dt>(wr, rb, act, t0, nt, vals),
+                        _ => rows_batch::<1, $dt>(wr, rb, act, t0, nt, vals),
+                    }
+                };
+            }
+            // SAFETY: AVX2/FMA/F16C were detected (the caller's contract); `wr` holds k whole
+            // rows; tokens t0..t0 + nt are rows of `act`, padded by QuantAct.
+            unsafe { by_dtype!(w.dtype, go) };
+        });
     }
     // Prefill: rows in blocks of ROWS, tokens in chunks of TOKENS, so a block of weight rows
     // and a chunk of activations stay in cache while every pair is computed.
