@@ -406,6 +406,11 @@ pub unsafe fn rowsk_batch_zmm<const R: usize, const K: u32>(
 
 /// The body of `rowsk_batch` (Z = false) and `rowsk_batch_zmm` (Z = true), inlined into each
 /// with its instruction set.
+///
+/// # Safety
+///
+/// As `rowsk_batch` (and `rowsk_batch_zmm` where Z); only called from those two, whose
+/// instruction sets it is compiled with.
 #[inline(always)]
 unsafe fn batch_body<const R: usize, const K: u32, const Z: bool>(
     w: &[u8],
