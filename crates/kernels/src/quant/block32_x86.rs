@@ -816,7 +816,7 @@ pub(crate) fn matmul(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, n: usize,
             }
         });
     }
-    if n < BATCH_MIN_ROW_TOKENS {
+    if n < super::ROW_KERNEL_MIN_TOKENS {
         return batch(pool, w, act, n, o);
     }
     // Prefill: rows in blocks of ROWS, tokens in chunks of TOKENS, so a block of weight rows
@@ -856,15 +856,6 @@ pub(crate) fn matmul(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, n: usize,
         }
     });
 }
-
-/// Tokens from which one row against a range of tokens (`row_tokens`, eight blocks unpacked
-/// once for up to 32 tokens) beats four rows against up to `SMALL_BATCH` (`rows_batch`).
-/// Measured with the kernel lab's small-batch timings (2 threads, AVX2 kernels), time over one
-/// token before → after: Q5_0 n=2 2.48× → 1.26×, n=5 3.01× → 2.23×; Q8_0 n=2 2.11× → 1.34×,
-/// n=8 3.09× → 3.05×, n=16 5.20× → 6.03× (so the rows-batch kernel stops below 8). Decode
-/// (one token) keeps `rows_decode`: run through `rows_batch`, Q5_0 decoded at 14.9 GB/s
-/// against 17.0.
-const BATCH_MIN_ROW_TOKENS: usize = 8;
 
 /// Small batches (`super::small_batches` on `rows_batch` / `rows_batch_q8`).
 fn batch(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, n: usize, o: SendPtr) {

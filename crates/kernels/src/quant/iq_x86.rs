@@ -894,10 +894,6 @@ macro_rules! by_dtype {
     };
 }
 
-/// Tokens from which one row against a range of tokens (`row_tokens`) takes over from four rows
-/// against up to `SMALL_BATCH` (`rows_batch`).
-const BATCH_MIN_ROW_TOKENS: usize = 8;
-
 /// `out = x · Wᵀ` for IQ weights with AVX2: the caller checked the CPU (`isa() ≥ Avx2`), and
 /// `act` holds `n` tokens quantized for `w` (`ActKind::for_weights`); `o` is `n × w.rows`.
 pub(crate) fn matmul(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, n: usize, o: SendPtr) {
@@ -933,7 +929,7 @@ pub(crate) fn matmul(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, n: usize,
         });
         return;
     }
-    if n < BATCH_MIN_ROW_TOKENS {
+    if n < super::ROW_KERNEL_MIN_TOKENS {
         return super::small_batches(pool, w, n, o, |wr, k, t0, nt, vals| {
             macro_rules! go {
                 ($dt:literal) => {

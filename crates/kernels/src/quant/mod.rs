@@ -149,6 +149,7 @@ pub(crate) fn matmul_quant_isa(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, x: &[
     });
 }
 
+#[cfg(target_arch = "x86_64")]
 fn is_k(dtype: DType) -> bool {
     matches!(dtype, DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K)
 }
@@ -228,6 +229,16 @@ fn batch_k_max_tokens(isa: Isa) -> usize {
 /// kernel, 2 threads): 16 made every batch size slower than 8 (Q4_K at 64 tokens 68 against
 /// 86 GMAC/s) — the scratch no longer sits in L1 beside the weights and activations.
 pub(crate) const SMALL_BATCH: usize = 8;
+
+/// Tokens from which the one-row kernels of the 32-value block formats, MXFP4 and the IQ
+/// formats (`row_tokens`: eight blocks unpacked once for up to 32 tokens) take over from their
+/// small-batch kernels (four rows against up to `SMALL_BATCH`, `rows_batch`).
+/// Measured with the kernel lab's small-batch timings (2 threads, AVX2 kernels), time over one
+/// token before → after: Q5_0 n=2 2.48× → 1.26×, n=5 3.01× → 2.23×; Q8_0 n=2 2.11× → 1.34×,
+/// n=8 3.09× → 3.05×, n=16 5.20× → 6.03× (so the rows-batch kernel stops below 8). Decode
+/// (one token) keeps `rows_decode`: run through `rows_batch`, Q5_0 decoded at 14.9 GB/s
+/// against 17.0.
+pub(crate) const ROW_KERNEL_MIN_TOKENS: usize = 8;
 
 /// One small-batch kernel call's results: `[token][row]`.
 pub(crate) type BatchOut = [[f32; 4]; SMALL_BATCH];

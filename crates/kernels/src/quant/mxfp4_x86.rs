@@ -427,11 +427,6 @@ pub unsafe fn row_tokens(row: &[u8], act: &QuantAct, t0: usize, out: &mut [f32])
     by_groups!(nb, |b0, m| group(row, act, t, t0, out, b0, m));
 }
 
-/// Tokens from which one row against a range of tokens (`row_tokens`) takes over from four rows
-/// against up to `SMALL_BATCH` (`rows_batch`), as for the 32-value block formats whose kernels
-/// these follow.
-const BATCH_MIN_ROW_TOKENS: usize = 8;
-
 /// `out = x · Wᵀ` for MXFP4 weights with AVX2: the caller checked the CPU (`isa() ≥ Avx2`), and
 /// `act` holds `n` tokens quantized for `w` (Q8_0); `o` is `n × w.rows`.
 pub(crate) fn matmul(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, n: usize, o: SendPtr) {
@@ -452,7 +447,7 @@ pub(crate) fn matmul(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, n: usize,
             }
         });
     }
-    if n < BATCH_MIN_ROW_TOKENS {
+    if n < super::ROW_KERNEL_MIN_TOKENS {
         return super::small_batches(pool, w, n, o, |wr, k, t0, nt, vals| {
             // SAFETY: AVX2/FMA were detected (the caller's contract); `wr` holds k whole rows;
             // tokens t0..t0 + nt are rows of `act`, padded by QuantAct.
