@@ -180,11 +180,12 @@ unsafe fn read_avx512(b: &[u8]) -> u64 {
     _mm512_reduce_add_epi64(s) as u64
 }
 
-/// Every variant against the reference, at a small batch (the row kernels) and a batch past
-/// the tiled kernels' threshold whose last panel is partial.
+/// Every variant against the reference, at small batches (3 tokens: the small-batch kernels
+/// at every level; 5: the one-row K-quant kernels on 256-bit vectors) and a batch past the
+/// tiled kernels' threshold whose last panel is partial.
 fn check(dtype: DType, isa: Isa) -> Result<f32, String> {
     let mut worst = 0f32;
-    for n in [5, 13] {
+    for n in [3, 5, 13] {
         let (rows, cols) = (37, 256 + 32 * dtype.block_elems().min(8));
         let cols = cols / dtype.block_elems() * dtype.block_elems();
         let w = weights(dtype, rows, cols, 1);
