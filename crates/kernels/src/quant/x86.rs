@@ -510,39 +510,42 @@ unsafe fn batch_body<const R: usize, const K: u32, const Z: bool>(
     }
 }
 
-/// A Q4_K/Q5_K block's eight 6-bit scales and eight mins, unpacked with word arithmetic:
-/// (scales as i16 in both 128-bit lanes, mins each twice as i16 — one per 16-value sum).
+/// A Q4_K/Q5_K block's eight 6-bit scales and eight mins as bytes `[s0..s7, m0..m7]` in both
+/// 128-bit halves, unpacked with byte shuffles from the block's first 16 bytes (d, dmin and
+/// the 12 scale bytes).
 ///
-/// Sub-blocks 0..3 keep scale and min in the low six bits of bytes 0..3 and 4..7; sub-blocks
-/// 4..7 take their low four bits from a nibble of bytes 8..11 and their top two bits from
-/// the top of bytes 0..3 (scales) or 4..7 (mins).
+/// Sub-blocks 0..3 keep scale and min in the low six bits of scale bytes 0..3 and 4..7;
+/// sub-blocks 4..7 take their low four bits from a nibble of bytes 8..11 and their top two
+/// bits from the top of bytes 0..3 (scales) or 4..7 (mins).
 ///
 /// # Safety
 ///
-/// `sc` points to the block's 12 scale bytes; the CPU has AVX2 (checked by `cpu::isa()`).
+/// `blk` points to a whole block (at least 16 bytes); the CPU has AVX2 (checked by
+/// `cpu::isa()`).
 #[inline(always)]
-unsafe fn k4_scales_mins_v(sc: *const u8) -> (__m256i, __m256i) {
-    let a = (sc as *const u32).read_unaligned();
-    let b = (sc.add(4) as *const u32).read_unaligned();
-    let c = (sc.add(8) as *const u32).read_unaligned();
-    let sc_lo = a & 0x3F3F_3F3F;
-    let mn_lo = b & 0x3F3F_3F3F;
-    let sc_hi = (c & 0x0F0F_0F0F) | ((a >> 2) & 0x3030_3030);
-    let mn_hi = ((c >> 4) & 0x0F0F_0F0F) | ((b >> 2) & 0x3030_3030);
-    let v = _mm_set_epi32(mn_hi as i32, mn_lo as i32, sc_hi as i32, sc_lo as i32);
-    let scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(v));
-    let mins2 = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(v, v));
-    (scales, mins2)
+unsafe fn k4_scale_bytes(blk: *const u8) -> __m256i {
+    // Block bytes 4..7 = a (low scales), 8..11 = b (low mins), 12..15 = c (high nibbles).
+    let v = _mm_loadu_si128(blk as *const __m128i);
+    let acbc = _mm_shuffle_epi8(v, _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15));
+    let zazb = _mm_shuffle_epi8(v, _mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11));
+    let (s, c, z) = (0x3F, 0x0F, 0);
+    // The masks keep each byte's own bits after the 16-bit shifts.
+    let low = _mm_and_si128(acbc, _mm_setr_epi8(s, s, s, s, c, c, c, c, s, s, s, s, z, z, z, z));
+    let c_hi = _mm_and_si128(_mm_srli_epi16(acbc, 4), _mm_setr_epi8(z, z, z, z, z, z, z, z, z, z, z, z, c, c, c, c));
+    let t = 0x30;
+    let top = _mm_and_si128(_mm_srli_epi16(zazb, 2), _mm_setr_epi8(z, z, z, z, t, t, t, t, z, z, z, z, t, t, t, t));
+    _mm256_broadcastsi128_si256(_mm_or_si128(_mm_or_si128(low, c_hi), top))
 }
 
-/// i16 lanes all equal to lane `k` of each 128-bit half of `v` (a `vpshufb` control).
+/// i16 lanes all equal to byte `k` of each 128-bit half of `v` (a `vpshufb` control whose odd
+/// bytes clear).
 ///
 /// # Safety
 ///
 /// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
 #[inline(always)]
-unsafe fn pick16(v: __m256i, k: i32) -> __m256i {
-    _mm256_shuffle_epi8(v, _mm256_set1_epi16((((2 * k + 1) << 8) | (2 * k)) as i16))
+unsafe fn pick_byte16(v: __m256i, k: i32) -> __m256i {
+    _mm256_shuffle_epi8(v, _mm256_set1_epi16((0x8000u32 as i32 | k) as i16))
 }
 
 /// Where the K-quant kernels of this file find a format's fields (by GGML id: Q2_K = 10,
@@ -601,15 +604,54 @@ unsafe fn unpack<const K: u32>(blk: *const u8) -> ([__m256i; 8], [__m256i; 8], _
 /// `blk` points to one whole block; AVX2 is present.
 #[inline(always)]
 unsafe fn unpack_q4k(q5: bool, blk: *const u8) -> ([__m256i; 8], [__m256i; 8], __m256i) {
-    let (scales, mins2) = k4_scales_mins_v(blk.add(4));
+    let sb = k4_scale_bytes(blk);
     let w = std::slice::from_raw_parts(blk, if q5 { 176 } else { 144 });
     let mut u = [_mm256_setzero_si256(); 8];
     let mut sv = [_mm256_setzero_si256(); 8];
     for c in 0..4 {
         (u[2 * c], u[2 * c + 1]) = codes_q4k(q5, w, c);
-        sv[2 * c] = pick16(scales, 2 * c as i32);
-        sv[2 * c + 1] = pick16(scales, 2 * c as i32 + 1);
+        sv[2 * c] = pick_byte16(sb, 2 * c as i32);
+        sv[2 * c + 1] = pick_byte16(sb, 2 * c as i32 + 1);
     }
+    // Each min twice (one per 16-value sum): min j in i16 lanes 2j and 2j + 1.
+    let (x, m) = (-1, 8);
+    let mins2 = _mm256_shuffle_epi8(
+        sb,
+        _mm256_setr_epi8(
+            m,
+            x,
+            m,
+            x,
+            m + 1,
+            x,
+            m + 1,
+            x,
+            m + 2,
+            x,
+            m + 2,
+            x,
+            m + 3,
+            x,
+            m + 3,
+            x,
+            m + 4,
+            x,
+            m + 4,
+            x,
+            m + 5,
+            x,
+            m + 5,
+            x,
+            m + 6,
+            x,
+            m + 6,
+            x,
+            m + 7,
+            x,
+            m + 7,
+            x,
+        ),
+    );
     (u, sv, mins2)
 }
 
