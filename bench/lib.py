@@ -50,9 +50,26 @@ def machine():
         "cores": os.cpu_count(),
         "isa": isa,
         "mem_gib": round(mem_kib / 2**20, 1),
+        "l3_mib": l3_mib(),
         "gpu": None,
         "kernel": os.uname().release,
     }
+
+
+def l3_mib():
+    """The last-level cache cpu0 sees, in MiB (None where the kernel does not say): machines
+    that print the same CPU name differ in it, and a model whose weights fit in it decodes
+    from cache, not from memory."""
+    try:
+        with open("/sys/devices/system/cpu/cpu0/cache/index3/size") as f:
+            size = f.read().strip()
+    except OSError:
+        return None
+    units = {"K": 1 / 1024, "M": 1, "G": 1024}
+    try:
+        return round(float(size[:-1]) * units[size[-1]]) if size[-1] in units else round(int(size) / 2**20)
+    except ValueError:
+        return None
 
 
 def model_info(path):

@@ -60,7 +60,7 @@ def selection_key(r, fallback_name):
     m = r.get("machine", {})
     best = "avx512" if "avx512f" in m.get("isa", []) else "avx2"
     side = lambda k: ((r.get(k) or {}).get("isa") or best)
-    return (r.get("name", fallback_name), m.get("cpu"), side("sluice"), side("peer"))
+    return (r.get("name", fallback_name), m.get("cpu"), m.get("l3_mib"), side("sluice"), side("peer"))
 
 
 def select(results_dir):
@@ -171,13 +171,18 @@ def machine_isa(m):
     return f"{level} ({' '.join(flags)})" if flags else level
 
 
+def machine_cache(m):
+    """' with a 260 MiB L3' where the result recorded it (results from before it did, nothing)."""
+    return f" with a {m['l3_mib']} MiB L3" if m.get("l3_mib") else ""
+
+
 def threads_of(r):
     return r.get("protocol", {}).get("threads")
 
 
 def group_key(r):
     m = r["machine"]
-    return (m.get("cpu"), m.get("cores"), m.get("mem_gib"), tuple(m.get("isa", [])), threads_of(r), isa_of(r["sluice"]), isa_of(r["peer"]))
+    return (m.get("cpu"), m.get("l3_mib"), m.get("cores"), m.get("mem_gib"), tuple(m.get("isa", [])), threads_of(r), isa_of(r["sluice"]), isa_of(r["peer"]))
 
 
 # ---------------------------------------------------------------- rows
@@ -331,7 +336,7 @@ def section(results_dir):
         s_isa = isa_of(first["sluice"])
         p_isa = isa_of(first["peer"])
         lines.append(
-            f"Measured on {m['cpu']}, {m['cores']} cores, {m['mem_gib']} GiB, {machine_isa(m)}, {threads_of(first)} threads, on {', '.join(dates)}: "
+            f"Measured on {m['cpu']}{machine_cache(m)}, {m['cores']} cores, {m['mem_gib']} GiB, {machine_isa(m)}, {threads_of(first)} threads, on {', '.join(dates)}: "
             + f"sluice {', '.join(versions)}"
             + (f" running its {s_isa} kernels" if s_isa else ", whose kernels' ISA (AVX2 or AVX-512) was not recorded,")
             + f" against {first['peer']['name']} {', '.join(peers)}"
