@@ -172,17 +172,23 @@ pub(crate) unsafe fn codes_q4k(q5: bool, w: &[u8], c: usize) -> (__m256i, __m256
 pub(crate) unsafe fn codes_q6k(w: &[u8]) -> [__m256i; 8] {
     let (ql, qh) = (w.as_ptr(), w.as_ptr().add(128));
     let mask = _mm256_set1_epi8(0x0F);
-    let three = _mm256_set1_epi8(3);
+    // Bits 4–5 of each byte: where a code's two high bits go.
+    let top = _mm256_set1_epi8(0x30);
     let mut u = [_mm256_setzero_si256(); 8];
     for nn in 0..2 {
         let a = _mm256_loadu_si256(ql.add(64 * nn) as *const __m256i);
         let b = _mm256_loadu_si256(ql.add(64 * nn + 32) as *const __m256i);
         let h = _mm256_loadu_si256(qh.add(32 * nn) as *const __m256i);
-        let hb = |v: __m256i| _mm256_slli_epi16(_mm256_and_si256(v, three), 4);
-        u[4 * nn] = _mm256_or_si256(_mm256_and_si256(a, mask), hb(h));
-        u[4 * nn + 1] = _mm256_or_si256(_mm256_and_si256(b, mask), hb(_mm256_srli_epi16(h, 2)));
-        u[4 * nn + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), mask), hb(_mm256_srli_epi16(h, 4)));
-        u[4 * nn + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), mask), hb(_mm256_srli_epi16(h, 6)));
+        // Bit pair k of each qh byte moved straight to bits 4–5 (a 16-bit shift by 4 − 2k;
+        // the mask drops what crosses from the neighbouring byte).
+        let h0 = _mm256_and_si256(_mm256_slli_epi16(h, 4), top);
+        let h1 = _mm256_and_si256(_mm256_slli_epi16(h, 2), top);
+        let h2 = _mm256_and_si256(h, top);
+        let h3 = _mm256_and_si256(_mm256_srli_epi16(h, 2), top);
+        u[4 * nn] = _mm256_or_si256(_mm256_and_si256(a, mask), h0);
+        u[4 * nn + 1] = _mm256_or_si256(_mm256_and_si256(b, mask), h1);
+        u[4 * nn + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), mask), h2);
+        u[4 * nn + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), mask), h3);
     }
     u
 }
