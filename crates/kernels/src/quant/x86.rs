@@ -601,6 +601,13 @@ unsafe fn unpack<const K: u32>(blk: *const u8) -> ([__m256i; 8], [__m256i; 8], _
     }
 }
 
+/// The `vpshufb` control that spreads the mins of `k4_scale_bytes` (bytes 8..15) as i16, each
+/// twice (one per 16-value sum): min j into i16 lanes 2j and 2j + 1, odd bytes cleared.
+const MINS_TWICE: [i8; 32] = [
+    8, -1, 8, -1, 9, -1, 9, -1, 10, -1, 10, -1, 11, -1, 11, -1, 12, -1, 12, -1, 13, -1, 13, -1, 14, -1, 14, -1, 15, -1,
+    15, -1,
+];
+
 /// A Q4_K/Q5_K block unpacked for dot products with any number of tokens: its codes in
 /// element order (32 per vector), each vector's sub-block scale as i16 lanes, and its mins
 /// each twice (one per 16-value sum).
@@ -619,45 +626,7 @@ unsafe fn unpack_q4k(q5: bool, blk: *const u8) -> ([__m256i; 8], [__m256i; 8], _
         sv[2 * c] = pick_byte16(sb, 2 * c as i32);
         sv[2 * c + 1] = pick_byte16(sb, 2 * c as i32 + 1);
     }
-    // Each min twice (one per 16-value sum): min j in i16 lanes 2j and 2j + 1.
-    let (x, m) = (-1, 8);
-    let mins2 = _mm256_shuffle_epi8(
-        sb,
-        _mm256_setr_epi8(
-            m,
-            x,
-            m,
-            x,
-            m + 1,
-            x,
-            m + 1,
-            x,
-            m + 2,
-            x,
-            m + 2,
-            x,
-            m + 3,
-            x,
-            m + 3,
-            x,
-            m + 4,
-            x,
-            m + 4,
-            x,
-            m + 5,
-            x,
-            m + 5,
-            x,
-            m + 6,
-            x,
-            m + 6,
-            x,
-            m + 7,
-            x,
-            m + 7,
-            x,
-        ),
-    );
+    let mins2 = _mm256_shuffle_epi8(sb, _mm256_loadu_si256(MINS_TWICE.as_ptr() as *const __m256i));
     (u, sv, mins2)
 }
 
