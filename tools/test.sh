@@ -22,7 +22,9 @@ fi
 # moto's server (an S3-compatible server that checks request signatures, from PyPI), for the
 # s3:// test (installed once).
 moto="${SLUICE_MOTO:-$HOME/.cache/sluice/moto}"
-if ! PYTHONPATH="$moto" python3 -c "import moto.server, boto3" 2>/dev/null; then
+# (Into its own directory even where the machine's Python already has moto: the tests run it
+# from there.)
+if [ ! -d "$moto/moto" ] || ! PYTHONPATH="$moto" python3 -c "import moto.server, boto3" 2>/dev/null; then
   PIP_ROOT_USER_ACTION=ignore python3 -m pip install --quiet --disable-pip-version-check --target "$moto" "moto[server]==5.2.5" >/dev/null 2>&1 \
     || PIP_ROOT_USER_ACTION=ignore python3 -m pip install --quiet --disable-pip-version-check --target "$moto" "moto[server]==5.2.5"
 fi
