@@ -208,8 +208,8 @@ fn decode_k(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, o: SendPtr) {
     });
 }
 
-/// Most tokens for which `batch_k` beats one row against the tokens (`x86::row_q4k_q5k`,
-/// `row_q6k`, which unpack a block once for up to 32 tokens but pay two horizontal sums and a
+/// Most tokens for which `batch_k` beats one row against the tokens (`x86::rowk_tokens`,
+/// which unpack a block once for up to 32 tokens but pay two horizontal sums and a
 /// scalar accumulation per token and block). Measured with the kernel lab, old against new
 /// interleaved (2 threads, 8192×4096 from memory, time over one token): with 256-bit vectors
 /// Q6_K 1.75× → 1.20× at 2 tokens, 1.83× → 1.89× at 5, and at 64 tokens 71–76 against 61–66
@@ -399,8 +399,9 @@ fn row_tokens(isa: Isa, dtype: DType, row: &[u8], act: &QuantAct, toks: std::ops
         // full sizes (checked by MatRef::new and QuantAct::new).
         unsafe {
             match dtype {
-                DType::Q4_K | DType::Q5_K => return x86::row_q4k_q5k(dtype == DType::Q5_K, row, act, toks, out),
-                DType::Q6_K => return x86::row_q6k(row, act, toks, out),
+                DType::Q4_K => return x86::rowk_tokens::<12>(row, act, toks, out),
+                DType::Q5_K => return x86::rowk_tokens::<13>(row, act, toks, out),
+                DType::Q6_K => return x86::rowk_tokens::<14>(row, act, toks, out),
                 _ => {}
             }
         }

@@ -203,22 +203,9 @@ unsafe fn dp_scaled(acc: __m256i, u: __m256i, x: __m256i, scale16: __m256i) -> _
     _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), scale16))
 }
 
-/// A Q4_K/Q5_K block's eight sub-block scales, and its eight mins each twice (a min
-/// multiplies the two 16-value sums of its 32-value sub-block).
-#[inline(always)]
-fn k4_scales_mins(blk: &[u8]) -> ([i16; 8], [i16; 16]) {
-    let mut s = [0i16; 8];
-    let mut m2 = [0i16; 16];
-    for j in 0..8 {
-        let (a, c) = crate::quant::blocks::scale_min_k4(j, &blk[4..16]);
-        s[j] = a as i16;
-        m2[2 * j] = c as i16;
-        m2[2 * j + 1] = c as i16;
-    }
-    (s, m2)
-}
-
-/// One Q4_K or Q5_K row against tokens `toks`.
+/// One K-quant row (ids as in `KFormat`; the dispatcher uses it for Q4_K, Q5_K and Q6_K)
+/// against tokens `toks`: each block unpacked once (`unpack`) for all the tokens, then per
+/// token the block's dot (`dot_unpacked`), its two horizontal sums and `accumulate`.
 ///
 /// # Safety
 ///
@@ -226,70 +213,25 @@ fn k4_scales_mins(blk: &[u8]) -> ([i16; 8], [i16; 16]) {
 /// `cpu::isa()` first), and the slices hold what the format implies: whole blocks per row
 /// (`MatRef::new` checked the sizes), activations and outputs for every token in range.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn row_q4k_q5k(q5: bool, row: &[u8], act: &QuantAct, toks: std::ops::Range<usize>, out: &mut [f32]) {
+pub unsafe fn rowk_tokens<const K: u32>(row: &[u8], act: &QuantAct, toks: std::ops::Range<usize>, out: &mut [f32]) {
+    let f = const { KFormat::of(K) };
     let (t0, n) = (toks.start, toks.len());
-    let dtype = if q5 { DType::Q5_K } else { DType::Q4_K };
-    let bb = dtype.block_bytes();
+    let bb = f.dtype.block_bytes();
     out[..n].fill(0.0);
     for b in 0..act.blocks_per_row() {
         let w = &row[b * bb..(b + 1) * bb];
-        let (s, m2) = k4_scales_mins(w);
-        let mins16 = _mm256_loadu_si256(m2.as_ptr() as *const __m256i);
-        let scales = BlockScales { d: f16_to_f32(f16_bits(w, 0)), m: f16_to_f32(f16_bits(w, 2)) };
-        let mut u = [_mm256_setzero_si256(); 8];
-        let mut sv = [_mm256_setzero_si256(); 8];
-        for c in 0..4 {
-            (u[2 * c], u[2 * c + 1]) = codes_q4k(q5, w, c);
-            sv[2 * c] = _mm256_set1_epi16(s[2 * c]);
-            sv[2 * c + 1] = _mm256_set1_epi16(s[2 * c + 1]);
-        }
+        let scales = BlockScales {
+            d: f16_to_f32(f16_bits(w, f.d_at)),
+            m: f.m_at.map_or(0.0, |m_at| f16_to_f32(f16_bits(w, m_at))),
+        };
+        let (u, sv, sums16) = unpack::<K>(w.as_ptr());
         for t in 0..n {
             let xi = act.idx(t0 + t, b);
             let xq = act.qs.as_ptr().add(xi * 256);
-            let mut acc = _mm256_setzero_si256();
-            for k in 0..8 {
-                acc = dp_scaled(acc, u[k], _mm256_loadu_si256(xq.add(32 * k) as *const __m256i), sv[k]);
-            }
             let bs = _mm256_loadu_si256(act.bsums.as_ptr().add(xi * 16) as *const __m256i);
-            let ints = BlockInts { isum: hsum8(acc), mins: hsum8(_mm256_madd_epi16(mins16, bs)) };
-            out[t] = accumulate(dtype, out[t], scales, ints, *act.d.get_unchecked(xi), 0.0);
-        }
-    }
-}
-
-/// One Q6_K row against tokens `toks`: codes 0..63, the −32 taken off through the 16-value sums.
-///
-/// # Safety
-///
-/// The CPU supports the features named in `target_feature` (AVX2; the dispatcher checks
-/// `cpu::isa()` first), and the slices hold what the format implies: whole blocks per row
-/// (`MatRef::new` checked the sizes), activations and outputs for every token in range.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn row_q6k(row: &[u8], act: &QuantAct, toks: std::ops::Range<usize>, out: &mut [f32]) {
-    let (t0, n) = (toks.start, toks.len());
-    let bb = DType::Q6_K.block_bytes();
-    out[..n].fill(0.0);
-    for b in 0..act.blocks_per_row() {
-        let w = &row[b * bb..(b + 1) * bb];
-        let sc = &w[192..208];
-        let scales = BlockScales { d: f16_to_f32(f16_bits(w, 208)), m: 0.0 };
-        let u = codes_q6k(w);
-        let mut sv = [_mm256_setzero_si256(); 8];
-        for (j, v) in sv.iter_mut().enumerate() {
-            *v = _mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 1] as i8 as i16), _mm_set1_epi16(sc[2 * j] as i8 as i16));
-        }
-        let sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(sc.as_ptr() as *const __m128i));
-        for t in 0..n {
-            let xi = act.idx(t0 + t, b);
-            let xq = act.qs.as_ptr().add(xi * 256);
-            let mut acc = _mm256_setzero_si256();
-            for j in 0..8 {
-                acc = dp_scaled(acc, u[j], _mm256_loadu_si256(xq.add(32 * j) as *const __m256i), sv[j]);
-            }
-            let bs = _mm256_loadu_si256(act.bsums.as_ptr().add(xi * 16) as *const __m256i);
-            let corr = hsum8(_mm256_madd_epi16(sc16, bs));
-            let ints = BlockInts { isum: hsum8(acc) - 32 * corr, mins: 0 };
-            out[t] = accumulate(DType::Q6_K, out[t], scales, ints, *act.d.get_unchecked(xi), 0.0);
+            let (a, mn) = dot_unpacked(f.offset_shift, &u, &sv, sums16, xq, bs);
+            let ints = BlockInts { isum: hsum8(a), mins: hsum8(mn) };
+            out[t] = accumulate(f.dtype, out[t], scales, ints, *act.d.get_unchecked(xi), 0.0);
         }
     }
 }
