@@ -1,0 +1,156 @@
+//! Opening a device: driver and NVRTC loaded at run time, the kernels compiled for the
+//! device's architecture once and cached on disk by a hash of their source and options.
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, DriverError};
+use cudarc::nvrtc::{CompileOptions, Ptx};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// The kernels' CUDA C.
+const SOURCE: &str = include_str!("kernels/quant.cu");
+
+#[derive(Debug, thiserror::Error)]
+pub enum GpuError {
+    #[error("no CUDA driver on this machine (libcuda.so was not found): the CUDA backend needs an NVIDIA GPU and its driver")]
+    NoDriver,
+    #[error("NVRTC (libnvrtc.so) was not found: install the CUDA toolkit's NVRTC, or add the folder that holds it (often /usr/local/cuda/lib64) to LD_LIBRARY_PATH")]
+    NoNvrtc,
+    #[error("CUDA device {ordinal}: {source}")]
+    Open { ordinal: usize, source: DriverError },
+    #[error("CUDA: {0}")]
+    Driver(#[from] DriverError),
+    #[error("compiling the CUDA kernels for {arch} failed: {log}")]
+    Compile { arch: String, log: String },
+    #[error("no CUDA kernel for {0} weights")]
+    Unsupported(sluice_kernels::DType),
+    #[error("{0}")]
+    Shape(String),
+}
+
+/// An open CUDA device with the kernels loaded.
+pub struct Gpu {
+    /// Kept so the context outlives the module and stream made from it.
+    _ctx: Arc<CudaContext>,
+    pub(crate) stream: Arc<CudaStream>,
+    module: Arc<CudaModule>,
+    /// The device's name, as the driver gives it.
+    pub name: String,
+    /// Compute capability (major, minor).
+    pub capability: (i32, i32),
+    /// Device memory in bytes.
+    pub total_mem: usize,
+}
+
+impl Gpu {
+    /// Opens device `ordinal`, compiling the kernels (or loading them from the cache).
+    pub fn open(ordinal: usize) -> Result<Gpu, GpuError> {
+        // SAFETY: only probes whether the libraries can be loaded.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err(GpuError::NoDriver);
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|source| GpuError::Open { ordinal, source })?;
+        let capability = ctx.compute_capability()?;
+        let name = ctx.name()?;
+        let total_mem = ctx.total_mem()?;
+        let ptx = kernels_for(capability)?;
+        let module = ctx.load_module(Ptx::from_src(ptx))?;
+        let stream = ctx.default_stream();
+        Ok(Gpu { _ctx: ctx, stream, module, name, capability, total_mem })
+    }
+
+    pub(crate) fn function(&self, name: &str) -> Result<CudaFunction, GpuError> {
+        Ok(self.module.load_function(name)?)
+    }
+
+    /// Waits for all work queued on the device.
+    pub fn synchronize(&self) -> Result<(), GpuError> {
+        Ok(self.stream.synchronize()?)
+    }
+
+    /// The stream kernels run on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+}
+
+/// NVRTC's options. `--fmad=false`: no product is fused with an addition unless the source
+/// says `fmaf`, so the float formula rounds exactly as the CPU reference does.
+fn options(arch: &str) -> Vec<String> {
+    vec![format!("--gpu-architecture={arch}"), "--fmad=false".into(), "--std=c++17".into()]
+}
+
+/// PTX of the kernels for a device of compute capability `cc`: from the cache when a file
+/// for this source, these options and this architecture is there, else compiled and cached.
+fn kernels_for(cc: (i32, i32)) -> Result<String, GpuError> {
+    let arch = format!("compute_{}{}", cc.0, cc.1);
+    let opts = options(&arch);
+    let key = xxhash_rust::xxh3::xxh3_64(format!("{SOURCE}\0{}", opts.join(" ")).as_bytes());
+    let path = cache_dir().map(|d| d.join(format!("kernels-{arch}-{key:016x}.ptx")));
+    if let Some(ptx) = path.as_ref().and_then(|p| std::fs::read_to_string(p).ok()) {
+        return Ok(ptx);
+    }
+    // SAFETY: only probes whether the library can be loaded.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(GpuError::NoNvrtc);
+    }
+    let compiled = cudarc::nvrtc::compile_ptx_with_opts(
+        SOURCE,
+        CompileOptions { options: opts, name: Some("sluice_quant.cu".into()), ..Default::default() },
+    )
+    .map_err(|e| GpuError::Compile { arch: arch.clone(), log: compile_log(e) })?;
+    let ptx = compiled.to_src();
+    if let Some(p) = path {
+        // A cache that cannot be written only costs a compile next time.
+        let _ = write_atomically(&p, &ptx);
+    }
+    Ok(ptx)
+}
+
+fn compile_log(e: cudarc::nvrtc::CompileError) -> String {
+    match e {
+        cudarc::nvrtc::CompileError::CompileError { log, .. } => log.to_string_lossy().into_owned(),
+        other => format!("{other:?}"),
+    }
+}
+
+/// `$SLUICE_CUDA_CACHE`, else `$XDG_CACHE_HOME/sluice/cuda`, else `~/.cache/sluice/cuda`.
+fn cache_dir() -> Option<PathBuf> {
+    if let Some(d) = std::env::var_os("SLUICE_CUDA_CACHE") {
+        return Some(PathBuf::from(d));
+    }
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
+    Some(base.join("sluice").join("cuda"))
+}
+
+fn write_atomically(path: &std::path::Path, text: &str) -> std::io::Result<()> {
+    let dir = path.parent().ok_or(std::io::ErrorKind::InvalidInput)?;
+    std::fs::create_dir_all(dir)?;
+    let tmp = dir.join(format!(".{}.tmp", std::process::id()));
+    std::fs::write(&tmp, text)?;
+    std::fs::rename(&tmp, path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn opening_without_a_driver_is_an_error_not_a_panic() {
+        // SAFETY: only probes whether the library can be loaded.
+        let present = unsafe { cudarc::driver::sys::is_culib_present() };
+        match Gpu::open(0) {
+            Err(GpuError::NoDriver) => assert!(!present, "the driver is present but open said it is not"),
+            Err(GpuError::Open { .. }) | Ok(_) => assert!(present, "open found a driver that is not there"),
+            Err(e) => assert!(present, "unexpected error without a driver: {e}"),
+        }
+    }
+
+    #[test]
+    fn kernels_are_compiled_without_fused_multiply_adds() {
+        let o = options("compute_90");
+        assert!(o.iter().any(|s| s == "--fmad=false"), "{o:?}");
+        assert!(o.iter().any(|s| s == "--gpu-architecture=compute_90"), "{o:?}");
+    }
+}

@@ -1,0 +1,118 @@
+//! The CUDA matmul against the CPU, bit for bit. These need an NVIDIA GPU, so they are
+//! ignored by default: on a CUDA machine run `cargo test -p sluice-cuda -- --ignored` (or the
+//! built test binary with `--ignored`; `tools/cuda/stage.sh` builds one to carry there).
+
+use sluice_cuda::Gpu;
+use sluice_kernels::quant::act::{ActKind, QuantAct};
+use sluice_kernels::{matmul_ref, DType, MatRef};
+
+const FORMATS: [DType; 6] = [DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::Q2_K, DType::Q3_K, DType::Q8_0];
+
+fn rng(seed: u64) -> impl FnMut() -> f32 {
+    let mut s = seed;
+    move || {
+        s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+}
+
+/// Activations with the cases quantizers trip on: an all-zero block, a block whose largest
+/// magnitude occurs with both signs, values on rounding ties, and widely varying scales.
+fn activations(n: usize, cols: usize, seed: u64) -> Vec<f32> {
+    let mut r = rng(seed);
+    let mut x: Vec<f32> = (0..n * cols).map(|i| r() * (1.0 + (i % 97) as f32)).collect();
+    x[..cols.min(256)].iter_mut().for_each(|v| *v = 0.0);
+    if n > 1 {
+        let row = &mut x[cols..2 * cols];
+        row[3] = -5.0;
+        row[10] = 5.0;
+        for (i, v) in row.iter_mut().enumerate().skip(32).take(64) {
+            *v = (i as f32 - 64.0) * 0.5 * 5.0 / 127.0;
+        }
+    }
+    x
+}
+
+fn weights(dtype: DType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+    let mut r = rng(seed);
+    let v: Vec<f32> = (0..rows * cols).map(|_| r()).collect();
+    sluice_kernels::quant::quantize_rows(dtype, &v, cols)
+}
+
+fn open() -> Gpu {
+    Gpu::open(0).unwrap_or_else(|e| panic!("these tests need a CUDA device: {e}"))
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --ignored on a CUDA machine"]
+fn every_format_matches_the_cpu_reference_bit_for_bit() {
+    let gpu = open();
+    for dtype in FORMATS {
+        for (rows, cols) in [(37, 256), (64, 2048), (19, 2816)] {
+            let data = weights(dtype, rows, cols, rows as u64 * 31 + cols as u64);
+            let w = MatRef::new(dtype, rows, cols, &data).unwrap();
+            let gw = gpu.upload(w).unwrap();
+            for n in [1, 2, 7, 8, 9, 17] {
+                let x = activations(n, cols, n as u64 + 7);
+                let mut want = vec![0f32; n * rows];
+                matmul_ref(w, &x, n, &mut want);
+                let got = gpu.matmul_host(&gw, &x, n).unwrap();
+                for (i, (a, b)) in want.iter().zip(&got).enumerate() {
+                    assert_eq!(
+                        a.to_bits(),
+                        b.to_bits(),
+                        "{dtype} {rows}x{cols} n={n}: token {} row {}: CPU {a} GPU {b}",
+                        i / rows,
+                        i % rows
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --ignored on a CUDA machine"]
+fn activations_are_quantized_as_the_cpu_quantizes_them() {
+    let gpu = open();
+    for dtype in [DType::Q4_K, DType::Q8_0] {
+        let (n, cols) = (5, 1024);
+        let x = activations(n, cols, 3);
+        let cpu = QuantAct::new(ActKind::for_weights(dtype).unwrap(), &x, n, cols);
+        let xd = gpu.stream().clone_htod(&x).unwrap();
+        let h = gpu.quantize(dtype, &xd, n, cols).unwrap().to_host(&gpu).unwrap();
+        let (d, qs, bsums, qs16) = (h.d, h.qs, h.bsums, h.qs16);
+        let bl = cpu.kind.block();
+        let per_row = cols / bl;
+        for t in 0..n {
+            for b in 0..per_row {
+                let (g, c) = (t * per_row + b, cpu.idx(t, b));
+                assert_eq!(d[g].to_bits(), cpu.d[c].to_bits(), "{dtype} token {t} block {b}: d");
+                if cpu.kind == ActKind::Q8_K {
+                    assert_eq!(&qs[g * 256..(g + 1) * 256], cpu.block_qs(t, b), "token {t} block {b}: codes");
+                    assert_eq!(&bsums[g * 16..(g + 1) * 16], &cpu.bsums[c * 16..(c + 1) * 16], "token {t} block {b}");
+                } else {
+                    assert_eq!(&qs16[g * 32..(g + 1) * 32], cpu.block_qs16(t, b), "token {t} block {b}: codes");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --ignored on a CUDA machine"]
+fn a_row_does_not_depend_on_the_batch() {
+    let gpu = open();
+    let (rows, cols, n) = (96, 2048, 13);
+    for dtype in [DType::Q4_K, DType::Q6_K] {
+        let data = weights(dtype, rows, cols, 11);
+        let gw = gpu.upload(MatRef::new(dtype, rows, cols, &data).unwrap()).unwrap();
+        let x = activations(n, cols, 5);
+        let batch = gpu.matmul_host(&gw, &x, n).unwrap();
+        for t in 0..n {
+            let alone = gpu.matmul_host(&gw, &x[t * cols..(t + 1) * cols], 1).unwrap();
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&alone), bits(&batch[t * rows..(t + 1) * rows]), "{dtype} token {t}");
+        }
+    }
+}
