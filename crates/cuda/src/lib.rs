@@ -10,13 +10,30 @@
 //! exact integer sums, the same float formula applied block after block. So a row's result
 //! depends neither on the batch nor on which backend computed it.
 
+use sluice_kernels::DType;
+
 mod device;
 mod matmul;
 
-pub use device::{Gpu, GpuError};
+pub use device::{compile_kernels, Gpu, GpuError};
 pub use matmul::{GpuAct, GpuMatrix, HostAct};
 
 /// Weight formats the CUDA matmul computes on directly.
-pub fn supports(dtype: sluice_kernels::DType) -> bool {
+pub fn supports(dtype: DType) -> bool {
     matmul::kernel_name(dtype).is_some()
+}
+
+/// Every kernel the host code launches (the tests check that the compiled PTX has them).
+pub fn kernel_entry_points() -> Vec<String> {
+    let mut v = vec!["quantize_q8k".to_string(), "quantize_q16".to_string()];
+    for d in [DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::Q2_K, DType::Q3_K, DType::Q8_0] {
+        let base = matmul::kernel_name(d).expect("a CUDA format");
+        for lanes in [8, 16] {
+            for nt in [1, 8] {
+                v.push(format!("{base}_g{lanes}_{nt}"));
+                v.push(format!("{base}_g{lanes}_{nt}_ids"));
+            }
+        }
+    }
+    v
 }

@@ -3,12 +3,14 @@
 //! goes through the reference's integer sums and float formula (`kernels/quant.cu`).
 
 use crate::device::{Gpu, GpuError};
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 use sluice_kernels::quant::act::ActKind;
 use sluice_kernels::{DType, MatRef};
 
-/// Rows (one warp each) per thread block of the matmul kernels.
-const ROWS_PER_BLOCK: u32 = 4;
+/// Threads a block of the matmul kernels.
+const BLOCK_THREADS: u32 = 128;
+/// Lanes that share one row in `matmul`.
+const LANES_PER_ROW: usize = 8;
 
 /// The matmul kernel's base name for weights of `dtype`.
 pub(crate) fn kernel_name(dtype: DType) -> Option<&'static str> {
@@ -41,7 +43,9 @@ impl GpuMatrix {
 pub struct GpuAct {
     kind: ActKind,
     cols: usize,
+    /// Rows quantized now, and rows there is room for.
     n: usize,
+    capacity: usize,
     d: CudaSlice<f32>,
     /// Q8_K codes and their sums of 16 (empty for Q16).
     qs: CudaSlice<i8>,
@@ -87,46 +91,81 @@ impl Gpu {
         Ok(GpuMatrix { dtype: w.dtype, rows: w.rows, cols: w.cols, data })
     }
 
-    /// Quantizes `n × cols` f32 activations on the device as the CPU does for `dtype` weights.
-    pub fn quantize(&self, dtype: DType, x: &CudaSlice<f32>, n: usize, cols: usize) -> Result<GpuAct, GpuError> {
+    /// Room on the device for `n` activation rows of `cols` values quantized for `dtype`
+    /// weights (`quantize_into` fills it; allocate once, reuse every step).
+    pub fn act_buffer(&self, dtype: DType, n: usize, cols: usize) -> Result<GpuAct, GpuError> {
         let kind = ActKind::for_weights(dtype).filter(|_| kernel_name(dtype).is_some());
         let kind = kind.ok_or(GpuError::Unsupported(dtype))?;
-        if x.len() != n * cols || !cols.is_multiple_of(kind.block()) {
-            return Err(GpuError::Shape(format!(
-                "activations of {} values are not {n} rows of {cols} whole {}-value blocks",
-                x.len(),
-                kind.block()
-            )));
+        if !cols.is_multiple_of(kind.block()) {
+            return Err(GpuError::Shape(format!("{cols} columns are not whole {}-value blocks", kind.block())));
         }
-        let blocks = n * cols / kind.block();
+        let blocks = (n * cols / kind.block()).max(1);
         let s = &self.stream;
-        let (name, qs, bsums, qs16) = match kind {
-            ActKind::Q8_K => {
-                ("quantize_q8k", s.alloc_zeros::<i8>(blocks * 256)?, s.alloc_zeros(blocks * 16)?, s.alloc_zeros(1)?)
-            }
-            ActKind::Q16 => ("quantize_q16", s.alloc_zeros::<i8>(1)?, s.alloc_zeros(1)?, s.alloc_zeros(blocks * 32)?),
+        let (qs, bsums, qs16) = match kind {
+            ActKind::Q8_K => (s.alloc_zeros::<i8>(blocks * 256)?, s.alloc_zeros(blocks * 16)?, s.alloc_zeros(1)?),
+            ActKind::Q16 => (s.alloc_zeros::<i8>(1)?, s.alloc_zeros(1)?, s.alloc_zeros(blocks * 32)?),
             _ => return Err(GpuError::Unsupported(dtype)),
         };
-        let mut act = GpuAct { kind, cols, n, d: s.alloc_zeros(blocks)?, qs, bsums, qs16 };
-        let f = self.function(name)?;
+        Ok(GpuAct { kind, cols, n, capacity: n, d: s.alloc_zeros(blocks)?, qs, bsums, qs16 })
+    }
+
+    /// Quantizes `n × cols` f32 activations on the device as the CPU does for `dtype` weights.
+    pub fn quantize(&self, dtype: DType, x: &CudaSlice<f32>, n: usize, cols: usize) -> Result<GpuAct, GpuError> {
+        let mut act = self.act_buffer(dtype, n, cols)?;
+        self.quantize_into(x, n, &mut act)?;
+        Ok(act)
+    }
+
+    /// Quantizes `n` rows of `x` into `act` (which must have room for them).
+    pub fn quantize_into(&self, x: &CudaSlice<f32>, n: usize, act: &mut GpuAct) -> Result<(), GpuError> {
+        let cols = act.cols;
+        if n > act.capacity || x.len() < n * cols {
+            return Err(GpuError::Shape(format!(
+                "{n} activation rows of {cols} values: the buffer holds {} rows, the input {} values",
+                act.capacity,
+                x.len()
+            )));
+        }
+        act.n = n;
+        if n == 0 {
+            return Ok(());
+        }
+        let blocks = n * cols / act.kind.block();
+        let name = if act.kind == ActKind::Q8_K { "quantize_q8k" } else { "quantize_q16" };
+        let f = self.function(name);
         let (cols_i, n_i) = (cols as i32, n as i32);
         let cfg =
             LaunchConfig { grid_dim: ((blocks as u32).div_ceil(8), 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        let mut b = s.launch_builder(&f);
+        let mut b = self.stream.launch_builder(f);
         b.arg(x).arg(&cols_i).arg(&n_i).arg(&mut act.d);
-        if kind == ActKind::Q8_K {
+        if act.kind == ActKind::Q8_K {
             b.arg(&mut act.qs).arg(&mut act.bsums);
         } else {
             b.arg(&mut act.qs16);
         }
         // SAFETY: the kernel reads n × cols floats of `x` and writes `blocks` entries of `d`
-        // and of the code and sum arrays, each allocated to that size above.
+        // and of the code and sum arrays, which hold `capacity` ≥ n rows.
         unsafe { b.launch(cfg) }?;
-        Ok(act)
+        Ok(())
     }
 
-    /// `out = x · Wᵀ` for quantized activations `x` (n × cols): `out` is n × rows.
+    /// `out = x · Wᵀ` for quantized activations `x` (n × cols): `out` holds n × rows.
     pub fn matmul(&self, w: &GpuMatrix, x: &GpuAct, out: &mut CudaSlice<f32>) -> Result<(), GpuError> {
+        self.matmul_lanes(w, x, out, LANES_PER_ROW)
+    }
+
+    /// `matmul` with `lanes` (8 or 16) lanes a row: the same bits either way (the kernel lab
+    /// and the tests compare them).
+    pub fn matmul_lanes(
+        &self,
+        w: &GpuMatrix,
+        x: &GpuAct,
+        out: &mut CudaSlice<f32>,
+        lanes: usize,
+    ) -> Result<(), GpuError> {
+        if lanes != 8 && lanes != 16 {
+            return Err(GpuError::Shape(format!("{lanes} lanes a row: the kernels take 8 or 16")));
+        }
         let base = kernel_name(w.dtype).ok_or(GpuError::Unsupported(w.dtype))?;
         if ActKind::for_weights(w.dtype) != Some(x.kind) || x.cols != w.cols {
             return Err(GpuError::Shape(format!(
@@ -134,7 +173,7 @@ impl Gpu {
                 x.kind, x.cols, w.dtype, w.cols
             )));
         }
-        if out.len() != x.n * w.rows {
+        if out.len() < x.n * w.rows {
             return Err(GpuError::Shape(format!("output of {} values is not {} × {}", out.len(), x.n, w.rows)));
         }
         if x.n == 0 || w.rows == 0 {
@@ -142,19 +181,97 @@ impl Gpu {
         }
         // One token: the decode kernel; more: eight tokens a pass (each token's result is
         // the same either way).
-        let f = self.function(&format!("{base}_{}", if x.n == 1 { 1 } else { 8 }))?;
+        let f = self.function(&format!("{base}_g{lanes}_{}", if x.n == 1 { 1 } else { 8 }));
         let nb = (w.cols / w.dtype.block_elems()) as i32;
         let (rows, n) = (w.rows as i32, x.n as i32);
+        let threads = (w.rows * lanes) as u32;
         let cfg = LaunchConfig {
-            grid_dim: ((w.rows as u32).div_ceil(ROWS_PER_BLOCK), 1, 1),
-            block_dim: (32 * ROWS_PER_BLOCK, 1, 1),
+            grid_dim: (threads.div_ceil(BLOCK_THREADS), 1, 1),
+            block_dim: (BLOCK_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = self.stream.launch_builder(&f);
+        let mut b = self.stream.launch_builder(f);
         b.arg(&w.data).arg(&rows).arg(&nb).arg(&x.d).arg(&x.qs).arg(&x.bsums).arg(&x.qs16).arg(&n).arg(out);
         // SAFETY: `w.data` holds rows × nb blocks (checked at upload), the activation arrays
         // hold n × nb blocks of the kind these weights pair with (checked above), and `out`
         // holds n × rows floats.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// Several matrices of one shape and format in one launch, as a MoE layer multiplies
+    /// each selected expert with the tokens routed to it. `segments[s] = (W_s, range)`:
+    /// entries `range` of the list multiply `W_s`; entry `i` reads activation row
+    /// `act_rows[i]` of `x` and writes row `i` of `out` (entries × rows). Each entry's result
+    /// is bit-identical to `matmul` of its matrix and its activation row alone.
+    pub fn matmul_ids(
+        &self,
+        segments: &[(&GpuMatrix, std::ops::Range<usize>)],
+        x: &GpuAct,
+        act_rows: &[i32],
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), GpuError> {
+        let Some((first, _)) = segments.first() else { return Ok(()) };
+        let (dtype, rows, cols) = (first.dtype, first.rows, first.cols);
+        let base = kernel_name(dtype).ok_or(GpuError::Unsupported(dtype))?;
+        if ActKind::for_weights(dtype) != Some(x.kind) || x.cols != cols {
+            return Err(GpuError::Shape(format!(
+                "{:?} activations of {} columns do not fit {dtype} weights of {cols} columns",
+                x.kind, x.cols
+            )));
+        }
+        let mut expect = 0;
+        let (mut ptrs, mut starts, mut lens) = (Vec::new(), Vec::new(), Vec::new());
+        for (w, r) in segments {
+            if (w.dtype, w.rows, w.cols) != (dtype, rows, cols) {
+                return Err(GpuError::Shape(format!(
+                    "grouped matmul of {dtype} {rows}x{cols} and {} {}x{} matrices",
+                    w.dtype, w.rows, w.cols
+                )));
+            }
+            if r.start != expect || r.end < r.start {
+                return Err(GpuError::Shape(format!("segment {r:?} does not follow entry {expect}")));
+            }
+            expect = r.end;
+            let (p, _sync) = w.data.device_ptr(&self.stream);
+            ptrs.push(p);
+            starts.push(r.start as i32);
+            lens.push(r.len() as i32);
+        }
+        if act_rows.len() != expect || act_rows.iter().any(|&a| a < 0 || a as usize >= x.n) {
+            return Err(GpuError::Shape(format!(
+                "{} activation rows for {expect} entries, each below {}",
+                act_rows.len(),
+                x.n
+            )));
+        }
+        if out.len() < expect * rows {
+            return Err(GpuError::Shape(format!("output of {} values is not {expect} × {rows}", out.len())));
+        }
+        let max_len = lens.iter().copied().max().unwrap_or(0);
+        if expect == 0 || rows == 0 {
+            return Ok(());
+        }
+        let s = &self.stream;
+        let (ptrs, starts, lens, act_rows) =
+            (s.clone_htod(&ptrs)?, s.clone_htod(&starts)?, s.clone_htod(&lens)?, s.clone_htod(act_rows)?);
+        let lanes = LANES_PER_ROW;
+        let f = self.function(&format!("{base}_g{lanes}_{}_ids", if max_len == 1 { 1 } else { 8 }));
+        let nb = (cols / dtype.block_elems()) as i32;
+        let rows_i = rows as i32;
+        let threads = (rows * lanes) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (threads.div_ceil(BLOCK_THREADS), segments.len() as u32, 1),
+            block_dim: (BLOCK_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = s.launch_builder(f);
+        b.arg(&ptrs).arg(&starts).arg(&lens).arg(&rows_i).arg(&nb);
+        b.arg(&x.d).arg(&x.qs).arg(&x.bsums).arg(&x.qs16).arg(&act_rows).arg(out);
+        // SAFETY: every pointer is a live matrix of rows × nb blocks of this format (checked
+        // above; the borrows outlive the launch's queueing, and the matrices are freed only
+        // after the stream is done with them); segments are consecutive ranges of the entry
+        // list; each activation row index is below x.n; `out` holds entries × rows floats.
         unsafe { b.launch(cfg) }?;
         Ok(())
     }

@@ -39,6 +39,14 @@ fn weights(dtype: DType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
     sluice_kernels::quant::quantize_rows(dtype, &v, cols)
 }
 
+fn matmul_lanes(gpu: &Gpu, w: &sluice_cuda::GpuMatrix, x: &[f32], n: usize, lanes: usize) -> Vec<f32> {
+    let xd = gpu.stream().clone_htod(x).unwrap();
+    let act = gpu.quantize(w.dtype, &xd, n, w.cols).unwrap();
+    let mut out = gpu.stream().alloc_zeros::<f32>(n * w.rows).unwrap();
+    gpu.matmul_lanes(w, &act, &mut out, lanes).unwrap();
+    gpu.stream().clone_dtoh(&out).unwrap()
+}
+
 fn open() -> Gpu {
     Gpu::open(0).unwrap_or_else(|e| panic!("these tests need a CUDA device: {e}"))
 }
@@ -56,15 +64,17 @@ fn every_format_matches_the_cpu_reference_bit_for_bit() {
                 let x = activations(n, cols, n as u64 + 7);
                 let mut want = vec![0f32; n * rows];
                 matmul_ref(w, &x, n, &mut want);
-                let got = gpu.matmul_host(&gw, &x, n).unwrap();
-                for (i, (a, b)) in want.iter().zip(&got).enumerate() {
-                    assert_eq!(
-                        a.to_bits(),
-                        b.to_bits(),
-                        "{dtype} {rows}x{cols} n={n}: token {} row {}: CPU {a} GPU {b}",
-                        i / rows,
-                        i % rows
-                    );
+                for lanes in [8, 16] {
+                    let got = matmul_lanes(&gpu, &gw, &x, n, lanes);
+                    for (i, (a, b)) in want.iter().zip(&got).enumerate() {
+                        assert_eq!(
+                            a.to_bits(),
+                            b.to_bits(),
+                            "{dtype} {rows}x{cols} n={n} lanes={lanes}: token {} row {}: CPU {a} GPU {b}",
+                            i / rows,
+                            i % rows
+                        );
+                    }
                 }
             }
         }
@@ -115,4 +125,62 @@ fn a_row_does_not_depend_on_the_batch() {
             assert_eq!(bits(&alone), bits(&batch[t * rows..(t + 1) * rows]), "{dtype} token {t}");
         }
     }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --ignored on a CUDA machine"]
+fn grouped_expert_matmul_equals_each_expert_alone() {
+    let gpu = open();
+    let (n_expert, rows, cols) = (6, 96, 512);
+    for dtype in [DType::Q4_K, DType::Q6_K, DType::Q8_0] {
+        let datas: Vec<Vec<u8>> = (0..n_expert).map(|e| weights(dtype, rows, cols, 100 + e as u64)).collect();
+        let mats: Vec<MatRef> = datas.iter().map(|d| MatRef::new(dtype, rows, cols, d).unwrap()).collect();
+        let gmats: Vec<_> = mats.iter().map(|m| gpu.upload(*m).unwrap()).collect();
+        for n in [1, 5] {
+            let x = activations(n, cols, 40 + n as u64);
+            // Token t routes to experts (t + 2k) % n_expert, k < 3; entries grouped by expert.
+            let mut pairs: Vec<(usize, usize)> =
+                (0..n).flat_map(|t| (0..3).map(move |k| ((t + 2 * k) % n_expert, t))).collect();
+            pairs.sort();
+            let act_rows: Vec<i32> = pairs.iter().map(|p| p.1 as i32).collect();
+            let mut segments = Vec::new();
+            let mut i = 0;
+            while i < pairs.len() {
+                let e = pairs[i].0;
+                let end = i + pairs[i..].iter().take_while(|p| p.0 == e).count();
+                segments.push((&gmats[e], i..end));
+                i = end;
+            }
+            let xd = gpu.stream().clone_htod(&x).unwrap();
+            let act = gpu.quantize(dtype, &xd, n, cols).unwrap();
+            let mut out = gpu.stream().alloc_zeros::<f32>(pairs.len() * rows).unwrap();
+            gpu.matmul_ids(&segments, &act, &act_rows, &mut out).unwrap();
+            let got = gpu.stream().clone_dtoh(&out).unwrap();
+            for (i, &(e, t)) in pairs.iter().enumerate() {
+                let mut want = vec![0f32; rows];
+                matmul_ref(mats[e], &x[t * cols..(t + 1) * cols], 1, &mut want);
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&want), bits(&got[i * rows..(i + 1) * rows]), "{dtype} n={n} expert {e} token {t}");
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --ignored on a CUDA machine"]
+fn grouped_matmul_refuses_mismatched_input() {
+    let gpu = open();
+    let a = weights(DType::Q4_K, 8, 256, 1);
+    let b = weights(DType::Q4_K, 8, 512, 2);
+    let ga = gpu.upload(MatRef::new(DType::Q4_K, 8, 256, &a).unwrap()).unwrap();
+    let gb = gpu.upload(MatRef::new(DType::Q4_K, 8, 512, &b).unwrap()).unwrap();
+    let xd = gpu.stream().clone_htod(&activations(2, 256, 1)).unwrap();
+    let act = gpu.quantize(DType::Q4_K, &xd, 2, 256).unwrap();
+    let mut out = gpu.stream().alloc_zeros::<f32>(64).unwrap();
+    let shapes = gpu.matmul_ids(&[(&ga, 0..1), (&gb, 1..2)], &act, &[0, 1], &mut out);
+    assert!(shapes.unwrap_err().to_string().contains("grouped matmul of Q4_K 8x256 and Q4_K 8x512"));
+    let row = gpu.matmul_ids(&[(&ga, 0..2)], &act, &[0, 2], &mut out);
+    assert!(row.unwrap_err().to_string().contains("each below 2"));
+    let gap = gpu.matmul_ids(&[(&ga, 1..2)], &act, &[0, 1], &mut out);
+    assert!(gap.unwrap_err().to_string().contains("does not follow entry 0"));
 }

@@ -63,6 +63,14 @@ fn time_ms(gpu: &Gpu, mut f: impl FnMut() -> Result<(), sluice_cuda::GpuError>) 
     Ok(start.elapsed_ms(&end)? as f64)
 }
 
+fn matmul_host(gpu: &Gpu, w: &GpuMatrix, x: &[f32], n: usize, lanes: usize) -> Result<Vec<f32>, sluice_cuda::GpuError> {
+    let xd = gpu.stream().clone_htod(x)?;
+    let act = gpu.quantize(w.dtype, &xd, n, w.cols)?;
+    let mut out = gpu.stream().alloc_zeros::<f32>(n * w.rows)?;
+    gpu.matmul_lanes(w, &act, &mut out, lanes)?;
+    Ok(gpu.stream().clone_dtoh(&out)?)
+}
+
 /// Compares the device's matmul with the CPU reference on small shapes; returns the number
 /// of outputs compared, or the first difference.
 fn check(gpu: &Gpu, dtype: DType) -> Result<usize, String> {
@@ -76,17 +84,19 @@ fn check(gpu: &Gpu, dtype: DType) -> Result<usize, String> {
                 random(n * cols, n as u64).iter().enumerate().map(|(i, v)| v * (1 + i % 13) as f32).collect();
             let mut want = vec![0f32; n * rows];
             matmul_ref(w, &x, n, &mut want);
-            let got = gpu.matmul_host(&gw, &x, n).map_err(|e| e.to_string())?;
-            if let Some(i) = (0..want.len()).find(|&i| want[i].to_bits() != got[i].to_bits()) {
-                return Err(format!(
-                    "{rows}x{cols} n={n}: token {} row {}: CPU {} GPU {}",
-                    i / rows,
-                    i % rows,
-                    want[i],
-                    got[i]
-                ));
+            for lanes in [8, 16] {
+                let got = matmul_host(gpu, &gw, &x, n, lanes).map_err(|e| e.to_string())?;
+                if let Some(i) = (0..want.len()).find(|&i| want[i].to_bits() != got[i].to_bits()) {
+                    return Err(format!(
+                        "{rows}x{cols} n={n} lanes={lanes}: token {} row {}: CPU {} GPU {}",
+                        i / rows,
+                        i % rows,
+                        want[i],
+                        got[i]
+                    ));
+                }
+                compared += want.len();
             }
-            compared += want.len();
         }
     }
     Ok(compared)
@@ -163,47 +173,82 @@ fn run(args: &Args) -> Result<bool, Box<dyn std::error::Error>> {
         let token_counts: &[usize] = if args.quick { &[1, 64] } else { &[1, 8, 64, 512] };
         for &n in token_counts {
             let x = s.clone_htod(&random(n * cols, n as u64))?;
-            let act = gpu.quantize(d, &x, n, cols)?;
+            let mut act = gpu.act_buffer(d, n, cols)?;
+            gpu.quantize_into(&x, n, &mut act)?;
             let mut out: CudaSlice<f32> = s.alloc_zeros(n * rows)?;
             let passes = if n == 1 { 4 } else { 1 };
             let per = if n == 1 { copies } else { 8 };
-            for m in mats.iter().take(per.min(2)) {
-                gpu.matmul(m, &act, &mut out)?;
+            let qms = time_ms(&gpu, || gpu.quantize_into(&x, n, &mut act))?;
+            for lanes in [8, 16] {
+                for m in mats.iter().take(2) {
+                    gpu.matmul_lanes(m, &act, &mut out, lanes)?;
+                }
+                let ms = time_ms(&gpu, || {
+                    for _ in 0..passes {
+                        for i in 0..per {
+                            gpu.matmul_lanes(&mats[i % copies], &act, &mut out, lanes)?;
+                        }
+                    }
+                    Ok(())
+                })? / (passes * per) as f64;
+                let gbs = data.len() as f64 / (ms * 1e-3) / 1e9;
+                let gmacs = (rows * cols * n) as f64 / (ms * 1e-3) / 1e9;
+                if n == 1 {
+                    println!(
+                        "{d} {rows}x{cols} n=1 lanes={lanes}: {:.1} µs, {gbs:.0} GB/s of weights ({:.0}% of the copy rate), quantize {:.1} µs",
+                        ms * 1e3,
+                        100.0 * gbs / copy_gbs,
+                        qms * 1e3
+                    );
+                } else {
+                    println!(
+                        "{d} {rows}x{cols} n={n} lanes={lanes}: {:.1} µs, {gmacs:.0} GMAC/s, quantize {:.1} µs",
+                        ms * 1e3,
+                        qms * 1e3
+                    );
+                }
+                line[format!("n{n}_g{lanes}_us")] = serde_json::json!(ms * 1e3);
+                line[format!("n{n}_g{lanes}_gmacs")] = serde_json::json!(gmacs);
+                if n == 1 {
+                    line[format!("n1_g{lanes}_weight_gbs")] = serde_json::json!(gbs);
+                }
             }
+            line[format!("n{n}_quantize_us")] = serde_json::json!(qms * 1e3);
+        }
+        // Decode of a matrix eight times taller (the same rows repeated): launch costs fade,
+        // the kernel's own rate shows.
+        let tall = data.repeat(8);
+        let wt = MatRef::new(d, 8 * rows, cols, &tall)?;
+        let copies = (1usize << 30).div_ceil(tall.len()).max(2);
+        drop(mats);
+        let mats: Vec<GpuMatrix> = (0..copies).map(|_| gpu.upload(wt)).collect::<Result<_, _>>()?;
+        let x = s.clone_htod(&random(cols, 1))?;
+        let act = gpu.quantize(d, &x, 1, cols)?;
+        let mut out: CudaSlice<f32> = s.alloc_zeros(8 * rows)?;
+        for lanes in [8, 16] {
+            gpu.matmul_lanes(&mats[0], &act, &mut out, lanes)?;
             let ms = time_ms(&gpu, || {
-                for _ in 0..passes {
-                    for i in 0..per {
-                        gpu.matmul(&mats[i % copies], &act, &mut out)?;
+                for _ in 0..4 {
+                    for m in &mats {
+                        gpu.matmul_lanes(m, &act, &mut out, lanes)?;
                     }
                 }
                 Ok(())
-            })? / (passes * per) as f64;
-            let qms = time_ms(&gpu, || gpu.quantize(d, &x, n, cols).map(|_| ()))?;
-            let gbs = data.len() as f64 / (ms * 1e-3) / 1e9;
-            let gmacs = (rows * cols * n) as f64 / (ms * 1e-3) / 1e9;
-            if n == 1 {
-                println!(
-                    "{d} {rows}x{cols} n=1: {:.1} µs, {gbs:.0} GB/s of weights ({:.0}% of the copy rate), quantize {:.1} µs",
-                    ms * 1e3,
-                    100.0 * gbs / copy_gbs,
-                    qms * 1e3
-                );
-            } else {
-                println!(
-                    "{d} {rows}x{cols} n={n}: {:.1} µs, {gmacs:.0} GMAC/s, quantize {:.1} µs",
-                    ms * 1e3,
-                    qms * 1e3
-                );
-            }
-            line[format!("n{n}_us")] = serde_json::json!(ms * 1e3);
-            line[format!("n{n}_quantize_us")] = serde_json::json!(qms * 1e3);
-            line[format!("n{n}_gmacs")] = serde_json::json!(gmacs);
-            if n == 1 {
-                line["n1_weight_gbs"] = serde_json::json!(gbs);
-            }
+            })? / (4 * copies) as f64;
+            let gbs = tall.len() as f64 / (ms * 1e-3) / 1e9;
+            println!(
+                "{d} {}x{cols} n=1 lanes={lanes}: {:.1} µs, {gbs:.0} GB/s of weights ({:.0}% of the copy rate)",
+                8 * rows,
+                ms * 1e3,
+                100.0 * gbs / copy_gbs
+            );
+            line[format!("tall_n1_g{lanes}_weight_gbs")] = serde_json::json!(gbs);
         }
         results.push(line);
     }
+    // A MoE layer's experts at Qwen3-30B-A3B's shape (128 experts, gate 768 × 2048, Q4_K):
+    // the 8 a token routes to, and 512 tokens' 8 each, in one grouped launch.
+    let moe = moe_lab(&gpu, copy_gbs)?;
     if args.json {
         let doc = serde_json::json!({
             "device": gpu.name,
@@ -211,8 +256,85 @@ fn run(args: &Args) -> Result<bool, Box<dyn std::error::Error>> {
             "copy_gbs": copy_gbs,
             "checks_passed": ok,
             "kernels": results,
+            "moe": moe,
         });
         println!("{}", serde_json::to_string_pretty(&doc)?);
     }
     Ok(ok)
+}
+
+fn moe_lab(gpu: &Gpu, copy_gbs: f64) -> Result<serde_json::Value, Box<dyn std::error::Error>> {
+    let (n_expert, rows, cols, k) = (128usize, 768usize, 2048usize, 8usize);
+    let d = DType::Q4_K;
+    let distinct: Vec<Vec<u8>> =
+        (0..8).map(|e| sluice_kernels::quant::quantize_rows(d, &random(rows * cols, 500 + e), cols)).collect();
+    let experts: Vec<GpuMatrix> = (0..n_expert)
+        .map(|e| gpu.upload(MatRef::new(d, rows, cols, &distinct[e % 8]).expect("shape")))
+        .collect::<Result<_, _>>()?;
+    let s = gpu.stream();
+    let mut doc = serde_json::json!({"dtype": d.to_string(), "n_expert": n_expert, "rows": rows, "cols": cols, "k": k});
+    for n in [1usize, 512] {
+        // Token t routes to k distinct pseudo-random experts; entries grouped by expert.
+        let mut pairs: Vec<(usize, usize)> = Vec::new();
+        for t in 0..n {
+            let mut h = (t as u64).wrapping_mul(0x9E3779B97F4A7C15) | 1;
+            let mut chosen = Vec::new();
+            while chosen.len() < k {
+                h ^= h << 13;
+                h ^= h >> 7;
+                h ^= h << 17;
+                let e = (h % n_expert as u64) as usize;
+                if !chosen.contains(&e) {
+                    chosen.push(e);
+                }
+            }
+            pairs.extend(chosen.into_iter().map(|e| (e, t)));
+        }
+        pairs.sort();
+        let act_rows: Vec<i32> = pairs.iter().map(|p| p.1 as i32).collect();
+        let mut segments = Vec::new();
+        let mut i = 0;
+        while i < pairs.len() {
+            let e = pairs[i].0;
+            let end = i + pairs[i..].iter().take_while(|p| p.0 == e).count();
+            segments.push((&experts[e], i..end));
+            i = end;
+        }
+        let x = s.clone_htod(&random(n * cols, 7))?;
+        let act = gpu.quantize(d, &x, n, cols)?;
+        let mut out: CudaSlice<f32> = s.alloc_zeros(pairs.len() * rows)?;
+        gpu.matmul_ids(&segments, &act, &act_rows, &mut out)?;
+        let reps = if n == 1 { 50 } else { 5 };
+        let grouped = time_ms(gpu, || {
+            for _ in 0..reps {
+                gpu.matmul_ids(&segments, &act, &act_rows, &mut out)?;
+            }
+            Ok(())
+        })? / reps as f64;
+        let bytes = segments.len() * experts[0].bytes();
+        let gmacs = (pairs.len() * rows * cols) as f64 / (grouped * 1e-3) / 1e9;
+        println!(
+            "moe {d} {n_expert}x{rows}x{cols} top-{k}, {n} token(s), {} experts touched: grouped {:.1} µs, {:.0} GB/s of expert weights ({:.0}% of the copy rate), {gmacs:.0} GMAC/s",
+            segments.len(),
+            grouped * 1e3,
+            bytes as f64 / (grouped * 1e-3) / 1e9,
+            100.0 * bytes as f64 / (grouped * 1e-3) / 1e9 / copy_gbs
+        );
+        doc[format!("n{n}_grouped_us")] = serde_json::json!(grouped * 1e3);
+        doc[format!("n{n}_gmacs")] = serde_json::json!(gmacs);
+        if n == 1 {
+            // The same work as one launch per expert.
+            let single = time_ms(gpu, || {
+                for _ in 0..reps {
+                    for (w, _) in &segments {
+                        gpu.matmul(w, &act, &mut out)?;
+                    }
+                }
+                Ok(())
+            })? / reps as f64;
+            println!("moe n=1: {k} launches, one per expert: {:.1} µs", single * 1e3);
+            doc["n1_per_expert_launches_us"] = serde_json::json!(single * 1e3);
+        }
+    }
+    Ok(doc)
 }

@@ -136,14 +136,16 @@ struct Ints {
     int isum, mins;
 };
 
-// The 6-bit (scale, min) pair `k` of a Q4_K/Q5_K block's 12 scale bytes `s`.
-__device__ __forceinline__ void scale_min_k4(int k, const u8* s, int& sc, int& mn) {
+// The 6-bit (scale, min) pair `k` of a Q4_K/Q5_K block, from its 12 scale bytes held as
+// three words s0 (bytes 0-3), s1 (4-7), s2 (8-11).
+__device__ __forceinline__ void scale_min_k4(int k, u32 s0, u32 s1, u32 s2, int& sc, int& mn) {
     if (k < 4) {
-        sc = s[k] & 63;
-        mn = s[k + 4] & 63;
+        sc = (s0 >> (8 * k)) & 63;
+        mn = (s1 >> (8 * k)) & 63;
     } else {
-        sc = (s[k + 4] & 0xF) | ((s[k - 4] >> 6) << 4);
-        mn = (s[k + 4] >> 4) | ((s[k] >> 6) << 4);
+        const int b = 8 * (k - 4);
+        sc = ((s2 >> b) & 0xF) | (((s0 >> (b + 6)) & 3) << 4);
+        mn = ((s2 >> (b + 4)) & 0xF) | (((s1 >> (b + 6)) & 3) << 4);
     }
 }
 
@@ -154,9 +156,11 @@ struct QK45 {
     enum { L = 8, BYTES = FIVE ? 176 : 144, MIN = 1, ACT = 256 };
     __device__ static Ints part(const u8* blk, int j, const i8* xq, const short* bs) {
         const int c = j >> 1, h = j & 1;
+        const u32* sw = (const u32*)(blk + 4);
+        const u32 w0 = sw[0], w1 = sw[1], w2 = sw[2];
         int s1, m1, s2, m2;
-        scale_min_k4(2 * c, blk + 4, s1, m1);
-        scale_min_k4(2 * c + 1, blk + 4, s2, m2);
+        scale_min_k4(2 * c, w0, w1, w2, s1, m1);
+        scale_min_k4(2 * c + 1, w0, w1, w2, s2, m2);
         const uint4 q = *(const uint4*)(blk + (FIVE ? 48 : 16) + 16 * j);
         uint4 qh = make_uint4(0, 0, 0, 0);
         if (FIVE) qh = *(const uint4*)(blk + 16 + 16 * h);
@@ -310,33 +314,50 @@ __device__ __forceinline__ Ints block_part<Q80>(const u8* blk, int j, const Act&
 }
 
 // ---------------------------------------------------------------------------------------
-// out[t][r] = Σ_b formula(W[r] block b, x[t] block b), one warp a row, NT tokens at a time.
-// The L lanes of a block add their integer parts with shuffles (exact); then every lane of
-// the warp applies the float formula for the P = 32 / L blocks of the pass, in block order.
+// out[t][r] = Σ_b formula(W[r] block b, x[t] block b), NT tokens at a time.
+//
+// A row belongs to a group of G consecutive lanes (32 / G rows a warp). The group walks the
+// row's blocks in order, G / L of them an iteration, the L lanes of a block each taking one
+// part of its integer sums; a butterfly of shuffles gives every lane of those L the exact
+// block totals. Then every lane of the group applies the float formula to the iteration's
+// blocks, in block order, on its own copy of the row's accumulator: no lane waits for
+// another row, and the row's operations are the reference's whatever G, L or NT.
 
-template <class F, int NT>
-__device__ __forceinline__ void matmul_rows(const u8* __restrict__ w, int rows, int nb, Act act, int n,
-                                            float* __restrict__ out) {
-    constexpr int L = F::L, P = 32 / L;
+//
+// Entry i of the n reads activation row `act_rows[i]` (row i where `act_rows` is null) and
+// writes output row i.
+
+template <class F, int G, int NT>
+__device__ __forceinline__ void matmul_rows(const u8* __restrict__ w, int rows, int nb, Act act,
+                                            const int* __restrict__ act_rows, int n, float* __restrict__ out) {
+    constexpr int L = F::L, B = G / L;
     const int lane = threadIdx.x & 31;
-    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (row >= rows) return;
-    const int g = lane / L, j = lane % L;
-    const u8* wr = w + (size_t)row * nb * F::BYTES;
+    const int row = (blockIdx.x * blockDim.x + threadIdx.x) / G;
+    // Rows past the end still take part in the shuffles (their loads are clamped to row 0).
+    const bool live = row < rows;
+    const int gbase = lane & ~(G - 1), j = (lane & (G - 1)) % L, sub = (lane & (G - 1)) / L;
+    const u8* wr = w + (size_t)(live ? row : 0) * nb * F::BYTES;
     for (int t0 = 0; t0 < n; t0 += NT) {
         const int nt = min(NT, n - t0);
         float acc[NT];
+        size_t arow[NT];
 #pragma unroll
-        for (int t = 0; t < NT; ++t) acc[t] = 0.0f;
-        for (int base = 0; base < nb; base += P) {
-            const int b = base + g;
-            const u8* blk = wr + (size_t)b * F::BYTES;
+        for (int t = 0; t < NT; ++t) {
+            acc[t] = 0.0f;
+            const int i = min(t0 + t, n - 1);
+            arow[t] = (size_t)(act_rows ? act_rows[i] : i) * nb;
+        }
+#pragma unroll(NT == 1 ? 4 : 1)
+        for (int base = 0; base < nb; base += B) {
+            const int b = base + sub;
+            const bool have = b < nb;
+            const u8* blk = wr + (size_t)(have ? b : 0) * F::BYTES;
             Ints ints[NT];
 #pragma unroll
             for (int t = 0; t < NT; ++t) {
                 ints[t].isum = 0;
                 ints[t].mins = 0;
-                if (t < nt && b < nb) ints[t] = block_part<F>(blk, j, act, (size_t)(t0 + t) * nb + b);
+                if (t < nt && have) ints[t] = block_part<F>(blk, j, act, arow[t] + b);
             }
 #pragma unroll
             for (int o = L / 2; o > 0; o >>= 1) {
@@ -346,49 +367,58 @@ __device__ __forceinline__ void matmul_rows(const u8* __restrict__ w, int rows, 
                     if (F::MIN) ints[t].mins += __shfl_xor_sync(FULL, ints[t].mins, o);
                 }
             }
-            const float2 sc = b < nb ? F::scales(blk) : make_float2(0.0f, 0.0f);
-            const int cnt = min(P, nb - base);
-            for (int q = 0; q < cnt; ++q) {
-                const float d = __shfl_sync(FULL, sc.x, q * L);
-                const float m = __shfl_sync(FULL, sc.y, q * L);
+            const float2 sc = have ? F::scales(blk) : make_float2(0.0f, 0.0f);
+#pragma unroll
+            for (int q = 0; q < B; ++q) {
+                const int src = gbase + q * L;
+                const float d = B == 1 ? sc.x : __shfl_sync(FULL, sc.x, src);
+                const float m = B == 1 ? sc.y : __shfl_sync(FULL, sc.y, src);
 #pragma unroll
                 for (int t = 0; t < NT; ++t) {
-                    const int is = __shfl_sync(FULL, ints[t].isum, q * L);
-                    const int mn = __shfl_sync(FULL, ints[t].mins, q * L);
-                    if (t < nt) {
-                        const float dx = act.d[(size_t)(t0 + t) * nb + base + q];
+                    const int is = B == 1 ? ints[t].isum : __shfl_sync(FULL, ints[t].isum, src);
+                    const int mn = B == 1 ? ints[t].mins : __shfl_sync(FULL, ints[t].mins, src);
+                    if (t < nt && base + q < nb) {
+                        const float dx = act.d[arow[t] + base + q];
                         acc[t] = fmaf(__fmul_rn(d, dx), (float)is, acc[t]);
                         if (F::MIN) acc[t] = fmaf(-__fmul_rn(m, dx), (float)mn, acc[t]);
                     }
                 }
             }
         }
-        if (lane == 0) {
+        if (live && (lane & (G - 1)) == 0) {
             for (int t = 0; t < nt; ++t) out[(size_t)(t0 + t) * rows + row] = acc[t];
         }
     }
 }
 
-#define MATMUL(NAME, F, NT)                                                                                  \
+#define MATMUL(NAME, F, G, NT)                                                                               \
     extern "C" __global__ void NAME(const u8* __restrict__ w, int rows, int nb, const float* ad, const i8* aqs, \
                                     const short* absum, const short* aqs16, int n, float* __restrict__ out) {  \
-        Act a;                                                                                               \
-        a.d = ad;                                                                                            \
-        a.qs = aqs;                                                                                          \
-        a.bsums = absum;                                                                                     \
-        a.qs16 = aqs16;                                                                                      \
-        matmul_rows<F, NT>(w, rows, nb, a, n, out);                                                          \
+        const Act a = {ad, aqs, absum, aqs16};                                                               \
+        matmul_rows<F, G, NT>(w, rows, nb, a, nullptr, n, out);                                              \
+    }                                                                                                        \
+    /* Several matrices of one shape in one launch (a MoE layer's experts): segment                       \
+       blockIdx.y multiplies the matrix at w[s] with the activation rows act_rows[start[s] ..               \
+       start[s] + len[s]) into those output rows. */                                                       \
+    extern "C" __global__ void NAME##_ids(const unsigned long long* __restrict__ w, const int* __restrict__ start, \
+                                          const int* __restrict__ len, int rows, int nb, const float* ad,     \
+                                          const i8* aqs, const short* absum, const short* aqs16,              \
+                                          const int* __restrict__ act_rows, float* __restrict__ out) {         \
+        const Act a = {ad, aqs, absum, aqs16};                                                               \
+        const int sg = blockIdx.y, s0 = start[sg];                                                           \
+        matmul_rows<F, G, NT>((const u8*)w[sg], rows, nb, a, act_rows + s0, len[sg], out + (size_t)s0 * rows); \
     }
 
-MATMUL(matmul_q4_k_1, QK45<false>, 1)
-MATMUL(matmul_q4_k_8, QK45<false>, 8)
-MATMUL(matmul_q5_k_1, QK45<true>, 1)
-MATMUL(matmul_q5_k_8, QK45<true>, 8)
-MATMUL(matmul_q6_k_1, Q6K, 1)
-MATMUL(matmul_q6_k_8, Q6K, 8)
-MATMUL(matmul_q2_k_1, Q2K, 1)
-MATMUL(matmul_q2_k_8, Q2K, 8)
-MATMUL(matmul_q3_k_1, Q3K, 1)
-MATMUL(matmul_q3_k_8, Q3K, 8)
-MATMUL(matmul_q8_0_1, Q80, 1)
-MATMUL(matmul_q8_0_8, Q80, 8)
+// Each format at 8 and 16 lanes a row, for one token and for eight at a time.
+#define FORMAT(name, F)                    \
+    MATMUL(matmul_##name##_g8_1, F, 8, 1)  \
+    MATMUL(matmul_##name##_g8_8, F, 8, 8)  \
+    MATMUL(matmul_##name##_g16_1, F, 16, 1) \
+    MATMUL(matmul_##name##_g16_8, F, 16, 8)
+
+FORMAT(q4_k, QK45<false>)
+FORMAT(q5_k, QK45<true>)
+FORMAT(q6_k, Q6K)
+FORMAT(q2_k, Q2K)
+FORMAT(q3_k, Q3K)
+FORMAT(q8_0, Q80)
