@@ -3,17 +3,19 @@
 # carry to a machine with an NVIDIA GPU and no Rust toolchain. There:
 #   export LD_LIBRARY_PATH=/usr/local/cuda/lib64:$LD_LIBRARY_PATH   # where libnvrtc.so lives
 #   .cuda-stage/bit_exact --ignored       # the CUDA-vs-CPU bit-exactness tests
+#   .cuda-stage/vram_cache --ignored      # the VRAM expert tier
 #   .cuda-stage/cuda-lab [--json]         # checks, then timings
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 cargo build --release -p sluice-cuda --bin cuda-lab
-test_bin=$(cargo test --release -p sluice-cuda --test bit_exact --no-run --message-format=json 2>/dev/null |
-  python3 -c 'import json,sys
+mkdir -p .cuda-stage
+cargo test --release -p sluice-cuda --no-run --message-format=json 2>/dev/null |
+  python3 -c 'import json, shutil, sys
 for l in sys.stdin:
     m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "bit_exact":
-        print(m["executable"])')
-mkdir -p .cuda-stage
-cp target/release/cuda-lab "$test_bin" .cuda-stage/
-mv .cuda-stage/"$(basename "$test_bin")" .cuda-stage/bit_exact
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
+        shutil.copy(m["executable"], ".cuda-stage/" + m["target"]["name"])'
+cp target/release/cuda-lab .cuda-stage/
+# Line tables are not needed there, and the whole folder must travel.
+strip --strip-debug .cuda-stage/*
 ls -la .cuda-stage

@@ -1,11 +1,11 @@
 //! Opening a device: driver and NVRTC loaded at run time, the kernels compiled for the
 //! device's architecture once and cached on disk by a hash of their source and options.
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DriverError};
-use std::collections::HashMap;
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DriverError};
 use cudarc::nvrtc::{CompileOptions, Ptx};
+use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// The kernels' CUDA C.
 const SOURCE: &str = include_str!("kernels/quant.cu");
@@ -35,6 +35,10 @@ pub struct Gpu {
     pub(crate) stream: Arc<CudaStream>,
     /// Every kernel, loaded once (a lookup per launch costs more than a small matvec).
     functions: HashMap<String, CudaFunction>,
+    /// The grouped matmul's table (matrix pointers, segments, activation rows), reused.
+    pub(crate) meta: Mutex<Option<CudaSlice<u8>>>,
+    /// The stream the VRAM tier copies experts on, made when first needed.
+    copy: Mutex<Option<Arc<CudaStream>>>,
     /// The device's name, as the driver gives it.
     pub name: String,
     /// Compute capability (major, minor).
@@ -61,12 +65,36 @@ impl Gpu {
             let f = module.load_function(&name)?;
             functions.insert(name, f);
         }
+        // Streams are ordered by the events this crate records and waits on (the VRAM tier's
+        // copy stream and the compute stream); cudarc's own per-buffer tracking would add an
+        // event to every launch.
+        // SAFETY: every buffer is used on the stream that allocated it, except the VRAM
+        // tier's slab, whose allocation is synchronized before the copy stream touches it.
+        unsafe { ctx.disable_event_tracking() };
         let stream = ctx.default_stream();
-        Ok(Gpu { _ctx: ctx, stream, functions, name, capability, total_mem })
+        Ok(Gpu {
+            _ctx: ctx,
+            stream,
+            functions,
+            meta: Mutex::new(None),
+            copy: Mutex::new(None),
+            name,
+            capability,
+            total_mem,
+        })
     }
 
     pub(crate) fn function(&self, name: &str) -> &CudaFunction {
         self.functions.get(name).unwrap_or_else(|| panic!("kernel {name} is not in kernel_entry_points"))
+    }
+
+    /// The stream expert copies go on (one per device).
+    pub(crate) fn copy_stream(&self) -> Result<Arc<CudaStream>, GpuError> {
+        let mut c = self.copy.lock().unwrap_or_else(|p| p.into_inner());
+        if c.is_none() {
+            *c = Some(self.stream.context().new_stream()?);
+        }
+        Ok(c.as_ref().expect("made above").clone())
     }
 
     /// Waits for all work queued on the device.
@@ -77,6 +105,39 @@ impl Gpu {
     /// The stream kernels run on.
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
+    }
+}
+
+/// Host memory page-locked for the device while this lives: copies from it to the device
+/// go straight over the bus (from ordinary memory the driver stages them, several times
+/// slower). The memory stays borrowed, so it cannot be freed or moved meanwhile.
+pub struct HostRegistration<'a> {
+    ptr: *mut std::ffi::c_void,
+    ctx: Arc<CudaContext>,
+    _mem: std::marker::PhantomData<&'a [u8]>,
+}
+
+impl Gpu {
+    /// Page-locks `mem` for copies to this device.
+    pub fn register_host<'a>(&self, mem: &'a [u8]) -> Result<HostRegistration<'a>, GpuError> {
+        let ctx = self.stream.context().clone();
+        ctx.bind_to_thread()?;
+        let ptr = mem.as_ptr() as *mut std::ffi::c_void;
+        // SAFETY: `mem` is a live allocation of `mem.len()` bytes, borrowed for as long as
+        // the registration lives; read-only use is all the driver makes of it (device
+        // copies from it), so the shared borrow holds.
+        unsafe { cudarc::driver::sys::cuMemHostRegister_v2(ptr, mem.len(), 0) }.result()?;
+        Ok(HostRegistration { ptr, ctx, _mem: std::marker::PhantomData })
+    }
+}
+
+impl Drop for HostRegistration<'_> {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: `ptr` was registered by `register_host` and not unregistered since;
+            // copies from it were synchronous (or waited on) before the borrow could end.
+            let _ = unsafe { cudarc::driver::sys::cuMemHostUnregister(self.ptr) };
+        }
     }
 }
 

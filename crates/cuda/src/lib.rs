@@ -9,14 +9,18 @@
 //! reference (`sluice_kernels::quant::dot_ref`): the same activation quantization, the same
 //! exact integer sums, the same float formula applied block after block. So a row's result
 //! depends neither on the batch nor on which backend computed it.
+//!
+//! `vram_cache` is the expert cache's VRAM tier: slots on the device under a hard quota,
+//! filled from host memory on a copy stream of their own.
 
 use sluice_kernels::DType;
 
 mod device;
 mod matmul;
+pub mod vram_cache;
 
-pub use device::{compile_kernels, Gpu, GpuError};
-pub use matmul::{GpuAct, GpuMatrix, HostAct};
+pub use device::{compile_kernels, Gpu, GpuError, HostRegistration};
+pub use matmul::{DeviceMat, GpuAct, GpuMatrix, HostAct};
 
 /// Weight formats the CUDA matmul computes on directly.
 pub fn supports(dtype: DType) -> bool {

@@ -39,6 +39,31 @@ impl GpuMatrix {
     }
 }
 
+impl GpuMatrix {
+    /// The matrix as a borrowed device matrix (what the grouped matmul takes).
+    pub fn view(&self, gpu: &Gpu) -> DeviceMat<'_> {
+        let (ptr, _sync) = self.data.device_ptr(&gpu.stream);
+        DeviceMat { dtype: self.dtype, rows: self.rows, cols: self.cols, ptr, _owner: std::marker::PhantomData }
+    }
+}
+
+/// A matrix in device memory, borrowed from whatever owns it (a `GpuMatrix`, a slot of the
+/// VRAM expert cache) for as long as `'a`.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceMat<'a> {
+    pub dtype: DType,
+    pub rows: usize,
+    pub cols: usize,
+    pub(crate) ptr: u64,
+    pub(crate) _owner: std::marker::PhantomData<&'a ()>,
+}
+
+impl DeviceMat<'_> {
+    pub fn bytes(&self) -> usize {
+        self.rows * self.dtype.row_bytes(self.cols).unwrap_or(0)
+    }
+}
+
 /// `n` activation rows of `cols` values, quantized on the device for one weight format.
 pub struct GpuAct {
     kind: ActKind,
@@ -206,7 +231,7 @@ impl Gpu {
     /// is bit-identical to `matmul` of its matrix and its activation row alone.
     pub fn matmul_ids(
         &self,
-        segments: &[(&GpuMatrix, std::ops::Range<usize>)],
+        segments: &[(DeviceMat<'_>, std::ops::Range<usize>)],
         x: &GpuAct,
         act_rows: &[i32],
         out: &mut CudaSlice<f32>,
@@ -220,23 +245,31 @@ impl Gpu {
                 x.kind, x.cols
             )));
         }
+        // The launch's table, in one upload: matrix pointers (u64), then segment starts,
+        // lengths and the entries' activation rows (i32).
+        let nseg = segments.len();
+        let mut table: Vec<u8> = Vec::with_capacity(16 * nseg + 4 * act_rows.len());
         let mut expect = 0;
-        let (mut ptrs, mut starts, mut lens) = (Vec::new(), Vec::new(), Vec::new());
-        for (w, r) in segments {
+        let mut max_len = 0;
+        for (w, _) in segments {
             if (w.dtype, w.rows, w.cols) != (dtype, rows, cols) {
                 return Err(GpuError::Shape(format!(
                     "grouped matmul of {dtype} {rows}x{cols} and {} {}x{} matrices",
                     w.dtype, w.rows, w.cols
                 )));
             }
+            table.extend_from_slice(&w.ptr.to_le_bytes());
+        }
+        for (_, r) in segments {
             if r.start != expect || r.end < r.start {
                 return Err(GpuError::Shape(format!("segment {r:?} does not follow entry {expect}")));
             }
             expect = r.end;
-            let (p, _sync) = w.data.device_ptr(&self.stream);
-            ptrs.push(p);
-            starts.push(r.start as i32);
-            lens.push(r.len() as i32);
+            max_len = max_len.max(r.len());
+            table.extend_from_slice(&(r.start as i32).to_le_bytes());
+        }
+        for (_, r) in segments {
+            table.extend_from_slice(&(r.len() as i32).to_le_bytes());
         }
         if act_rows.len() != expect || act_rows.iter().any(|&a| a < 0 || a as usize >= x.n) {
             return Err(GpuError::Shape(format!(
@@ -245,33 +278,41 @@ impl Gpu {
                 x.n
             )));
         }
+        table.extend(act_rows.iter().flat_map(|a| a.to_le_bytes()));
         if out.len() < expect * rows {
             return Err(GpuError::Shape(format!("output of {} values is not {expect} × {rows}", out.len())));
         }
-        let max_len = lens.iter().copied().max().unwrap_or(0);
         if expect == 0 || rows == 0 {
             return Ok(());
         }
         let s = &self.stream;
-        let (ptrs, starts, lens, act_rows) =
-            (s.clone_htod(&ptrs)?, s.clone_htod(&starts)?, s.clone_htod(&lens)?, s.clone_htod(act_rows)?);
+        let mut meta = self.meta.lock().unwrap_or_else(|p| p.into_inner());
+        if meta.as_ref().is_none_or(|m| m.len() < table.len()) {
+            *meta = Some(s.alloc_zeros::<u8>(table.len().next_power_of_two().max(4096))?);
+        }
+        let dev = meta.as_mut().expect("allocated above");
+        s.memcpy_htod(&table, &mut dev.slice_mut(0..table.len()))?;
+        let (tp, _sync) = dev.device_ptr(s);
+        let (p_ptrs, p_starts, p_lens, p_rows) =
+            (tp, tp + 8 * nseg as u64, tp + 12 * nseg as u64, tp + 16 * nseg as u64);
         let lanes = LANES_PER_ROW;
         let f = self.function(&format!("{base}_g{lanes}_{}_ids", if max_len == 1 { 1 } else { 8 }));
         let nb = (cols / dtype.block_elems()) as i32;
         let rows_i = rows as i32;
         let threads = (rows * lanes) as u32;
         let cfg = LaunchConfig {
-            grid_dim: (threads.div_ceil(BLOCK_THREADS), segments.len() as u32, 1),
+            grid_dim: (threads.div_ceil(BLOCK_THREADS), nseg as u32, 1),
             block_dim: (BLOCK_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
         let mut b = s.launch_builder(f);
-        b.arg(&ptrs).arg(&starts).arg(&lens).arg(&rows_i).arg(&nb);
-        b.arg(&x.d).arg(&x.qs).arg(&x.bsums).arg(&x.qs16).arg(&act_rows).arg(out);
-        // SAFETY: every pointer is a live matrix of rows × nb blocks of this format (checked
-        // above; the borrows outlive the launch's queueing, and the matrices are freed only
-        // after the stream is done with them); segments are consecutive ranges of the entry
-        // list; each activation row index is below x.n; `out` holds entries × rows floats.
+        b.arg(&p_ptrs).arg(&p_starts).arg(&p_lens).arg(&rows_i).arg(&nb);
+        b.arg(&x.d).arg(&x.qs).arg(&x.bsums).arg(&x.qs16).arg(&p_rows).arg(out);
+        // SAFETY: every pointer is a live matrix of rows × nb blocks of this format, borrowed
+        // for the call (its owner frees device memory in stream order, after this launch);
+        // the table was copied in stream order before the launch and is rewritten only by a
+        // later call on the same stream; segments are consecutive ranges of the entry list;
+        // each activation row index is below x.n; `out` holds entries × rows floats.
         unsafe { b.launch(cfg) }?;
         Ok(())
     }

@@ -148,7 +148,7 @@ fn grouped_expert_matmul_equals_each_expert_alone() {
             while i < pairs.len() {
                 let e = pairs[i].0;
                 let end = i + pairs[i..].iter().take_while(|p| p.0 == e).count();
-                segments.push((&gmats[e], i..end));
+                segments.push((gmats[e].view(&gpu), i..end));
                 i = end;
             }
             let xd = gpu.stream().clone_htod(&x).unwrap();
@@ -177,10 +177,10 @@ fn grouped_matmul_refuses_mismatched_input() {
     let xd = gpu.stream().clone_htod(&activations(2, 256, 1)).unwrap();
     let act = gpu.quantize(DType::Q4_K, &xd, 2, 256).unwrap();
     let mut out = gpu.stream().alloc_zeros::<f32>(64).unwrap();
-    let shapes = gpu.matmul_ids(&[(&ga, 0..1), (&gb, 1..2)], &act, &[0, 1], &mut out);
+    let shapes = gpu.matmul_ids(&[(ga.view(&gpu), 0..1), (gb.view(&gpu), 1..2)], &act, &[0, 1], &mut out);
     assert!(shapes.unwrap_err().to_string().contains("grouped matmul of Q4_K 8x256 and Q4_K 8x512"));
-    let row = gpu.matmul_ids(&[(&ga, 0..2)], &act, &[0, 2], &mut out);
+    let row = gpu.matmul_ids(&[(ga.view(&gpu), 0..2)], &act, &[0, 2], &mut out);
     assert!(row.unwrap_err().to_string().contains("each below 2"));
-    let gap = gpu.matmul_ids(&[(&ga, 1..2)], &act, &[0, 1], &mut out);
+    let gap = gpu.matmul_ids(&[(ga.view(&gpu), 1..2)], &act, &[0, 1], &mut out);
     assert!(gap.unwrap_err().to_string().contains("does not follow entry 0"));
 }

@@ -5,9 +5,8 @@
 #[test]
 fn kernels_compile_for_every_target_architecture() {
     for arch in ["compute_75", "compute_80", "compute_90"] {
-        let ptx = sluice_cuda::compile_kernels(arch).unwrap_or_else(|e| {
-            panic!("{arch}: {e} (tools/test.sh installs NVRTC into ~/.cache/sluice/nvrtc)")
-        });
+        let ptx = sluice_cuda::compile_kernels(arch)
+            .unwrap_or_else(|e| panic!("{arch}: {e} (tools/test.sh installs NVRTC into ~/.cache/sluice/nvrtc)"));
         for name in sluice_cuda::kernel_entry_points() {
             assert!(ptx.contains(&format!(".entry {name}(")), "{arch}: no kernel {name} in the PTX");
         }

@@ -248,7 +248,9 @@ fn run(args: &Args) -> Result<bool, Box<dyn std::error::Error>> {
     }
     // A MoE layer's experts at Qwen3-30B-A3B's shape (128 experts, gate 768 × 2048, Q4_K):
     // the 8 a token routes to, and 512 tokens' 8 each, in one grouped launch.
-    let moe = moe_lab(&gpu, copy_gbs)?;
+    let mut moe = moe_lab(&gpu, copy_gbs)?;
+    moe["vram_tier_pageable"] = vram_lab(&gpu, false)?;
+    moe["vram_tier_registered"] = vram_lab(&gpu, true)?;
     if args.json {
         let doc = serde_json::json!({
             "device": gpu.name,
@@ -293,11 +295,13 @@ fn moe_lab(gpu: &Gpu, copy_gbs: f64) -> Result<serde_json::Value, Box<dyn std::e
         pairs.sort();
         let act_rows: Vec<i32> = pairs.iter().map(|p| p.1 as i32).collect();
         let mut segments = Vec::new();
+        let mut touched = Vec::new();
         let mut i = 0;
         while i < pairs.len() {
             let e = pairs[i].0;
             let end = i + pairs[i..].iter().take_while(|p| p.0 == e).count();
-            segments.push((&experts[e], i..end));
+            segments.push((experts[e].view(gpu), i..end));
+            touched.push(e);
             i = end;
         }
         let x = s.clone_htod(&random(n * cols, 7))?;
@@ -326,8 +330,8 @@ fn moe_lab(gpu: &Gpu, copy_gbs: f64) -> Result<serde_json::Value, Box<dyn std::e
             // The same work as one launch per expert.
             let single = time_ms(gpu, || {
                 for _ in 0..reps {
-                    for (w, _) in &segments {
-                        gpu.matmul(w, &act, &mut out)?;
+                    for &e in &touched {
+                        gpu.matmul(&experts[e], &act, &mut out)?;
                     }
                 }
                 Ok(())
@@ -337,4 +341,82 @@ fn moe_lab(gpu: &Gpu, copy_gbs: f64) -> Result<serde_json::Value, Box<dyn std::e
         }
     }
     Ok(doc)
+}
+
+/// The VRAM tier at Qwen3-30B-A3B's expert shape (gate, up 768 × 2048 Q4_K; down 2048 × 768
+/// Q6_K) with 16 of a layer's 128 experts in VRAM: tokens routed to 8 random experts each,
+/// misses copied from (pageable) host memory, then gate, up and down as grouped launches.
+fn vram_lab(gpu: &Gpu, registered: bool) -> Result<serde_json::Value, Box<dyn std::error::Error>> {
+    use sluice_cuda::vram_cache::{slot_bytes_for, ExpertKey, HostPart, VramExperts};
+    let (n_expert, ff, hidden, k, slots) = (128usize, 768usize, 2048usize, 8usize, 16usize);
+    let gate = sluice_kernels::quant::quantize_rows(DType::Q4_K, &random(ff * hidden, 1), hidden);
+    let down = sluice_kernels::quant::quantize_rows(DType::Q6_K, &random(hidden * ff, 2), ff);
+    let shapes = [(DType::Q4_K, ff, hidden), (DType::Q4_K, ff, hidden), (DType::Q6_K, hidden, ff)];
+    let slot = slot_bytes_for(&shapes).ok_or("shape")?;
+    let mut cache = VramExperts::new(gpu, slot, slots * slot)?;
+    // Every expert's bytes live apart in host memory (as in a host cache), so that a copy
+    // really reads its own bytes.
+    let host_experts: Vec<Vec<u8>> =
+        (0..n_expert).map(|_| [gate.clone(), gate.clone(), down.clone()].concat()).collect();
+    let _pinned: Vec<_> = if registered {
+        host_experts.iter().map(|e| gpu.register_host(e)).collect::<Result<_, _>>()?
+    } else {
+        Vec::new()
+    };
+    let (gb, db) = (gate.len(), down.len());
+    let host = |key: ExpertKey| -> Result<Vec<HostPart<'_>>, sluice_cuda::GpuError> {
+        let e = &host_experts[key.expert as usize];
+        Ok(vec![
+            HostPart { dtype: DType::Q4_K, rows: ff, cols: hidden, data: &e[..gb] },
+            HostPart { dtype: DType::Q4_K, rows: ff, cols: hidden, data: &e[gb..2 * gb] },
+            HostPart { dtype: DType::Q6_K, rows: hidden, cols: ff, data: &e[2 * gb..2 * gb + db] },
+        ])
+    };
+    let s = gpu.stream();
+    let x = s.clone_htod(&random(hidden, 3))?;
+    let ax = gpu.quantize(DType::Q4_K, &x, 1, hidden)?;
+    let hvec = s.clone_htod(&random(ff, 4))?;
+    let ah = gpu.quantize(DType::Q6_K, &hvec, 1, ff)?;
+    let mut g: CudaSlice<f32> = s.alloc_zeros(k * ff)?;
+    let mut u: CudaSlice<f32> = s.alloc_zeros(k * ff)?;
+    let mut d: CudaSlice<f32> = s.alloc_zeros(k * hidden)?;
+    let tokens = 64;
+    let mut h = 0x2545F4914F6CDD1Du64;
+    gpu.synchronize()?;
+    let t0 = std::time::Instant::now();
+    for _ in 0..tokens {
+        let mut chosen: Vec<u32> = Vec::new();
+        while chosen.len() < k {
+            h ^= h << 13;
+            h ^= h >> 7;
+            h ^= h << 17;
+            let e = (h % n_expert as u64) as u32;
+            if !chosen.contains(&e) {
+                chosen.push(e);
+            }
+        }
+        let keys: Vec<ExpertKey> = chosen.iter().map(|&e| ExpertKey { layer: 0, expert: e }).collect();
+        let res = cache.acquire(gpu, &keys, &host)?;
+        let part = |p: usize| (0..k).map(|i| (res.expert(i)[p], i..i + 1)).collect::<Vec<_>>();
+        let rows = vec![0i32; k];
+        gpu.matmul_ids(&part(0), &ax, &rows, &mut g)?;
+        gpu.matmul_ids(&part(1), &ax, &rows, &mut u)?;
+        gpu.matmul_ids(&part(2), &ah, &rows, &mut d)?;
+        drop(res);
+    }
+    gpu.synchronize()?;
+    let per_token_us = t0.elapsed().as_secs_f64() * 1e6 / tokens as f64;
+    let st = cache.stats();
+    let copy_gbs = st.bytes_copied as f64 / (st.copy_ns as f64 * 1e-9) / 1e9;
+    println!(
+        "vram tier: {slots} of {n_expert} experts in VRAM ({:.1} MB a slot), top-{k}: {:.2} misses a token, {per_token_us:.0} µs a token for one layer, copies at {copy_gbs:.1} GB/s ({} host memory)",
+        slot as f64 / 1e6,
+        st.misses as f64 / tokens as f64,
+        if registered { "page-locked" } else { "pageable" }
+    );
+    Ok(serde_json::json!({
+        "slots": slots, "n_expert": n_expert, "slot_bytes": slot, "k": k, "tokens": tokens,
+        "misses_per_token": st.misses as f64 / tokens as f64, "layer_us_per_token": per_token_us,
+        "copy_gbs": copy_gbs, "host_memory_page_locked": registered,
+    }))
 }

@@ -1,0 +1,276 @@
+//! The VRAM tier of the expert cache: equal slots in one device allocation, each holding one
+//! expert's matrices as stored, under a hard byte quota, least recently used out first.
+//! Missed experts are copied from host memory on a copy stream of their own, so the copies
+//! of one layer's misses overlap the kernels already queued on the compute stream (the host
+//! waits for the copies before `acquire` returns, as the host bytes are only borrowed;
+//! page-locked host memory, `Gpu::register_host`, copies at the bus's rate).
+//!
+//! Invariants:
+//! - slots × slot bytes ≤ quota, always: nothing is placed past it;
+//! - the compute stream reads a slot only after the copy that filled it (it waits on the
+//!   slot's `ready` event before the batch's kernels);
+//! - a slot is overwritten only after every kernel that read its previous expert (the copy
+//!   stream waits on the slot's `used` event, recorded when a `Resident` is dropped, after
+//!   the caller queued its kernels);
+//! - the experts of one `acquire` stay put until its `Resident` is dropped: a batch that
+//!   needs more experts than there are slots is refused, never half-served;
+//! - hits, misses, evictions and bytes copied are counted always.
+//!
+//! Results do not depend on the quota: a slot holds the stored bytes, and the kernels compute
+//! on them exactly as on any other copy (the tests compare every quota to the CPU reference).
+
+use crate::device::{Gpu, GpuError};
+use crate::matmul::DeviceMat;
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr};
+use sluice_kernels::DType;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Parts start at multiples of this within a slot (the kernels load 16 bytes at a time).
+const PART_ALIGN: usize = 256;
+
+/// An expert of a layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ExpertKey {
+    pub layer: u32,
+    pub expert: u32,
+}
+
+/// One matrix of an expert in host memory, as stored (gate, up and down, say).
+#[derive(Clone, Copy, Debug)]
+pub struct HostPart<'h> {
+    pub dtype: DType,
+    pub rows: usize,
+    pub cols: usize,
+    pub data: &'h [u8],
+}
+
+/// Counters of the VRAM tier.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct VramStats {
+    pub hits: u64,
+    pub misses: u64,
+    pub evictions: u64,
+    /// Bytes copied from host memory into slots.
+    pub bytes_copied: u64,
+    /// Time the caller waited on those copies (queueing them and their completion).
+    pub copy_ns: u64,
+    pub slots: usize,
+    pub slot_bytes: usize,
+}
+
+struct Slot {
+    key: Option<ExpertKey>,
+    /// (dtype, rows, cols, offset in the slot) of each part of the expert it holds.
+    parts: Vec<(DType, usize, usize, usize)>,
+    last_use: u64,
+    ready: Option<CudaEvent>,
+    used: Option<Arc<CudaEvent>>,
+}
+
+pub struct VramExperts {
+    slab: CudaSlice<u8>,
+    slot_bytes: usize,
+    slots: Vec<Slot>,
+    index: HashMap<ExpertKey, usize>,
+    tick: u64,
+    copy: Arc<CudaStream>,
+    stats: VramStats,
+}
+
+/// Bytes a slot needs for an expert of these parts.
+pub fn slot_bytes_for(parts: &[(DType, usize, usize)]) -> Option<usize> {
+    let mut at = 0usize;
+    for &(dtype, rows, cols) in parts {
+        at = at.next_multiple_of(PART_ALIGN) + rows * dtype.row_bytes(cols)?;
+    }
+    Some(at.next_multiple_of(PART_ALIGN))
+}
+
+impl VramExperts {
+    /// As many slots of `slot_bytes` as fit in `quota_bytes` (at least one, or an error).
+    pub fn new(gpu: &Gpu, slot_bytes: usize, quota_bytes: usize) -> Result<VramExperts, GpuError> {
+        let slot_bytes = slot_bytes.next_multiple_of(PART_ALIGN);
+        let n = quota_bytes / slot_bytes.max(1);
+        if n == 0 {
+            return Err(GpuError::Shape(format!(
+                "a VRAM expert quota of {quota_bytes} bytes holds no expert of {slot_bytes} bytes"
+            )));
+        }
+        let slab = gpu.stream.alloc_zeros::<u8>(n * slot_bytes)?;
+        // The copy stream writes into the slab: the allocation must be complete first.
+        gpu.stream.synchronize()?;
+        let slots =
+            (0..n).map(|_| Slot { key: None, parts: Vec::new(), last_use: 0, ready: None, used: None }).collect();
+        let copy = gpu.copy_stream()?;
+        let stats = VramStats { slots: n, slot_bytes, ..Default::default() };
+        Ok(VramExperts { slab, slot_bytes, slots, index: HashMap::new(), tick: 0, copy, stats })
+    }
+
+    pub fn slots(&self) -> usize {
+        self.slots.len()
+    }
+
+    pub fn stats(&self) -> VramStats {
+        self.stats.clone()
+    }
+
+    /// Makes `keys` resident (copying the misses from `host`) and returns their slots, which
+    /// stay put until the `Resident` is dropped. Drop it after queueing the kernels that
+    /// read them.
+    pub fn acquire<'c, 'h>(
+        &'c mut self,
+        gpu: &'c Gpu,
+        keys: &[ExpertKey],
+        host: &dyn Fn(ExpertKey) -> Result<Vec<HostPart<'h>>, GpuError>,
+    ) -> Result<Resident<'c>, GpuError> {
+        if keys.len() > self.slots.len() {
+            return Err(GpuError::Shape(format!(
+                "a batch of {} experts at once; the VRAM tier holds {}",
+                keys.len(),
+                self.slots.len()
+            )));
+        }
+        self.tick += 1;
+        for (i, key) in keys.iter().enumerate() {
+            if keys[..i].contains(key) {
+                return Err(GpuError::Shape(format!("expert {key:?} asked for twice in one batch")));
+            }
+        }
+        // Hits first, so that a miss never evicts an expert the same batch is about to use.
+        let mut at: Vec<Option<usize>> = keys.iter().map(|k| self.index.get(k).copied()).collect();
+        for s in at.iter().flatten() {
+            self.stats.hits += 1;
+            self.slots[*s].last_use = self.tick;
+        }
+        let mut filled: Vec<usize> = Vec::new();
+        for i in 0..keys.len() {
+            if at[i].is_some() {
+                continue;
+            }
+            self.stats.misses += 1;
+            let parts = host(keys[i])?;
+            let victim = (0..self.slots.len())
+                .filter(|s| !at.contains(&Some(*s)))
+                .min_by_key(|&s| (self.slots[s].key.is_some(), self.slots[s].last_use))
+                .expect("no more keys than slots");
+            self.fill(victim, keys[i], &parts)?;
+            filled.push(victim);
+            at[i] = Some(victim);
+        }
+        let taken: Vec<usize> = at.into_iter().map(|s| s.expect("every key placed")).collect();
+        // The batch's kernels wait for the copies that filled its slots; and the host does
+        // too, before the borrowed host bytes may go (a copy from page-locked memory runs
+        // asynchronously; from ordinary memory the driver has staged it already).
+        let t0 = Instant::now();
+        for &s in &filled {
+            if let Some(ev) = &self.slots[s].ready {
+                gpu.stream.wait(ev)?;
+            }
+        }
+        if let Some(ev) = filled.last().and_then(|&s| self.slots[s].ready.as_ref()) {
+            ev.synchronize()?;
+        }
+        self.stats.copy_ns += t0.elapsed().as_nanos() as u64;
+        Ok(Resident { cache: self, gpu, slots: taken })
+    }
+
+    fn fill(&mut self, s: usize, key: ExpertKey, parts: &[HostPart<'_>]) -> Result<(), GpuError> {
+        let mut layout = Vec::with_capacity(parts.len());
+        let mut at = 0usize;
+        for p in parts {
+            let need = p.dtype.row_bytes(p.cols).map(|rb| rb * p.rows);
+            if need != Some(p.data.len()) {
+                return Err(GpuError::Shape(format!(
+                    "expert {key:?}: a {} {}x{} part of {} bytes",
+                    p.dtype,
+                    p.rows,
+                    p.cols,
+                    p.data.len()
+                )));
+            }
+            at = at.next_multiple_of(PART_ALIGN);
+            layout.push((p.dtype, p.rows, p.cols, at));
+            at += p.data.len();
+        }
+        if at > self.slot_bytes {
+            return Err(GpuError::Shape(format!(
+                "expert {key:?} needs {at} bytes; a VRAM slot holds {}",
+                self.slot_bytes
+            )));
+        }
+        let slot = &mut self.slots[s];
+        if let Some(old) = slot.key.take() {
+            self.index.remove(&old);
+            self.stats.evictions += 1;
+        }
+        // Kernels that read the previous expert must be done before it is overwritten.
+        if let Some(used) = &slot.used {
+            self.copy.wait(used)?;
+        }
+        let t0 = Instant::now();
+        let base = s * self.slot_bytes;
+        for (p, &(_, _, _, off)) in parts.iter().zip(&layout) {
+            let mut dst = self.slab.slice_mut(base + off..base + off + p.data.len());
+            self.copy.memcpy_htod(p.data, &mut dst)?;
+            self.stats.bytes_copied += p.data.len() as u64;
+        }
+        let ready = self.copy.record_event(None)?;
+        self.stats.copy_ns += t0.elapsed().as_nanos() as u64;
+        let slot = &mut self.slots[s];
+        slot.ready = Some(ready);
+        slot.parts = layout;
+        slot.key = Some(key);
+        slot.last_use = self.tick;
+        self.index.insert(key, s);
+        Ok(())
+    }
+}
+
+/// The slots of one acquired batch, in the order of its keys.
+pub struct Resident<'c> {
+    cache: &'c mut VramExperts,
+    gpu: &'c Gpu,
+    slots: Vec<usize>,
+}
+
+impl Resident<'_> {
+    pub fn len(&self) -> usize {
+        self.slots.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+
+    /// The parts of the batch's expert `i`, as device matrices.
+    pub fn expert(&self, i: usize) -> Vec<DeviceMat<'_>> {
+        let s = self.slots[i];
+        let (base, _sync) = self.cache.slab.device_ptr(&self.gpu.stream);
+        let base = base + (s * self.cache.slot_bytes) as u64;
+        self.cache.slots[s]
+            .parts
+            .iter()
+            .map(|&(dtype, rows, cols, off)| DeviceMat {
+                dtype,
+                rows,
+                cols,
+                ptr: base + off as u64,
+                _owner: std::marker::PhantomData,
+            })
+            .collect()
+    }
+}
+
+impl Drop for Resident<'_> {
+    fn drop(&mut self) {
+        // Marks the end of the kernels queued so far: the copy stream waits for it before it
+        // overwrites one of these slots. If recording fails the context is broken, and the
+        // next call on it reports that.
+        let used = self.gpu.stream.record_event(None).ok().map(Arc::new);
+        for &s in &self.slots {
+            self.cache.slots[s].used = used.clone();
+        }
+    }
+}
