@@ -4,10 +4,12 @@
 #   export LD_LIBRARY_PATH=/usr/local/cuda/lib64:$LD_LIBRARY_PATH   # where libnvrtc.so lives
 #   .cuda-stage/bit_exact --ignored       # the CUDA-vs-CPU bit-exactness tests
 #   .cuda-stage/vram_cache --ignored      # the VRAM expert tier
+#   .cuda-stage/model_experts --ignored   # a model with GPU experts gives the CPU's logits
 #   .cuda-stage/cuda-lab [--json]         # checks, then timings
+#   .cuda-stage/sluice bench --model M --gpu-experts 8GiB   # a whole model
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-cargo build --release -p sluice-cuda --bin cuda-lab
+cargo build --release -p sluice-cuda --bin cuda-lab -p sluice-cli --bin sluice
 mkdir -p .cuda-stage
 cargo test --release -p sluice-cuda --no-run --message-format=json 2>/dev/null |
   python3 -c 'import json, shutil, sys
@@ -15,7 +17,7 @@ for l in sys.stdin:
     m = json.loads(l)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
         shutil.copy(m["executable"], ".cuda-stage/" + m["target"]["name"])'
-cp target/release/cuda-lab .cuda-stage/
-# Line tables are not needed there, and the whole folder must travel.
-strip --strip-debug .cuda-stage/*
+cp target/release/cuda-lab target/release/sluice .cuda-stage/
+# Symbols and line tables are not needed there, and the whole folder must travel.
+strip --strip-all .cuda-stage/*
 ls -la .cuda-stage

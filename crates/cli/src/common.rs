@@ -63,6 +63,12 @@ pub struct ModelArgs {
     /// The routing trace (`run --trace`) --pin-experts chooses from.
     #[arg(long, value_name = "TRACE", requires = "pin_experts")]
     pub pin_trace: Option<PathBuf>,
+    /// Compute the routed experts on the NVIDIA GPU (device 0), which keeps up to SIZE of
+    /// them in its memory (e.g. 8GiB) and copies the others from host memory when chosen
+    /// (where --expert-cache and --expert-mode keep them). The output is the CPU's, bit for
+    /// bit. Needs the NVIDIA driver and NVRTC at run time.
+    #[arg(long, value_name = "SIZE")]
+    pub gpu_experts: Option<String>,
     #[command(flatten)]
     pub remote: RemoteArgs,
 }
@@ -389,6 +395,16 @@ impl ModelArgs {
         }
         let opts = EngineOptions { threads: self.threads, max_context: self.ctx, experts, mtp };
         let mut e = Engine::load(&path, opts).with_context(|| format!("loading {}", self.model.display()))?;
+        if let Some(size) = &self.gpu_experts {
+            if !e.model.cfg.is_moe() {
+                bail!("--gpu-experts: {} has no routed experts", self.model.display());
+            }
+            let quota = parse_size(size).context("--gpu-experts")? as usize;
+            let c = sluice_cuda::experts::CudaExperts::open(0, quota, e.model.experts.expert_bytes())
+                .context("--gpu-experts")?;
+            eprintln!("sluice: {}", sluice_model::ffn::offload::ExpertCompute::describe(&c));
+            e.model.expert_compute = Some(std::sync::Arc::new(c));
+        }
         if e.model.cfg.is_moe() {
             eprintln!("sluice: {}", e.placement);
         }
@@ -460,6 +476,9 @@ pub fn expert_stats_json(e: &Engine, tokens: usize) -> serde_json::Value {
         v["pinned_routing"] = serde_json::to_value(p).unwrap_or_default();
     }
     v["routing_note"] = e.routing_note().map_or(serde_json::Value::Null, Into::into);
+    if let Some(c) = &e.model.expert_compute {
+        v["gpu_experts"] = c.stats_line().into();
+    }
     v
 }
 
@@ -500,6 +519,9 @@ pub fn expert_stats_line(e: &Engine, tokens: usize) -> String {
     let mut line = stats_line(&e.expert_stats(), tokens);
     if let Some(note) = e.routing_note() {
         line.push_str(&format!("\n  note: {note}"));
+    }
+    if let Some(c) = &e.model.expert_compute {
+        line.push_str(&format!("\n  {}", c.stats_line()));
     }
     line
 }

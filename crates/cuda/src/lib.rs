@@ -10,12 +10,14 @@
 //! exact integer sums, the same float formula applied block after block. So a row's result
 //! depends neither on the batch nor on which backend computed it.
 //!
-//! `vram_cache` is the expert cache's VRAM tier: slots on the device under a hard quota,
+//! `experts` computes a MoE layer's routed experts for the CPU's forward pass (the model's
+//! `ExpertCompute` seam), through `vram_cache`, the expert cache's VRAM tier: slots on the device under a hard quota,
 //! filled from host memory on a copy stream of their own.
 
 use sluice_kernels::DType;
 
 mod device;
+pub mod experts;
 mod matmul;
 pub mod vram_cache;
 

@@ -53,6 +53,8 @@ pub struct Model {
     pub pool: Arc<ThreadPool>,
     /// The multi-token-prediction head, once loaded (`load_mtp`).
     pub mtp: Option<crate::mtp::MtpHead>,
+    /// Where routed experts are computed when not by `pool` (a GPU); the same bits either way.
+    pub expert_compute: Option<Arc<dyn crate::ffn::offload::ExpertCompute>>,
 }
 
 /// Which rows of logits a forward pass returns.
@@ -118,7 +120,19 @@ impl Model {
         let output_norm = norm_of(Key::OutputNorm, None)?;
         let rope = Rope::new(cfg.rope.clone());
         let rope_local = cfg.rope_local.clone().map(Rope::new);
-        Ok(Model { cfg, tok_embd, layers, output_norm, output, rope, rope_local, experts, pool, mtp: None })
+        Ok(Model {
+            cfg,
+            tok_embd,
+            layers,
+            output_norm,
+            output,
+            rope,
+            rope_local,
+            experts,
+            pool,
+            mtp: None,
+            expert_compute: None,
+        })
     }
 
     /// A fresh sequence state for up to `max_len` positions (the model's own maximum if 0).

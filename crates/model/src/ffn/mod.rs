@@ -2,6 +2,7 @@
 //! mixture of experts (`moe`, its router in `router`).
 
 pub mod moe;
+pub mod offload;
 pub mod router;
 
 use crate::config::{Activation, FfnKind, ModelConfig};
@@ -55,7 +56,7 @@ impl FfnWeights {
 }
 
 /// `gate = act(gate) ⊙ up` for the FFN's activation (gpt-oss's clamped form included).
-pub(crate) fn combine(a: Activation, gate: &mut [f32], up: &[f32]) {
+pub fn combine(a: Activation, gate: &mut [f32], up: &[f32]) {
     match a {
         Activation::Silu => ops::glu(gate, up, ops::silu),
         Activation::GeluTanh => ops::glu(gate, up, ops::gelu_tanh),

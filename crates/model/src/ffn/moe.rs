@@ -184,7 +184,41 @@ pub fn moe_ffn(
     // experts, so their reads queue behind them and overlap this layer's compute: the next
     // router applied to this layer's input predicts them.
     prefetch_next(m, experts, l, x, n);
-    if w.biases.is_none() && fetch.all_resident() {
+    let offload = m.expert_compute.as_ref().filter(|_| w.biases.is_none());
+    if let Some(c) = offload {
+        // Resident experts go to the device all at once; streamed ones one by one as they
+        // arrive (holding every view until the last arrives could wait forever on a cache
+        // smaller than the layer's experts).
+        let at_once = fetch.all_resident();
+        let mut views = Vec::with_capacity(wanted.len());
+        let mut done = false;
+        while !done {
+            match fetch.next().transpose()? {
+                Some(v) => views.push(v),
+                None => done = true,
+            }
+            if views.is_empty() || (at_once && !done) {
+                continue;
+            }
+            let ews: Vec<_> = views.iter().map(|(_, v)| v.weights()).collect();
+            let ids: Vec<u32> = views.iter().map(|(i, _)| wanted[*i]).collect();
+            let slots: Vec<&[usize]> = ids.iter().map(|&e| users[e as usize].as_slice()).collect();
+            let batch = crate::ffn::offload::ExpertBatch {
+                layer: l,
+                activation: cfg.activation,
+                ids: &ids,
+                weights: &ews,
+                slots: &slots,
+                k,
+                x,
+            };
+            if !c.compute(&batch, &mut y)? {
+                batch_by_experts(pool, cfg.activation, &ews, &slots, k, x, &mut y);
+            }
+            drop(ews);
+            views.clear();
+        }
+    } else if w.biases.is_none() && fetch.all_resident() {
         let mut views = Vec::with_capacity(wanted.len());
         while let Some(r) = fetch.next() {
             views.push(r?);
