@@ -19,12 +19,34 @@ use std::sync::Mutex;
 
 pub struct CudaExperts {
     gpu: Gpu,
-    state: Mutex<VramExperts>,
+    state: Mutex<State>,
     quota: usize,
+}
+
+/// The tier and the buffers every call reuses (grown when a call needs more).
+struct State {
+    vram: VramExperts,
+    x: Option<CudaSlice<f32>>,
+    ax: Option<GpuAct>,
+    /// Gate outputs, then up outputs (entries × ff each).
+    gu: Option<CudaSlice<f32>>,
+    h: Option<CudaSlice<f32>>,
+    ah: Option<GpuAct>,
+    out: Option<CudaSlice<f32>>,
+    host_gu: Vec<f32>,
+    host_out: Vec<f32>,
 }
 
 fn gpu_err(e: GpuError) -> ModelError {
     ModelError::Invalid(format!("CUDA: {e}"))
+}
+
+/// `buf`, made (twice as large as asked, to grow rarely) when it holds fewer than `len`.
+fn room<'b>(gpu: &Gpu, buf: &'b mut Option<CudaSlice<f32>>, len: usize) -> Result<&'b mut CudaSlice<f32>, GpuError> {
+    if buf.as_ref().is_none_or(|b| b.len() < len) {
+        *buf = Some(gpu.stream.alloc_zeros::<f32>((2 * len).max(1))?);
+    }
+    Ok(buf.as_mut().expect("made above"))
 }
 
 impl CudaExperts {
@@ -34,8 +56,19 @@ impl CudaExperts {
         let gpu = Gpu::open(ordinal)?;
         // Each of the three parts may start up to one alignment step later.
         let slot = expert_bytes + 3 * 256;
-        let state = Mutex::new(VramExperts::new(&gpu, slot, quota)?);
-        Ok(CudaExperts { gpu, state, quota })
+        let vram = VramExperts::new(&gpu, slot, quota)?;
+        let state = State {
+            vram,
+            x: None,
+            ax: None,
+            gu: None,
+            h: None,
+            ah: None,
+            out: None,
+            host_gu: Vec::new(),
+            host_out: Vec::new(),
+        };
+        Ok(CudaExperts { gpu, state: Mutex::new(state), quota })
     }
 
     pub fn gpu(&self) -> &Gpu {
@@ -44,7 +77,7 @@ impl CudaExperts {
 
     /// The VRAM tier's counters.
     pub fn tier_stats(&self) -> crate::vram_cache::VramStats {
-        self.state.lock().unwrap_or_else(|p| p.into_inner()).stats()
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).vram.stats()
     }
 
     fn run(&self, b: &ExpertBatch<'_>, y: &mut [f32]) -> std::result::Result<bool, GpuError> {
@@ -59,11 +92,14 @@ impl CudaExperts {
         }
         let (hidden, ff) = (first.gate.cols, first.gate.rows);
         let n = b.x.len() / hidden;
-        let s = &self.gpu.stream;
-        let mut vram = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        let xd = s.clone_htod(b.x)?;
-        let ax = self.gpu.quantize(gd, &xd, n, hidden)?;
-        let chunk = vram.slots();
+        let (gpu, s) = (&self.gpu, &self.gpu.stream);
+        let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let st = &mut *guard;
+        let xd = room(gpu, &mut st.x, b.x.len())?;
+        s.memcpy_htod(b.x, &mut xd.slice_mut(0..b.x.len()))?;
+        gpu.quantize_reusing(gd, xd, n, hidden, &mut st.ax)?;
+        let ax = st.ax.as_ref().expect("quantized above");
+        let chunk = st.vram.slots();
         for start in (0..b.ids.len()).step_by(chunk) {
             let end = (start + chunk).min(b.ids.len());
             let keys: Vec<ExpertKey> =
@@ -76,7 +112,7 @@ impl CudaExperts {
                     .map(|m| HostPart { dtype: m.dtype, rows: m.rows, cols: m.cols, data: m.data })
                     .collect())
             };
-            let res = vram.acquire(&self.gpu, &keys, &host)?;
+            let res = st.vram.acquire(gpu, &keys, &host)?;
             // Entries: every (token, rank) slot each expert of the chunk serves, expert by
             // expert.
             let mut act_rows = Vec::new();
@@ -90,12 +126,13 @@ impl CudaExperts {
             let part = |p: usize| -> Vec<(DeviceMat<'_>, std::ops::Range<usize>)> {
                 ranges.iter().enumerate().map(|(i, r)| (res.expert(i)[p], r.clone())).collect()
             };
-            let mut g: CudaSlice<f32> = s.alloc_zeros(entries * ff)?;
-            let mut u: CudaSlice<f32> = s.alloc_zeros(entries * ff)?;
-            self.gpu.matmul_ids(&part(0), &ax, &act_rows, &mut g)?;
-            self.gpu.matmul_ids(&part(1), &ax, &act_rows, &mut u)?;
-            let mut gh = s.clone_dtoh(&g)?;
-            let uh = s.clone_dtoh(&u)?;
+            let ef = entries * ff;
+            let gu = room(gpu, &mut st.gu, 2 * ef)?;
+            gpu.matmul_ids_into(&part(0), ax, &act_rows, &mut gu.slice_mut(0..ef))?;
+            gpu.matmul_ids_into(&part(1), ax, &act_rows, &mut gu.slice_mut(ef..2 * ef))?;
+            st.host_gu.resize(2 * ef, 0.0);
+            s.memcpy_dtoh(&gu.slice(0..2 * ef), &mut st.host_gu)?;
+            let (gh, uh) = st.host_gu.split_at_mut(ef);
             // The combine, per expert over its tokens, exactly as the CPU's gated FFN runs it.
             for r in &ranges {
                 sluice_model::ffn::combine(
@@ -104,17 +141,20 @@ impl CudaExperts {
                     &uh[r.start * ff..r.end * ff],
                 );
             }
-            let hd = s.clone_htod(&gh)?;
-            let ah: GpuAct = self.gpu.quantize(dd, &hd, entries, ff)?;
+            let hd = room(gpu, &mut st.h, ef)?;
+            s.memcpy_htod(&*gh, &mut hd.slice_mut(0..ef))?;
+            gpu.quantize_reusing(dd, hd, entries, ff, &mut st.ah)?;
             let own: Vec<i32> = (0..entries as i32).collect();
-            let mut out: CudaSlice<f32> = s.alloc_zeros(entries * hidden)?;
-            self.gpu.matmul_ids(&part(2), &ah, &own, &mut out)?;
+            let eh = entries * hidden;
+            let out = room(gpu, &mut st.out, eh)?;
+            gpu.matmul_ids_into(&part(2), st.ah.as_ref().expect("quantized above"), &own, &mut out.slice_mut(0..eh))?;
             drop(res);
-            let oh = s.clone_dtoh(&out)?;
+            st.host_out.resize(eh, 0.0);
+            s.memcpy_dtoh(&out.slice(0..eh), &mut st.host_out)?;
             for (i, slots) in b.slots[start..end].iter().enumerate() {
                 for (j, &sl) in slots.iter().enumerate() {
                     let e = ranges[i].start + j;
-                    y[sl * hidden..(sl + 1) * hidden].copy_from_slice(&oh[e * hidden..(e + 1) * hidden]);
+                    y[sl * hidden..(sl + 1) * hidden].copy_from_slice(&st.host_out[e * hidden..(e + 1) * hidden]);
                 }
             }
         }
@@ -128,7 +168,7 @@ impl ExpertCompute for CudaExperts {
     }
 
     fn describe(&self) -> String {
-        let v = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let v = &self.state.lock().unwrap_or_else(|p| p.into_inner()).vram;
         format!(
             "routed experts computed on {} (compute {}.{}); VRAM tier {:.2} GB: {} experts of {:.1} MB",
             self.gpu.name,
@@ -141,7 +181,7 @@ impl ExpertCompute for CudaExperts {
     }
 
     fn stats_line(&self) -> String {
-        let st = self.state.lock().unwrap_or_else(|p| p.into_inner()).stats();
+        let st = self.state.lock().unwrap_or_else(|p| p.into_inner()).vram.stats();
         let total = (st.hits + st.misses).max(1);
         format!(
             "VRAM tier: {} hits, {} misses ({:.1}% hit rate), {} evictions, {:.1} MB copied from host memory in {:.3} s",

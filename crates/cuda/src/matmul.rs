@@ -3,7 +3,7 @@
 //! goes through the reference's integer sums and float formula (`kernels/quant.cu`).
 
 use crate::device::{Gpu, GpuError};
-use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaViewMut, DevicePtr, LaunchConfig, PushKernelArg};
 use sluice_kernels::quant::act::ActKind;
 use sluice_kernels::{DType, MatRef};
 
@@ -141,6 +141,23 @@ impl Gpu {
         Ok(act)
     }
 
+    /// Quantizes `n × cols` activations for `dtype` weights into `buf`, which is (re)made
+    /// when it is missing, of another kind or width, or too small (grown to twice the need).
+    pub fn quantize_reusing(
+        &self,
+        dtype: DType,
+        x: &CudaSlice<f32>,
+        n: usize,
+        cols: usize,
+        buf: &mut Option<GpuAct>,
+    ) -> Result<(), GpuError> {
+        let kind = ActKind::for_weights(dtype);
+        if !buf.as_ref().is_some_and(|a| Some(a.kind) == kind && a.cols == cols && a.capacity >= n) {
+            *buf = Some(self.act_buffer(dtype, 2 * n, cols)?);
+        }
+        self.quantize_into(x, n, buf.as_mut().expect("made above"))
+    }
+
     /// Quantizes `n` rows of `x` into `act` (which must have room for them).
     pub fn quantize_into(&self, x: &CudaSlice<f32>, n: usize, act: &mut GpuAct) -> Result<(), GpuError> {
         let cols = act.cols;
@@ -235,6 +252,18 @@ impl Gpu {
         x: &GpuAct,
         act_rows: &[i32],
         out: &mut CudaSlice<f32>,
+    ) -> Result<(), GpuError> {
+        let len = out.len();
+        self.matmul_ids_into(segments, x, act_rows, &mut out.slice_mut(0..len))
+    }
+
+    /// `matmul_ids` into part of a larger buffer.
+    pub fn matmul_ids_into(
+        &self,
+        segments: &[(DeviceMat<'_>, std::ops::Range<usize>)],
+        x: &GpuAct,
+        act_rows: &[i32],
+        out: &mut CudaViewMut<'_, f32>,
     ) -> Result<(), GpuError> {
         let Some((first, _)) = segments.first() else { return Ok(()) };
         let (dtype, rows, cols) = (first.dtype, first.rows, first.cols);
