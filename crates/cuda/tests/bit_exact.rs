@@ -3,18 +3,12 @@
 //! built test binary with `--ignored`; `tools/cuda/stage.sh` builds one to carry there).
 
 use sluice_cuda::Gpu;
+use sluice_kernels::compare::first_difference;
 use sluice_kernels::quant::act::{ActKind, QuantAct};
+use sluice_kernels::testdata::{quantized as weights, uniform as rng};
 use sluice_kernels::{matmul_ref, DType, MatRef};
 
 const FORMATS: [DType; 6] = [DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::Q2_K, DType::Q3_K, DType::Q8_0];
-
-fn rng(seed: u64) -> impl FnMut() -> f32 {
-    let mut s = seed;
-    move || {
-        s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-}
 
 /// Activations with the cases quantizers trip on: an all-zero block, a block whose largest
 /// magnitude occurs with both signs, values on rounding ties, and widely varying scales.
@@ -31,12 +25,6 @@ fn activations(n: usize, cols: usize, seed: u64) -> Vec<f32> {
         }
     }
     x
-}
-
-fn weights(dtype: DType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
-    let mut r = rng(seed);
-    let v: Vec<f32> = (0..rows * cols).map(|_| r()).collect();
-    sluice_kernels::quant::quantize_rows(dtype, &v, cols)
 }
 
 fn matmul_lanes(gpu: &Gpu, w: &sluice_cuda::GpuMatrix, x: &[f32], n: usize, lanes: usize) -> Vec<f32> {
@@ -121,8 +109,8 @@ fn a_row_does_not_depend_on_the_batch() {
         let batch = gpu.matmul_host(&gw, &x, n).unwrap();
         for t in 0..n {
             let alone = gpu.matmul_host(&gw, &x[t * cols..(t + 1) * cols], 1).unwrap();
-            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&alone), bits(&batch[t * rows..(t + 1) * rows]), "{dtype} token {t}");
+            let d = first_difference(&alone, &batch[t * rows..(t + 1) * rows]);
+            assert_eq!(d, None, "{dtype} token {t}: alone and in the batch differ at row {d:?}");
         }
     }
 }
@@ -159,8 +147,8 @@ fn grouped_expert_matmul_equals_each_expert_alone() {
             for (i, &(e, t)) in pairs.iter().enumerate() {
                 let mut want = vec![0f32; rows];
                 matmul_ref(mats[e], &x[t * cols..(t + 1) * cols], 1, &mut want);
-                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(&want), bits(&got[i * rows..(i + 1) * rows]), "{dtype} n={n} expert {e} token {t}");
+                let d = first_difference(&want, &got[i * rows..(i + 1) * rows]);
+                assert_eq!(d, None, "{dtype} n={n} expert {e} token {t}: differs from the CPU at row {d:?}");
             }
         }
     }

@@ -4,21 +4,9 @@
 
 use sluice_cuda::vram_cache::{slot_bytes_for, ExpertKey, HostPart, VramExperts};
 use sluice_cuda::{Gpu, GpuError};
+use sluice_kernels::compare::first_difference;
+use sluice_kernels::testdata::{quantized, uniform as rng};
 use sluice_kernels::{matmul_ref, DType, MatRef};
-
-fn rng(seed: u64) -> impl FnMut() -> f32 {
-    let mut s = seed;
-    move || {
-        s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-}
-
-fn quantized(dtype: DType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
-    let mut r = rng(seed);
-    let v: Vec<f32> = (0..rows * cols).map(|_| r()).collect();
-    sluice_kernels::quant::quantize_rows(dtype, &v, cols)
-}
 
 const FF: usize = 256;
 const HIDDEN: usize = 512;
@@ -92,13 +80,12 @@ fn every_quota_gives_the_reference_bits_and_counts_add_up() {
                     matmul_ref(MatRef::new(DType::Q4_K, FF, HIDDEN, &ex.gate).unwrap(), &x, 1, &mut want_g);
                     let mut want_d = vec![0f32; HIDDEN];
                     matmul_ref(MatRef::new(DType::Q6_K, HIDDEN, FF, &ex.down).unwrap(), &h, 1, &mut want_d);
-                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-                    assert_eq!(bits(&want_g), bits(&g[i * FF..(i + 1) * FF]), "{n_slots} slots: expert {e} gate");
-                    assert_eq!(
-                        bits(&want_d),
-                        bits(&d[i * HIDDEN..(i + 1) * HIDDEN]),
-                        "{n_slots} slots: expert {e} down"
+                    let (dg, dd) = (
+                        first_difference(&want_g, &g[i * FF..(i + 1) * FF]),
+                        first_difference(&want_d, &d[i * HIDDEN..(i + 1) * HIDDEN]),
                     );
+                    assert_eq!(dg, None, "{n_slots} slots: expert {e} gate differs from the CPU at row {dg:?}");
+                    assert_eq!(dd, None, "{n_slots} slots: expert {e} down differs from the CPU at row {dd:?}");
                 }
             }
         }

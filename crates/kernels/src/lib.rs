@@ -10,6 +10,7 @@ pub mod ops;
 pub mod pool;
 pub mod quant;
 pub mod recurrent;
+pub mod testdata;
 
 pub use dtype::DType;
 pub use matmul::{matmul, matmul_ref, MatRef, SendPtr};

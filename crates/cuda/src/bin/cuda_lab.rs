@@ -13,16 +13,8 @@ use std::process::ExitCode;
 
 const FORMATS: [DType; 6] = [DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::Q8_0, DType::Q2_K, DType::Q3_K];
 
-fn rng(seed: u64) -> impl FnMut() -> f32 {
-    let mut s = seed;
-    move || {
-        s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-}
-
 fn random(n: usize, seed: u64) -> Vec<f32> {
-    let mut r = rng(seed);
+    let mut r = sluice_kernels::testdata::uniform(seed);
     (0..n).map(|_| r()).collect()
 }
 
@@ -279,18 +271,7 @@ fn moe_lab(gpu: &Gpu, copy_gbs: f64) -> Result<serde_json::Value, Box<dyn std::e
         // Token t routes to k distinct pseudo-random experts; entries grouped by expert.
         let mut pairs: Vec<(usize, usize)> = Vec::new();
         for t in 0..n {
-            let mut h = (t as u64).wrapping_mul(0x9E3779B97F4A7C15) | 1;
-            let mut chosen = Vec::new();
-            while chosen.len() < k {
-                h ^= h << 13;
-                h ^= h >> 7;
-                h ^= h << 17;
-                let e = (h % n_expert as u64) as usize;
-                if !chosen.contains(&e) {
-                    chosen.push(e);
-                }
-            }
-            pairs.extend(chosen.into_iter().map(|e| (e, t)));
+            pairs.extend(route(t as u64, n_expert, k).into_iter().map(|e| (e, t)));
         }
         pairs.sort();
         let act_rows: Vec<i32> = pairs.iter().map(|p| p.1 as i32).collect();
@@ -381,20 +362,12 @@ fn vram_lab(gpu: &Gpu, registered: bool) -> Result<serde_json::Value, Box<dyn st
     let mut u: CudaSlice<f32> = s.alloc_zeros(k * ff)?;
     let mut d: CudaSlice<f32> = s.alloc_zeros(k * hidden)?;
     let tokens = 64;
-    let mut h = 0x2545F4914F6CDD1Du64;
+    let mut step = 1u64 << 32;
     gpu.synchronize()?;
     let t0 = std::time::Instant::now();
     for _ in 0..tokens {
-        let mut chosen: Vec<u32> = Vec::new();
-        while chosen.len() < k {
-            h ^= h << 13;
-            h ^= h >> 7;
-            h ^= h << 17;
-            let e = (h % n_expert as u64) as u32;
-            if !chosen.contains(&e) {
-                chosen.push(e);
-            }
-        }
+        step += 1;
+        let chosen: Vec<u32> = route(step, n_expert, k).into_iter().map(|e| e as u32).collect();
         let keys: Vec<ExpertKey> = chosen.iter().map(|&e| ExpertKey { layer: 0, expert: e }).collect();
         let res = cache.acquire(gpu, &keys, &host)?;
         let part = |p: usize| (0..k).map(|i| (res.expert(i)[p], i..i + 1)).collect::<Vec<_>>();
@@ -419,4 +392,20 @@ fn vram_lab(gpu: &Gpu, registered: bool) -> Result<serde_json::Value, Box<dyn st
         "misses_per_token": st.misses as f64 / tokens as f64, "layer_us_per_token": per_token_us,
         "copy_gbs": copy_gbs, "host_memory_page_locked": registered,
     }))
+}
+
+/// `k` distinct pseudo-random experts of `n_expert` for token `t` (xorshift).
+fn route(t: u64, n_expert: usize, k: usize) -> Vec<usize> {
+    let mut h = t.wrapping_mul(0x9E3779B97F4A7C15) | 1;
+    let mut chosen = Vec::with_capacity(k);
+    while chosen.len() < k {
+        h ^= h << 13;
+        h ^= h >> 7;
+        h ^= h << 17;
+        let e = (h % n_expert as u64) as usize;
+        if !chosen.contains(&e) {
+            chosen.push(e);
+        }
+    }
+    chosen
 }

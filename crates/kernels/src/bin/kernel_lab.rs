@@ -9,23 +9,9 @@
 //! `kernel-lab [--quick] [--json] [--dtype NAME] [--shape ROWSxCOLS]`
 
 use sluice_kernels::cpu::Isa;
+use sluice_kernels::testdata::{quantized as weights, uniform as rng};
 use sluice_kernels::{matmul_ref, DType, MatRef, ThreadPool};
 use std::time::Instant;
-
-fn rng(seed: u64) -> impl FnMut() -> f32 {
-    let mut s = seed;
-    move || {
-        s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-}
-
-/// Random weights of `dtype`, `rows × cols`.
-fn weights(dtype: DType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
-    let mut r = rng(seed);
-    let v: Vec<f32> = (0..rows * cols).map(|_| r()).collect();
-    sluice_kernels::quant::quantize_rows(dtype, &v, cols)
-}
 
 /// Bytes a timed matvec or read sweeps: four times the last-level cache and at least 1 GiB,
 /// so that rates are the memory's and not the cache's (machines of this kind have shown a
