@@ -102,8 +102,14 @@ pub fn expert_bytes(src: &dyn TensorSource, cfg: &ModelConfig) -> Result<u64> {
     Ok(total)
 }
 
+/// A byte count for people: GiB, or MiB below 1 GiB (so that a small quota never reads as
+/// "0.00 GiB").
 pub fn gib(b: u64) -> String {
-    format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
+    if b < 1 << 30 {
+        format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64)
+    } else {
+        format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
+    }
 }
 
 /// A tensor source whose tensors live in memory of their own rather than in a file mapping.
