@@ -1,5 +1,7 @@
-//! Routed experts computed on the GPU for the CPU's forward pass (`ExpertCompute`): the
-//! layer's chosen experts go through the VRAM tier, their gate and up products run as one
+//! Routed experts computed on the GPU for the CPU's forward pass (`ExpertCompute`): each
+//! layer's chosen experts are split between the GPU and the CPU's threads (`split`: held ones
+//! on the GPU, each miss where the layer finishes sooner, from measured rates), and the GPU's
+//! share goes through the VRAM tier, their gate and up products run as one
 //! grouped launch each, the activation combine runs on the host with the CPU's own function,
 //! and the down products run as one grouped launch. Every product is the CPU reference's to
 //! the bit and the combine is the CPU's code, so the model's output is the CPU run's, bit for
@@ -11,10 +13,11 @@
 
 use crate::device::{Gpu, GpuError};
 use crate::matmul::{kernel_name, DeviceMat, GpuAct};
+use crate::split::{assign, Chosen, Rates};
 use crate::vram_cache::{ExpertKey, HostPart, VramExperts};
 use cudarc::driver::CudaSlice;
 use sluice_model::error::{ModelError, Result};
-use sluice_model::ffn::offload::{ExpertBatch, ExpertCompute};
+use sluice_model::ffn::offload::{CpuWork, ExpertBatch, ExpertCompute};
 use std::sync::Mutex;
 
 pub struct CudaExperts {
@@ -26,6 +29,10 @@ pub struct CudaExperts {
 /// The tier and the buffers every call reuses (grown when a call needs more).
 struct State {
     vram: VramExperts,
+    rates: Rates,
+    /// Chosen experts the GPU computed, and those left to the CPU.
+    on_gpu: u64,
+    on_cpu: u64,
     x: Option<CudaSlice<f32>>,
     ax: Option<GpuAct>,
     /// Gate outputs, then up outputs (entries × ff each).
@@ -59,6 +66,9 @@ impl CudaExperts {
         let vram = VramExperts::new(&gpu, slot, quota)?;
         let state = State {
             vram,
+            rates: Rates::default(),
+            on_gpu: 0,
+            on_cpu: 0,
             x: None,
             ax: None,
             gu: None,
@@ -82,19 +92,17 @@ impl CudaExperts {
 
     fn run(&self, b: &ExpertBatch<'_>, y: &mut [f32]) -> std::result::Result<bool, GpuError> {
         let Some(first) = b.weights.first() else { return Ok(true) };
-        let (gd, ud, dd) = (first.gate.dtype, first.up.dtype, first.down.dtype);
-        let same = b.weights.iter().all(|w| {
-            (w.gate.dtype, w.up.dtype, w.down.dtype, w.gate.rows, w.gate.cols, w.down.rows, w.down.cols)
-                == (gd, ud, dd, first.gate.rows, first.gate.cols, first.down.rows, first.down.cols)
-        });
-        if !same || gd != ud || kernel_name(gd).is_none() || kernel_name(dd).is_none() {
+        if !computable(b) {
             return Ok(false);
         }
+        let (gd, dd) = (first.gate.dtype, first.down.dtype);
         let (hidden, ff) = (first.gate.cols, first.gate.rows);
         let n = b.x.len() / hidden;
         let (gpu, s) = (&self.gpu, &self.gpu.stream);
         let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let st = &mut *guard;
+        st.on_gpu += b.ids.len() as u64;
+        let before = st.vram.stats();
         let xd = room(gpu, &mut st.x, b.x.len())?;
         s.memcpy_htod(b.x, &mut xd.slice_mut(0..b.x.len()))?;
         gpu.quantize_reusing(gd, xd, n, hidden, &mut st.ax)?;
@@ -158,11 +166,54 @@ impl CudaExperts {
                 }
             }
         }
+        let after = st.vram.stats();
+        st.rates.observe_copy(after.bytes_copied - before.bytes_copied, after.copy_ns - before.copy_ns);
         Ok(true)
     }
 }
 
+/// Whether the GPU has kernels for these experts (one shape and format for all of them,
+/// gate and up in the same format).
+fn computable(b: &ExpertBatch<'_>) -> bool {
+    let Some(first) = b.weights.first() else { return true };
+    let (gd, ud, dd) = (first.gate.dtype, first.up.dtype, first.down.dtype);
+    let same = b.weights.iter().all(|w| {
+        (w.gate.dtype, w.up.dtype, w.down.dtype, w.gate.rows, w.gate.cols, w.down.rows, w.down.cols)
+            == (gd, ud, dd, first.gate.rows, first.gate.cols, first.down.rows, first.down.cols)
+    });
+    same && gd == ud && kernel_name(gd).is_some() && kernel_name(dd).is_some()
+}
+
 impl ExpertCompute for CudaExperts {
+    fn assign(&self, b: &ExpertBatch<'_>) -> Vec<bool> {
+        if !computable(b) {
+            return vec![true; b.ids.len()];
+        }
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let chosen: Vec<Chosen> = b
+            .weights
+            .iter()
+            .zip(b.ids)
+            .zip(b.slots)
+            .map(|((w, &e), slots)| {
+                let mats = [w.gate, w.up, w.down];
+                Chosen {
+                    bytes: mats.iter().map(|m| m.data.len()).sum(),
+                    macs: mats.iter().map(|m| m.rows * m.cols).sum::<usize>() * slots.len(),
+                    held: st.vram.holds(ExpertKey { layer: b.layer as u32, expert: e }),
+                }
+            })
+            .collect();
+        let a = assign(&st.rates, &chosen);
+        st.on_cpu += a.iter().filter(|g| !**g).count() as u64;
+        a
+    }
+
+    fn observe_cpu(&self, w: CpuWork) {
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        st.rates.observe_cpu(w.bytes, w.macs, w.max_tokens, w.ns);
+    }
+
     fn compute(&self, batch: &ExpertBatch<'_>, y: &mut [f32]) -> Result<bool> {
         self.run(batch, y).map_err(gpu_err)
     }
@@ -181,16 +232,22 @@ impl ExpertCompute for CudaExperts {
     }
 
     fn stats_line(&self) -> String {
-        let st = self.state.lock().unwrap_or_else(|p| p.into_inner()).vram.stats();
+        let g = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let st = g.vram.stats();
         let total = (st.hits + st.misses).max(1);
         format!(
-            "VRAM tier: {} hits, {} misses ({:.1}% hit rate), {} evictions, {:.1} MB copied from host memory in {:.3} s",
+            "GPU experts: {} computed on the GPU, {} left to the CPU; VRAM tier: {} hits, {} misses ({:.1}% hit rate), {} evictions, {:.1} MB copied from host memory in {:.3} s; rates: copy {:.1} GB/s, CPU {:.1} GB/s and {:.1} GMAC/s",
+            g.on_gpu,
+            g.on_cpu,
             st.hits,
             st.misses,
             100.0 * st.hits as f64 / total as f64,
             st.evictions,
             st.bytes_copied as f64 / 1e6,
-            st.copy_ns as f64 * 1e-9
+            st.copy_ns as f64 * 1e-9,
+            g.rates.copy_bytes_per_s / 1e9,
+            g.rates.cpu_bytes_per_s / 1e9,
+            g.rates.cpu_macs_per_s / 1e9
         )
     }
 }

@@ -19,6 +19,7 @@ use sluice_kernels::DType;
 mod device;
 pub mod experts;
 mod matmul;
+pub mod split;
 pub mod vram_cache;
 
 pub use device::{compile_kernels, Gpu, GpuError, HostRegistration};

@@ -128,6 +128,11 @@ impl VramExperts {
         self.slots.len()
     }
 
+    /// Whether `key` is in a slot now.
+    pub fn holds(&self, key: ExpertKey) -> bool {
+        self.index.contains_key(&key)
+    }
+
     pub fn stats(&self) -> VramStats {
         self.stats.clone()
     }

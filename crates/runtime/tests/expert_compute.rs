@@ -2,11 +2,12 @@
 //! `sluice-cuda`), driven here by a stand-in that computes on the CPU and may decline layers:
 //! the model's logits stay bit-identical to the plain run, resident and streamed, and the
 //! block hands over experts as the seam promises (a resident layer's experts in one call; a
-//! streamed layer's one at a time, as they arrive).
+//! streamed layer's one at a time, as they arrive), also when the implementation leaves part
+//! of a batch to the CPU's threads.
 
 use sluice_kernels::{matmul, ThreadPool};
 use sluice_model::ffn::combine;
-use sluice_model::ffn::offload::{ExpertBatch, ExpertCompute};
+use sluice_model::ffn::offload::{CpuWork, ExpertBatch, ExpertCompute};
 use sluice_model::synth::{builtin_tokenizer, write_model, QuantMix, SynthSpec};
 use sluice_model::Logits;
 use sluice_runtime::placement::{ExpertMode, ExpertOptions};
@@ -14,15 +15,28 @@ use sluice_runtime::{Engine, EngineOptions};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-/// Computes every expert with the CPU's kernels, one expert at a time; declines layer 1.
+/// Computes the experts it takes with the CPU's kernels, one expert at a time; declines
+/// layer 1; with `split`, takes every other expert of a batch and leaves the rest to the
+/// CPU's threads.
 struct CpuStandIn {
     pool: ThreadPool,
+    split: bool,
     calls: AtomicUsize,
+    cpu_reports: AtomicUsize,
     /// Experts handed over per call.
     batch_sizes: Mutex<Vec<usize>>,
 }
 
 impl ExpertCompute for CpuStandIn {
+    fn assign(&self, b: &ExpertBatch<'_>) -> Vec<bool> {
+        (0..b.ids.len()).map(|i| !self.split || i % 2 == 0).collect()
+    }
+
+    fn observe_cpu(&self, work: CpuWork) {
+        assert!(work.bytes > 0 && work.macs > 0 && work.experts > 0 && work.max_tokens > 0, "{work:?}");
+        self.cpu_reports.fetch_add(1, Ordering::Relaxed);
+    }
+
     fn compute(&self, b: &ExpertBatch<'_>, y: &mut [f32]) -> sluice_model::Result<bool> {
         if b.layer == 1 {
             return Ok(false);
@@ -87,27 +101,39 @@ fn experts_computed_through_the_seam_give_the_plain_logits() {
         let opts = EngineOptions { threads: 2, max_context: 64, experts, mtp: false };
         let mut e = Engine::load(&path, opts).unwrap();
         let plain = logits(&e);
-        let c = Arc::new(CpuStandIn {
-            pool: ThreadPool::new(1),
-            calls: AtomicUsize::new(0),
-            batch_sizes: Mutex::default(),
-        });
-        e.model.expert_compute = Some(c.clone());
-        let seam = logits(&e);
-        e.model.expert_compute = None;
-        let first = plain.iter().zip(&seam).position(|(a, b)| a != b);
-        assert_eq!(first, None, "{mode:?}: logits differ at {first:?}");
-        assert_eq!(plain.len(), seam.len());
-        // Layers 0 and 2 of each of the 3 forward calls went through the seam.
-        let sizes = c.batch_sizes.lock().unwrap().clone();
-        match mode {
-            ExpertMode::Resident => {
-                assert_eq!(sizes.len(), 2 * 3, "one call per offloaded layer and forward: {sizes:?}");
-                assert!(sizes.iter().any(|&n| n > 1), "a resident layer's experts come together: {sizes:?}");
+        for split in [false, true] {
+            let c = Arc::new(CpuStandIn {
+                pool: ThreadPool::new(1),
+                split,
+                calls: AtomicUsize::new(0),
+                cpu_reports: AtomicUsize::new(0),
+                batch_sizes: Mutex::default(),
+            });
+            e.model.expert_compute = Some(c.clone());
+            let seam = logits(&e);
+            e.model.expert_compute = None;
+            let first = plain.iter().zip(&seam).position(|(a, b)| a != b);
+            assert_eq!(first, None, "{mode:?} split {split}: logits differ at {first:?}");
+            assert_eq!(plain.len(), seam.len());
+            let sizes = c.batch_sizes.lock().unwrap().clone();
+            let reports = c.cpu_reports.load(Ordering::Relaxed);
+            if split {
+                // Streamed experts come one at a time, and the first of a batch is taken:
+                // the CPU gets work only from resident layers.
+                assert_eq!(reports > 0, mode == ExpertMode::Resident, "{mode:?}: {reports} CPU reports");
+                continue;
             }
-            _ => {
-                assert!(sizes.len() > 2 * 3, "streamed experts come one by one: {sizes:?}");
-                assert!(sizes.iter().all(|&n| n == 1), "streamed experts come one by one: {sizes:?}");
+            assert_eq!(reports, 0, "nothing was left to the CPU");
+            // Layers 0 and 2 of each of the 3 forward calls went through the seam.
+            match mode {
+                ExpertMode::Resident => {
+                    assert_eq!(sizes.len(), 2 * 3, "one call per offloaded layer and forward: {sizes:?}");
+                    assert!(sizes.iter().any(|&n| n > 1), "a resident layer's experts come together: {sizes:?}");
+                }
+                _ => {
+                    assert!(sizes.len() > 2 * 3, "streamed experts come one by one: {sizes:?}");
+                    assert!(sizes.iter().all(|&n| n == 1), "streamed experts come one by one: {sizes:?}");
+                }
             }
         }
     }

@@ -203,18 +203,7 @@ pub fn moe_ffn(
             let ews: Vec<_> = views.iter().map(|(_, v)| v.weights()).collect();
             let ids: Vec<u32> = views.iter().map(|(i, _)| wanted[*i]).collect();
             let slots: Vec<&[usize]> = ids.iter().map(|&e| users[e as usize].as_slice()).collect();
-            let batch = crate::ffn::offload::ExpertBatch {
-                layer: l,
-                activation: cfg.activation,
-                ids: &ids,
-                weights: &ews,
-                slots: &slots,
-                k,
-                x,
-            };
-            if !c.compute(&batch, &mut y)? {
-                batch_by_experts(pool, cfg.activation, &ews, &slots, k, x, &mut y);
-            }
+            offload_experts(m, &**c, l, &ews, &ids, &slots, k, x, &mut y)?;
             drop(ews);
             views.clear();
         }
@@ -274,6 +263,81 @@ pub fn moe_ffn(
                 }
             }
             None => ops::add_inplace(out, &ys),
+        }
+    }
+    Ok(())
+}
+
+/// Experts `ids` (weights `ews`, serving `slots`) of layer `l`, split as `c` assigns them:
+/// its share on its own thread, the rest on the pool's threads meanwhile. Each share writes
+/// only its slots' rows, with the bits the CPU gives, so the split never changes `y`.
+#[allow(clippy::too_many_arguments)]
+fn offload_experts(
+    m: &Model,
+    c: &dyn crate::ffn::offload::ExpertCompute,
+    l: usize,
+    ews: &[crate::expert::ExpertWeights<'_>],
+    ids: &[u32],
+    slots: &[&[usize]],
+    k: usize,
+    x: &[f32],
+    y: &mut [f32],
+) -> Result<()> {
+    use crate::ffn::offload::{CpuWork, ExpertBatch};
+    let act = m.cfg.activation;
+    let all = ExpertBatch { layer: l, activation: act, ids, weights: ews, slots, k, x };
+    let to_device = c.assign(&all);
+    let pick =
+        |dev: bool| -> Vec<usize> { (0..ids.len()).filter(|&i| (to_device.get(i) == Some(&true)) == dev).collect() };
+    let (dev, cpu) = (pick(true), pick(false));
+    let sub = |idx: &[usize]| {
+        (
+            idx.iter().map(|&i| ews[i]).collect::<Vec<_>>(),
+            idx.iter().map(|&i| ids[i]).collect::<Vec<_>>(),
+            idx.iter().map(|&i| slots[i]).collect::<Vec<_>>(),
+        )
+    };
+    let (dev_w, dev_ids, dev_slots) = sub(&dev);
+    let (cpu_w, _, cpu_slots) = sub(&cpu);
+    let device_batch =
+        ExpertBatch { layer: l, activation: act, ids: &dev_ids, weights: &dev_w, slots: &dev_slots, k, x };
+    let on_cpu = |y: &mut [f32]| {
+        let t0 = std::time::Instant::now();
+        batch_by_experts(&m.pool, act, &cpu_w, &cpu_slots, k, x, y);
+        t0.elapsed().as_nanos() as u64
+    };
+    // The device's rows land in a buffer of their own when the CPU writes `y` meanwhile.
+    let mut y_dev = Vec::new();
+    let (taken, cpu_ns) = if cpu.is_empty() {
+        (c.compute(&device_batch, y), 0)
+    } else if dev.is_empty() {
+        (Ok(true), on_cpu(y))
+    } else {
+        y_dev.resize(y.len(), 0.0);
+        std::thread::scope(|s| {
+            let out = &mut y_dev;
+            let device = s.spawn(|| c.compute(&device_batch, out));
+            let ns = on_cpu(y);
+            (device.join().unwrap_or_else(|p| std::panic::resume_unwind(p)), ns)
+        })
+    };
+    if !cpu.is_empty() {
+        let bytes = cpu_w.iter().map(|w| w.gate.data.len() + w.up.data.len() + w.down.data.len()).sum();
+        let elems = |w: &crate::expert::ExpertWeights<'_>| {
+            w.gate.rows * w.gate.cols + w.up.rows * w.up.cols + w.down.rows * w.down.cols
+        };
+        let macs = cpu_w.iter().zip(&cpu_slots).map(|(w, s)| elems(w) * s.len()).sum();
+        let max_tokens = cpu_slots.iter().map(|s| s.len()).max().unwrap_or(0);
+        c.observe_cpu(CpuWork { bytes, macs, experts: cpu.len(), max_tokens, ns: cpu_ns });
+    }
+    if !dev.is_empty() {
+        if !taken? {
+            batch_by_experts(&m.pool, act, &dev_w, &dev_slots, k, x, y);
+        } else if !y_dev.is_empty() {
+            let h = ews[0].down.rows;
+            for s in dev_slots.iter().flat_map(|s| s.iter()) {
+                y[s * h..(s + 1) * h].copy_from_slice(&y_dev[s * h..(s + 1) * h]);
+            }
         }
     }
     Ok(())

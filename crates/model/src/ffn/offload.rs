@@ -21,7 +21,30 @@ pub struct ExpertBatch<'a> {
     pub x: &'a [f32],
 }
 
+/// What the CPU's threads took for the experts a layer left to them, so that an
+/// implementation can weigh copying a missed expert against computing it where it is.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CpuWork {
+    /// Bytes of the experts' weights.
+    pub bytes: usize,
+    /// Σ over the experts of (weights × tokens served): the multiply-adds.
+    pub macs: usize,
+    /// Experts and tokens (the most any one expert served).
+    pub experts: usize,
+    pub max_tokens: usize,
+    pub ns: u64,
+}
+
 pub trait ExpertCompute: Send + Sync {
+    /// Which of the batch's experts this implementation takes (true) and which the CPU's
+    /// threads compute where they are (false), at the same time. Default: all of them.
+    fn assign(&self, batch: &ExpertBatch<'_>) -> Vec<bool> {
+        vec![true; batch.ids.len()]
+    }
+
+    /// The CPU's time for the experts `assign` left to it.
+    fn observe_cpu(&self, _work: CpuWork) {}
+
     /// Writes row `s` of `y` (n·k × hidden) for every slot of the batch and returns true, or
     /// returns false, touching nothing, when it cannot compute these experts (a weight
     /// format it has no kernel for): the CPU computes them then.

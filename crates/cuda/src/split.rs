@@ -1,0 +1,157 @@
+//! Where a MoE layer's chosen experts are computed: those the VRAM tier holds on the GPU;
+//! each missed one either copied over the bus and computed there, or computed by the CPU's
+//! threads where it already sits, whichever finishes the layer sooner. The two sides run at
+//! the same time, so misses are placed one by one, largest first, on the side whose finish
+//! time they raise least. Costs come from rates measured as the run goes: the copy rate,
+//! the CPU's rate on expert weights when memory-bound (few tokens an expert) and its
+//! multiply-add rate when compute-bound (many).
+
+/// Measured rates (starting from guesses until the first measurements come in).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Rates {
+    pub copy_bytes_per_s: f64,
+    pub cpu_bytes_per_s: f64,
+    pub cpu_macs_per_s: f64,
+    /// The GPU on experts it holds (memory-bound decode on the device).
+    pub gpu_bytes_per_s: f64,
+}
+
+impl Default for Rates {
+    fn default() -> Self {
+        Rates { copy_bytes_per_s: 10e9, cpu_bytes_per_s: 20e9, cpu_macs_per_s: 50e9, gpu_bytes_per_s: 1e12 }
+    }
+}
+
+/// Weight of a new measurement in the running rates.
+const EWMA: f64 = 0.25;
+
+fn blend(old: f64, sample: f64) -> f64 {
+    if sample.is_finite() && sample > 0.0 {
+        old + EWMA * (sample - old)
+    } else {
+        old
+    }
+}
+
+impl Rates {
+    /// CPU time for an expert of `bytes` serving tokens that make `macs` multiply-adds.
+    pub fn cpu_seconds(&self, bytes: usize, macs: usize) -> f64 {
+        (bytes as f64 / self.cpu_bytes_per_s).max(macs as f64 / self.cpu_macs_per_s)
+    }
+
+    /// GPU time for a missed expert: its copy (its compute on the device is far shorter).
+    pub fn copy_seconds(&self, bytes: usize) -> f64 {
+        bytes as f64 / self.copy_bytes_per_s
+    }
+
+    pub fn gpu_seconds(&self, bytes: usize) -> f64 {
+        bytes as f64 / self.gpu_bytes_per_s
+    }
+
+    /// A copy of `bytes` that took `ns`.
+    pub fn observe_copy(&mut self, bytes: u64, ns: u64) {
+        if bytes > 0 && ns > 0 {
+            self.copy_bytes_per_s = blend(self.copy_bytes_per_s, bytes as f64 / (ns as f64 * 1e-9));
+        }
+    }
+
+    /// CPU work of `bytes` and `macs` that took `ns`, the most tokens an expert served being
+    /// `max_tokens`: few tokens measure the memory-bound rate, many the multiply-add rate.
+    pub fn observe_cpu(&mut self, bytes: usize, macs: usize, max_tokens: usize, ns: u64) {
+        if ns == 0 {
+            return;
+        }
+        let s = ns as f64 * 1e-9;
+        if max_tokens <= 2 {
+            self.cpu_bytes_per_s = blend(self.cpu_bytes_per_s, bytes as f64 / s);
+        } else {
+            self.cpu_macs_per_s = blend(self.cpu_macs_per_s, macs as f64 / s);
+        }
+    }
+}
+
+/// One chosen expert: its bytes, the multiply-adds of its tokens, and whether the GPU holds it.
+#[derive(Clone, Copy, Debug)]
+pub struct Chosen {
+    pub bytes: usize,
+    pub macs: usize,
+    pub held: bool,
+}
+
+/// For each expert, true: the GPU computes it (copying it first unless held); false: the CPU.
+pub fn assign(r: &Rates, experts: &[Chosen]) -> Vec<bool> {
+    let mut on_gpu = vec![true; experts.len()];
+    let mut gpu: f64 = experts.iter().filter(|e| e.held).map(|e| r.gpu_seconds(e.bytes)).sum();
+    let mut cpu = 0f64;
+    let mut misses: Vec<usize> = (0..experts.len()).filter(|&i| !experts[i].held).collect();
+    misses.sort_by_key(|&i| (std::cmp::Reverse(experts[i].bytes), i));
+    for i in misses {
+        let e = experts[i];
+        let g = gpu + r.copy_seconds(e.bytes) + r.gpu_seconds(e.bytes);
+        let c = cpu + r.cpu_seconds(e.bytes, e.macs);
+        if g.max(cpu) <= c.max(gpu) {
+            gpu = g;
+        } else {
+            cpu = c;
+            on_gpu[i] = false;
+        }
+    }
+    on_gpu
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MB4: usize = 4 << 20;
+
+    fn rates(copy: f64, cpu: f64) -> Rates {
+        Rates { copy_bytes_per_s: copy, cpu_bytes_per_s: cpu, cpu_macs_per_s: 50e9, gpu_bytes_per_s: 1e12 }
+    }
+
+    #[test]
+    fn held_experts_stay_on_the_gpu() {
+        let e = [Chosen { bytes: MB4, macs: MB4, held: true }; 8];
+        assert_eq!(assign(&rates(1e9, 100e9), &e), vec![true; 8]);
+    }
+
+    #[test]
+    fn decode_misses_are_shared_so_both_sides_finish_together() {
+        // One token: copying 4 MB at 48 GB/s (87 µs) against the CPU's 20 GB/s (210 µs): of
+        // seven misses the GPU takes five and the CPU two, where either alone takes longer.
+        let r = rates(48e9, 20e9);
+        let e = [Chosen { bytes: MB4, macs: MB4 * 2, held: false }; 7];
+        let a = assign(&r, &e);
+        let on_gpu = a.iter().filter(|&&g| g).count();
+        assert!((4..=6).contains(&on_gpu), "{a:?}");
+        let finish = |k: usize| {
+            let gpu = k as f64 * (r.copy_seconds(MB4) + r.gpu_seconds(MB4));
+            let cpu = (7 - k) as f64 * r.cpu_seconds(MB4, MB4 * 2);
+            gpu.max(cpu)
+        };
+        assert!(finish(on_gpu) < finish(7) && finish(on_gpu) < finish(0));
+    }
+
+    #[test]
+    fn a_slow_bus_leaves_decode_misses_to_the_cpu_and_prefill_to_the_gpu() {
+        let r = rates(5e9, 40e9);
+        let decode = [Chosen { bytes: MB4, macs: MB4 * 2, held: false }; 4];
+        assert!(assign(&r, &decode).iter().filter(|&&g| g).count() <= 1);
+        // 512 tokens an expert: the CPU's multiply-adds dominate.
+        let prefill = [Chosen { bytes: MB4, macs: MB4 * 2 * 512, held: false }; 4];
+        assert_eq!(assign(&r, &prefill), vec![true; 4]);
+    }
+
+    #[test]
+    fn measurements_move_the_rates_and_bad_ones_are_ignored() {
+        let mut r = Rates::default();
+        r.observe_copy(48_000_000, 1_000_000); // 48 GB/s
+        assert!(r.copy_bytes_per_s > Rates::default().copy_bytes_per_s);
+        let before = r;
+        r.observe_copy(0, 10);
+        r.observe_cpu(1, 1, 1, 0);
+        assert_eq!(r, before);
+        r.observe_cpu(MB4, MB4 * 512, 512, 1_000_000);
+        assert!(r.cpu_macs_per_s != before.cpu_macs_per_s && r.cpu_bytes_per_s == before.cpu_bytes_per_s);
+    }
+}
