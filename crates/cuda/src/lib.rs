@@ -11,8 +11,9 @@
 //! depends neither on the batch nor on which backend computed it.
 //!
 //! `experts` computes a MoE layer's routed experts for the CPU's forward pass (the model's
-//! `ExpertCompute` seam), through `vram_cache`, the expert cache's VRAM tier: slots on the device under a hard quota,
-//! filled from host memory on a copy stream of their own.
+//! `ExpertCompute` seam): `split` decides which of them the GPU takes, `vram_cache` is the
+//! expert cache's VRAM tier (slots on the device under a hard quota, filled from host
+//! memory on a copy stream of their own).
 
 use sluice_kernels::DType;
 
