@@ -14,7 +14,7 @@
 use crate::device::{Gpu, GpuError};
 use crate::matmul::{kernel_name, DeviceMat, GpuAct};
 use crate::split::{assign, Chosen, Rates};
-use crate::vram_cache::{ExpertKey, HostPart, VramExperts};
+use crate::vram_cache::{slot_bytes_bound, ExpertKey, HostPart, VramExperts};
 use cudarc::driver::CudaSlice;
 use sluice_model::error::{ModelError, Result};
 use sluice_model::ffn::offload::{CpuWork, ExpertBatch, ExpertCompute};
@@ -61,9 +61,7 @@ impl CudaExperts {
     /// `expert_bytes` (the model's largest expert's three matrices).
     pub fn open(ordinal: usize, quota: usize, expert_bytes: usize) -> std::result::Result<CudaExperts, GpuError> {
         let gpu = Gpu::open(ordinal)?;
-        // Each of the three parts may start up to one alignment step later.
-        let slot = expert_bytes + 3 * 256;
-        let vram = VramExperts::new(&gpu, slot, quota)?;
+        let vram = VramExperts::new(&gpu, slot_bytes_bound(expert_bytes, 3), quota)?;
         let state = State {
             vram,
             rates: Rates::default(),
@@ -195,13 +193,10 @@ impl ExpertCompute for CudaExperts {
             .iter()
             .zip(b.ids)
             .zip(b.slots)
-            .map(|((w, &e), slots)| {
-                let mats = [w.gate, w.up, w.down];
-                Chosen {
-                    bytes: mats.iter().map(|m| m.data.len()).sum(),
-                    macs: mats.iter().map(|m| m.rows * m.cols).sum::<usize>() * slots.len(),
-                    held: st.vram.holds(ExpertKey { layer: b.layer as u32, expert: e }),
-                }
+            .map(|((w, &e), slots)| Chosen {
+                bytes: w.bytes(),
+                macs: w.elements() * slots.len(),
+                held: st.vram.holds(ExpertKey { layer: b.layer as u32, expert: e }),
             })
             .collect();
         let a = assign(&st.rates, &chosen);

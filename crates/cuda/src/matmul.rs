@@ -37,9 +37,7 @@ impl GpuMatrix {
     pub fn bytes(&self) -> usize {
         self.data.len()
     }
-}
 
-impl GpuMatrix {
     /// The matrix as a borrowed device matrix (what the grouped matmul takes).
     pub fn view(&self, gpu: &Gpu) -> DeviceMat<'_> {
         let (ptr, _sync) = self.data.device_ptr(&gpu.stream);
@@ -56,12 +54,6 @@ pub struct DeviceMat<'a> {
     pub cols: usize,
     pub(crate) ptr: u64,
     pub(crate) _owner: std::marker::PhantomData<&'a ()>,
-}
-
-impl DeviceMat<'_> {
-    pub fn bytes(&self) -> usize {
-        self.rows * self.dtype.row_bytes(self.cols).unwrap_or(0)
-    }
 }
 
 /// `n` activation rows of `cols` values, quantized on the device for one weight format.
@@ -91,10 +83,6 @@ pub struct HostAct {
 }
 
 impl GpuAct {
-    pub fn tokens(&self) -> usize {
-        self.n
-    }
-
     /// Copies the quantized blocks back to the host.
     pub fn to_host(&self, gpu: &Gpu) -> Result<HostAct, GpuError> {
         let s = &gpu.stream;
@@ -103,6 +91,26 @@ impl GpuAct {
             _ => (Vec::new(), Vec::new(), s.clone_dtoh(&self.qs16)?),
         };
         Ok(HostAct { d: s.clone_dtoh(&self.d)?, qs, bsums, qs16 })
+    }
+}
+
+/// Checks that activations `x` pair with `dtype` weights of `cols` columns.
+fn check_fits(dtype: DType, cols: usize, x: &GpuAct) -> Result<(), GpuError> {
+    if ActKind::for_weights(dtype) != Some(x.kind) || x.cols != cols {
+        return Err(GpuError::Shape(format!(
+            "{:?} activations of {} columns do not fit {dtype} weights of {cols} columns",
+            x.kind, x.cols
+        )));
+    }
+    Ok(())
+}
+
+/// A launch of `lanes` lanes for each of `rows` rows, `grid_y` times over.
+fn rows_launch(rows: usize, lanes: usize, grid_y: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (((rows * lanes) as u32).div_ceil(BLOCK_THREADS), grid_y as u32, 1),
+        block_dim: (BLOCK_THREADS, 1, 1),
+        shared_mem_bytes: 0,
     }
 }
 
@@ -209,12 +217,7 @@ impl Gpu {
             return Err(GpuError::Shape(format!("{lanes} lanes a row: the kernels take 8 or 16")));
         }
         let base = kernel_name(w.dtype).ok_or(GpuError::Unsupported(w.dtype))?;
-        if ActKind::for_weights(w.dtype) != Some(x.kind) || x.cols != w.cols {
-            return Err(GpuError::Shape(format!(
-                "{:?} activations of {} columns do not fit {} weights of {} columns",
-                x.kind, x.cols, w.dtype, w.cols
-            )));
-        }
+        check_fits(w.dtype, w.cols, x)?;
         if out.len() < x.n * w.rows {
             return Err(GpuError::Shape(format!("output of {} values is not {} × {}", out.len(), x.n, w.rows)));
         }
@@ -226,12 +229,7 @@ impl Gpu {
         let f = self.function(&format!("{base}_g{lanes}_{}", if x.n == 1 { 1 } else { 8 }));
         let nb = (w.cols / w.dtype.block_elems()) as i32;
         let (rows, n) = (w.rows as i32, x.n as i32);
-        let threads = (w.rows * lanes) as u32;
-        let cfg = LaunchConfig {
-            grid_dim: (threads.div_ceil(BLOCK_THREADS), 1, 1),
-            block_dim: (BLOCK_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = rows_launch(w.rows, lanes, 1);
         let mut b = self.stream.launch_builder(f);
         b.arg(&w.data).arg(&rows).arg(&nb).arg(&x.d).arg(&x.qs).arg(&x.bsums).arg(&x.qs16).arg(&n).arg(out);
         // SAFETY: `w.data` holds rows × nb blocks (checked at upload), the activation arrays
@@ -268,12 +266,7 @@ impl Gpu {
         let Some((first, _)) = segments.first() else { return Ok(()) };
         let (dtype, rows, cols) = (first.dtype, first.rows, first.cols);
         let base = kernel_name(dtype).ok_or(GpuError::Unsupported(dtype))?;
-        if ActKind::for_weights(dtype) != Some(x.kind) || x.cols != cols {
-            return Err(GpuError::Shape(format!(
-                "{:?} activations of {} columns do not fit {dtype} weights of {cols} columns",
-                x.kind, x.cols
-            )));
-        }
+        check_fits(dtype, cols, x)?;
         // The launch's table, in one upload: matrix pointers (u64), then segment starts,
         // lengths and the entries' activation rows (i32).
         let nseg = segments.len();
@@ -328,12 +321,7 @@ impl Gpu {
         let f = self.function(&format!("{base}_g{lanes}_{}_ids", if max_len == 1 { 1 } else { 8 }));
         let nb = (cols / dtype.block_elems()) as i32;
         let rows_i = rows as i32;
-        let threads = (rows * lanes) as u32;
-        let cfg = LaunchConfig {
-            grid_dim: (threads.div_ceil(BLOCK_THREADS), nseg as u32, 1),
-            block_dim: (BLOCK_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = rows_launch(rows, lanes, nseg);
         let mut b = s.launch_builder(f);
         b.arg(&p_ptrs).arg(&p_starts).arg(&p_lens).arg(&rows_i).arg(&nb);
         b.arg(&x.d).arg(&x.qs).arg(&x.bsums).arg(&x.qs16).arg(&p_rows).arg(out);

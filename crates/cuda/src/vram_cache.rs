@@ -85,13 +85,29 @@ pub struct VramExperts {
     stats: VramStats,
 }
 
+/// Where parts of these byte sizes start in a slot, and the bytes they span.
+fn part_offsets(sizes: impl IntoIterator<Item = usize>) -> (Vec<usize>, usize) {
+    let mut at = 0usize;
+    let offsets = sizes
+        .into_iter()
+        .map(|len| {
+            let off = at.next_multiple_of(PART_ALIGN);
+            at = off + len;
+            off
+        })
+        .collect();
+    (offsets, at)
+}
+
 /// Bytes a slot needs for an expert of these parts.
 pub fn slot_bytes_for(parts: &[(DType, usize, usize)]) -> Option<usize> {
-    let mut at = 0usize;
-    for &(dtype, rows, cols) in parts {
-        at = at.next_multiple_of(PART_ALIGN) + rows * dtype.row_bytes(cols)?;
-    }
-    Some(at.next_multiple_of(PART_ALIGN))
+    let sizes: Option<Vec<usize>> = parts.iter().map(|&(d, rows, cols)| Some(rows * d.row_bytes(cols)?)).collect();
+    Some(part_offsets(sizes?).1.next_multiple_of(PART_ALIGN))
+}
+
+/// Bytes a slot needs for any expert of `n_parts` parts that together hold `bytes`.
+pub fn slot_bytes_bound(bytes: usize, n_parts: usize) -> usize {
+    (bytes + n_parts * PART_ALIGN).next_multiple_of(PART_ALIGN)
 }
 
 impl VramExperts {
@@ -198,8 +214,6 @@ impl VramExperts {
     }
 
     fn fill(&mut self, s: usize, key: ExpertKey, parts: &[HostPart<'_>]) -> Result<(), GpuError> {
-        let mut layout = Vec::with_capacity(parts.len());
-        let mut at = 0usize;
         for p in parts {
             let need = p.dtype.row_bytes(p.cols).map(|rb| rb * p.rows);
             if need != Some(p.data.len()) {
@@ -211,10 +225,9 @@ impl VramExperts {
                     p.data.len()
                 )));
             }
-            at = at.next_multiple_of(PART_ALIGN);
-            layout.push((p.dtype, p.rows, p.cols, at));
-            at += p.data.len();
         }
+        let (offsets, at) = part_offsets(parts.iter().map(|p| p.data.len()));
+        let layout: Vec<_> = parts.iter().zip(offsets).map(|(p, off)| (p.dtype, p.rows, p.cols, off)).collect();
         if at > self.slot_bytes {
             return Err(GpuError::Shape(format!(
                 "expert {key:?} needs {at} bytes; a VRAM slot holds {}",
@@ -247,9 +260,7 @@ impl VramExperts {
         self.index.insert(key, s);
         Ok(())
     }
-}
 
-impl VramExperts {
     /// Queues the copy of `src` to device address `dst` on the copy stream. Page-locked host
     /// memory is copied from directly; other memory goes through two page-locked staging
     /// buffers in turn (the host fills one while the bus drains the other), several times
@@ -338,5 +349,28 @@ impl Drop for Resident<'_> {
         for &s in &self.slots {
             self.cache.slots[s].used = used.clone();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parts_are_aligned_apart_and_fit_the_bound() {
+        let shapes = [(DType::Q4_K, 768, 2048), (DType::Q4_K, 768, 2048), (DType::Q6_K, 2048, 768)];
+        let sizes: Vec<usize> = shapes.iter().map(|&(d, r, c)| r * d.row_bytes(c).unwrap()).collect();
+        let (offsets, end) = part_offsets(sizes.iter().copied());
+        for (i, off) in offsets.iter().enumerate() {
+            assert_eq!(off % PART_ALIGN, 0);
+            if i > 0 {
+                assert!(*off >= offsets[i - 1] + sizes[i - 1], "parts {} and {i} overlap", i - 1);
+            }
+        }
+        assert_eq!(end, offsets[2] + sizes[2]);
+        let need = slot_bytes_for(&shapes).unwrap();
+        assert!(need >= end && need <= slot_bytes_bound(sizes.iter().sum(), 3), "{need}");
+        // A part of 1 byte after one of 1 byte still starts on the next boundary.
+        assert_eq!(part_offsets([1, 1]).0, vec![0, PART_ALIGN]);
     }
 }

@@ -4,6 +4,7 @@
 //! `--ignored` on a CUDA machine).
 
 use sluice_cuda::experts::CudaExperts;
+use sluice_cuda::vram_cache::slot_bytes_bound;
 use sluice_model::synth::{builtin_tokenizer, write_model, QuantMix, SynthSpec};
 use sluice_model::Logits;
 use sluice_runtime::placement::{ExpertMode, ExpertOptions};
@@ -54,7 +55,7 @@ fn gpu_experts_give_the_cpu_logits_at_every_quota() {
         let cpu = logits(&e);
         let one = e.model.experts.expert_bytes();
         for slots in [1usize, 3, 48] {
-            let c = Arc::new(CudaExperts::open(0, slots * (one + 3 * 256), one).unwrap());
+            let c = Arc::new(CudaExperts::open(0, slots * slot_bytes_bound(one, 3), one).unwrap());
             e.model.expert_compute = Some(c.clone());
             let gpu = logits(&e);
             let st = c.tier_stats();

@@ -18,6 +18,18 @@ pub struct ExpertWeights<'a> {
     pub down: MatRef<'a>,
 }
 
+impl ExpertWeights<'_> {
+    /// Bytes of the three matrices as stored.
+    pub fn bytes(&self) -> usize {
+        self.gate.data.len() + self.up.data.len() + self.down.data.len()
+    }
+
+    /// Weights of the three matrices: the multiply-adds for one token.
+    pub fn elements(&self) -> usize {
+        [self.gate, self.up, self.down].iter().map(|m| m.rows * m.cols).sum()
+    }
+}
+
 /// A resident expert, pinned while the view lives.
 pub trait ExpertView: Send {
     fn weights(&self) -> ExpertWeights<'_>;

@@ -322,11 +322,8 @@ fn offload_experts(
         })
     };
     if !cpu.is_empty() {
-        let bytes = cpu_w.iter().map(|w| w.gate.data.len() + w.up.data.len() + w.down.data.len()).sum();
-        let elems = |w: &crate::expert::ExpertWeights<'_>| {
-            w.gate.rows * w.gate.cols + w.up.rows * w.up.cols + w.down.rows * w.down.cols
-        };
-        let macs = cpu_w.iter().zip(&cpu_slots).map(|(w, s)| elems(w) * s.len()).sum();
+        let bytes = cpu_w.iter().map(|w| w.bytes()).sum();
+        let macs = cpu_w.iter().zip(&cpu_slots).map(|(w, s)| w.elements() * s.len()).sum();
         let max_tokens = cpu_slots.iter().map(|s| s.len()).max().unwrap_or(0);
         c.observe_cpu(CpuWork { bytes, macs, experts: cpu.len(), max_tokens, ns: cpu_ns });
     }
