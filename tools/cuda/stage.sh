@@ -7,6 +7,9 @@
 #   .cuda-stage/model_experts --ignored   # a model with GPU experts gives the CPU's logits
 #   .cuda-stage/cuda-lab [--json]         # checks, then timings
 #   .cuda-stage/sluice bench --model M --gpu-experts 8GiB   # a whole model
+#   python3 bench/cuda.py --peer-bin "$(tools/cuda/build-peer.sh)"   # against llama.cpp's CUDA build
+# STAGE.json records the commit the binaries were built from and whether the tree was clean,
+# for bench/cuda.py's result (the GPU machine's copy of the tree has no git history).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 cargo build --release -p sluice-cuda --bin cuda-lab -p sluice-cli --bin sluice
@@ -19,5 +22,8 @@ for l in sys.stdin:
         shutil.copy(m["executable"], ".cuda-stage/" + m["target"]["name"])'
 cp target/release/cuda-lab target/release/sluice .cuda-stage/
 # Symbols and line tables are not needed there, and the whole folder must travel.
-strip --strip-all .cuda-stage/*
+for f in .cuda-stage/*; do
+  if [ -x "$f" ]; then strip --strip-all "$f"; fi
+done
+python3 -c 'import json, sys; sys.path.insert(0, "bench"); import lib; print(json.dumps(lib.git_state()))' >.cuda-stage/STAGE.json
 ls -la .cuda-stage
