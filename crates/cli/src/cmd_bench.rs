@@ -1,4 +1,4 @@
-use crate::common::{stats_json, stats_line, ModelArgs};
+use crate::common::{gpu_stats_json, stats_json, stats_line, ModelArgs};
 use anyhow::Result;
 use sluice_runtime::bench::{bench, BenchOptions};
 
@@ -30,9 +30,7 @@ pub fn main(a: Args) -> Result<()> {
     let r = bench(&engine, &o)?;
     let threads = engine.model.pool.n_threads();
     if a.json {
-        println!(
-            "{}",
-            serde_json::json!({
+        let mut v = serde_json::json!({
                 "model": engine.path.display().to_string(),
                 "threads": threads,
                 "n_prompt": a.prompt, "n_gen": a.gen, "reps": o.reps,
@@ -48,8 +46,10 @@ pub fn main(a: Args) -> Result<()> {
                     "prefill_runs": r.prefill_experts.iter().map(|s| stats_json(s, &engine.placement, a.prompt)).collect::<Vec<_>>(),
                     "decode_runs": r.decode_experts.iter().map(|s| stats_json(s, &engine.placement, a.gen)).collect::<Vec<_>>(),
                 },
-            })
-        );
+        });
+        // The GPU's counters cover both tests (its backends count per process).
+        gpu_stats_json(&engine, &mut v);
+        println!("{v}");
     } else {
         println!("{}  threads {threads}", engine.path.display());
         if a.prompt > 0 {
@@ -68,6 +68,12 @@ pub fn main(a: Args) -> Result<()> {
             if let Some(note) = engine.routing_note() {
                 println!("  note: {note}");
             }
+        }
+        if let Some(c) = &engine.model.expert_compute {
+            println!("  {}", c.stats_line());
+        }
+        if let Some(d) = &engine.model.dense_compute {
+            println!("  {}", d.stats_line());
         }
     }
     Ok(())

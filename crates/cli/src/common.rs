@@ -66,9 +66,14 @@ pub struct ModelArgs {
     /// Compute the routed experts on the NVIDIA GPU (device 0), which keeps up to SIZE of
     /// them in its memory (e.g. 8GiB) and copies the others from host memory when chosen
     /// (where --expert-cache and --expert-mode keep them). The output is the CPU's, bit for
-    /// bit. Needs the NVIDIA driver and NVRTC at run time.
+    /// bit. Needs the NVIDIA driver and NVRTC at run time. The dense matrices (attention
+    /// projections, dense and shared FFNs, the output head) go to the GPU's memory too,
+    /// beside the tier, unless --cpu-dense.
     #[arg(long, value_name = "SIZE")]
     pub gpu_experts: Option<String>,
+    /// With --gpu-experts: keep the dense matrices' products on the CPU.
+    #[arg(long, requires = "gpu_experts")]
+    pub cpu_dense: bool,
     #[command(flatten)]
     pub remote: RemoteArgs,
 }
@@ -400,7 +405,17 @@ impl ModelArgs {
                 bail!("--gpu-experts: {} has no routed experts", self.model.display());
             }
             let quota = parse_size(size).context("--gpu-experts")? as usize;
-            let c = sluice_cuda::experts::CudaExperts::open(0, quota, e.model.experts.expert_bytes())
+            let gpu = std::sync::Arc::new(sluice_cuda::Gpu::open(0).context("--gpu-experts")?);
+            if !self.cpu_dense {
+                // Whatever the expert tier leaves of the device's memory, less room for the
+                // buffers a pass allocates there.
+                let budget = gpu.total_mem.saturating_sub(quota).saturating_sub(2 << 30);
+                let d = sluice_cuda::dense::CudaDense::upload(gpu.clone(), &e.model, budget)
+                    .context("--gpu-experts: uploading the dense weights")?;
+                eprintln!("sluice: {}", sluice_model::dense::DenseCompute::describe(&d));
+                e.model.dense_compute = Some(std::sync::Arc::new(d));
+            }
+            let c = sluice_cuda::experts::CudaExperts::with_gpu(gpu, quota, e.model.experts.expert_bytes())
                 .context("--gpu-experts")?;
             eprintln!("sluice: {}", sluice_model::ffn::offload::ExpertCompute::describe(&c));
             e.model.expert_compute = Some(std::sync::Arc::new(c));
@@ -476,10 +491,20 @@ pub fn expert_stats_json(e: &Engine, tokens: usize) -> serde_json::Value {
         v["pinned_routing"] = serde_json::to_value(p).unwrap_or_default();
     }
     v["routing_note"] = e.routing_note().map_or(serde_json::Value::Null, Into::into);
+    gpu_stats_json(e, &mut v);
+    v
+}
+
+/// The GPU's counters (`--gpu-experts`), added to a JSON stats object.
+pub fn gpu_stats_json(e: &Engine, v: &mut serde_json::Value) {
     if let Some(c) = &e.model.expert_compute {
         v["gpu_experts"] = c.stats_line().into();
+        v["gpu_placement"] = c.describe().into();
     }
-    v
+    if let Some(d) = &e.model.dense_compute {
+        v["gpu_dense"] = d.stats_line().into();
+        v["gpu_dense_placement"] = d.describe().into();
+    }
 }
 
 /// Expert-cache counters over `tokens` tokens as JSON. Rates are over demand accesses (the
@@ -522,6 +547,9 @@ pub fn expert_stats_line(e: &Engine, tokens: usize) -> String {
     }
     if let Some(c) = &e.model.expert_compute {
         line.push_str(&format!("\n  {}", c.stats_line()));
+    }
+    if let Some(d) = &e.model.dense_compute {
+        line.push_str(&format!("\n  {}", d.stats_line()));
     }
     line
 }

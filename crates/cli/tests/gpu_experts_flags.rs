@@ -1,6 +1,7 @@
 //! `--gpu-experts`: bad values and models without routed experts are refused with errors
 //! that name the flag; on a machine without an NVIDIA GPU the error says what is missing; on
-//! one with a GPU, `sluice logits` prints the same logits with and without the flag.
+//! one with a GPU, `sluice logits` prints the same logits with and without the flag (dense
+//! weights on the GPU or, with `--cpu-dense`, on the CPU).
 
 mod common;
 
@@ -29,12 +30,18 @@ fn gpu_experts_refuses_bad_input_and_names_what_is_missing() {
     let err = stderr_of_failure(&["logits", "-m", &s(&dense), "--tokens", "1,2,3", "--gpu-experts", "1GiB"]);
     assert!(err.contains("--gpu-experts") && err.contains("has no routed experts"), "{err}");
 
+    let err = stderr_of_failure(&["logits", "-m", &ms, "--tokens", "1,2,3", "--cpu-dense"]);
+    assert!(err.contains("--cpu-dense") && err.contains("--gpu-experts"), "{err}");
+
     let plain = ok(sluice(&["logits", "-m", &ms, "--tokens", "1,2,3,4"]));
     let gpu = sluice(&["logits", "-m", &ms, "--tokens", "1,2,3,4", "--gpu-experts", "64MiB"]);
     match sluice_cuda::Gpu::open(0) {
         Ok(_) => {
             assert!(gpu.status.success(), "{}", String::from_utf8_lossy(&gpu.stderr));
-            assert_eq!(String::from_utf8_lossy(&gpu.stdout), plain, "GPU experts changed the logits");
+            assert_eq!(String::from_utf8_lossy(&gpu.stdout), plain, "GPU experts and dense weights changed the logits");
+            let cpu_dense =
+                ok(sluice(&["logits", "-m", &ms, "--tokens", "1,2,3,4", "--gpu-experts", "64MiB", "--cpu-dense"]));
+            assert_eq!(cpu_dense, plain, "GPU experts with CPU dense products changed the logits");
         }
         Err(e) => {
             let err = String::from_utf8_lossy(&gpu.stderr);

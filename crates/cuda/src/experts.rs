@@ -18,10 +18,11 @@ use crate::vram_cache::{slot_bytes_bound, ExpertKey, HostPart, VramExperts};
 use cudarc::driver::CudaSlice;
 use sluice_model::error::{ModelError, Result};
 use sluice_model::ffn::offload::{CpuWork, ExpertBatch, ExpertCompute};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 pub struct CudaExperts {
-    gpu: Gpu,
+    gpu: Arc<Gpu>,
     state: Mutex<State>,
     quota: usize,
 }
@@ -42,6 +43,15 @@ struct State {
     out: Option<CudaSlice<f32>>,
     host_gu: Vec<f32>,
     host_out: Vec<f32>,
+    /// Where a call's time goes (ns): input up and quantized, the tier's acquire (copies
+    /// of misses included), gate and up products and their copy back, the combine on the
+    /// host, the down product with its input up and its output back.
+    t_in: u64,
+    t_acquire: u64,
+    t_gate_up: u64,
+    t_combine: u64,
+    t_down: u64,
+    calls: u64,
 }
 
 fn gpu_err(e: GpuError) -> ModelError {
@@ -60,7 +70,11 @@ impl CudaExperts {
     /// Opens device `ordinal` with a VRAM tier of `quota` bytes for experts of at most
     /// `expert_bytes` (the model's largest expert's three matrices).
     pub fn open(ordinal: usize, quota: usize, expert_bytes: usize) -> std::result::Result<CudaExperts, GpuError> {
-        let gpu = Gpu::open(ordinal)?;
+        CudaExperts::with_gpu(Arc::new(Gpu::open(ordinal)?), quota, expert_bytes)
+    }
+
+    /// `open` on a device already open (shared with the dense weights).
+    pub fn with_gpu(gpu: Arc<Gpu>, quota: usize, expert_bytes: usize) -> std::result::Result<CudaExperts, GpuError> {
         let vram = VramExperts::new(&gpu, slot_bytes_bound(expert_bytes, 3), quota)?;
         let state = State {
             vram,
@@ -75,6 +89,12 @@ impl CudaExperts {
             out: None,
             host_gu: Vec::new(),
             host_out: Vec::new(),
+            t_in: 0,
+            t_acquire: 0,
+            t_gate_up: 0,
+            t_combine: 0,
+            t_down: 0,
+            calls: 0,
         };
         Ok(CudaExperts { gpu, state: Mutex::new(state), quota })
     }
@@ -100,10 +120,18 @@ impl CudaExperts {
         let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let st = &mut *guard;
         st.on_gpu += b.ids.len() as u64;
+        st.calls += 1;
+        let mut t = Instant::now();
+        let mut lap = |acc: &mut u64| {
+            let now = Instant::now();
+            *acc += (now - t).as_nanos() as u64;
+            t = now;
+        };
         let before = st.vram.stats();
         let xd = room(gpu, &mut st.x, b.x.len())?;
         s.memcpy_htod(b.x, &mut xd.slice_mut(0..b.x.len()))?;
         gpu.quantize_reusing(gd, xd, n, hidden, &mut st.ax)?;
+        lap(&mut st.t_in);
         let ax = st.ax.as_ref().expect("quantized above");
         let chunk = st.vram.slots();
         for start in (0..b.ids.len()).step_by(chunk) {
@@ -119,6 +147,7 @@ impl CudaExperts {
                     .collect())
             };
             let res = st.vram.acquire(gpu, &keys, &host)?;
+            lap(&mut st.t_acquire);
             // Entries: every (token, rank) slot each expert of the chunk serves, expert by
             // expert.
             let mut act_rows = Vec::new();
@@ -138,6 +167,7 @@ impl CudaExperts {
             gpu.matmul_ids_into(&part(1), ax, &act_rows, &mut gu.slice_mut(ef..2 * ef))?;
             st.host_gu.resize(2 * ef, 0.0);
             s.memcpy_dtoh(&gu.slice(0..2 * ef), &mut st.host_gu)?;
+            lap(&mut st.t_gate_up);
             let (gh, uh) = st.host_gu.split_at_mut(ef);
             // The combine, per expert over its tokens, exactly as the CPU's gated FFN runs it.
             for r in &ranges {
@@ -147,6 +177,7 @@ impl CudaExperts {
                     &uh[r.start * ff..r.end * ff],
                 );
             }
+            lap(&mut st.t_combine);
             let hd = room(gpu, &mut st.h, ef)?;
             s.memcpy_htod(&*gh, &mut hd.slice_mut(0..ef))?;
             gpu.quantize_reusing(dd, hd, entries, ff, &mut st.ah)?;
@@ -163,6 +194,7 @@ impl CudaExperts {
                     y[sl * hidden..(sl + 1) * hidden].copy_from_slice(&st.host_out[e * hidden..(e + 1) * hidden]);
                 }
             }
+            lap(&mut st.t_down);
         }
         let after = st.vram.stats();
         st.rates.observe_copy(after.bytes_copied - before.bytes_copied, after.copy_ns - before.copy_ns);
@@ -230,6 +262,7 @@ impl ExpertCompute for CudaExperts {
         let g = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let st = g.vram.stats();
         let total = (st.hits + st.misses).max(1);
+        let per = |ns: u64| ns as f64 / 1e3 / g.calls.max(1) as f64;
         format!(
             "GPU experts: {} computed on the GPU, {} left to the CPU; VRAM tier: {} hits, {} misses ({:.1}% hit rate), {} evictions, {:.1} MB copied from host memory in {:.3} s; rates: copy {:.1} GB/s, CPU {:.1} GB/s and {:.1} GMAC/s",
             g.on_gpu,
@@ -243,6 +276,14 @@ impl ExpertCompute for CudaExperts {
             g.rates.copy_bytes_per_s / 1e9,
             g.rates.cpu_bytes_per_s / 1e9,
             g.rates.cpu_macs_per_s / 1e9
+        ) + &format!(
+            "; per call ({} calls): in {:.0} µs, acquire {:.0} µs, gate+up {:.0} µs, combine {:.0} µs, down {:.0} µs",
+            g.calls,
+            per(g.t_in),
+            per(g.t_acquire),
+            per(g.t_gate_up),
+            per(g.t_combine),
+            per(g.t_down)
         )
     }
 }

@@ -10,6 +10,8 @@
 //! exact integer sums, the same float formula applied block after block. So a row's result
 //! depends neither on the batch nor on which backend computed it.
 //!
+//! `dense` holds the model's dense matrices in VRAM and computes their products for the
+//! CPU's forward pass (the model's `DenseCompute` seam), the CPU's bits.
 //! `experts` computes a MoE layer's routed experts for the CPU's forward pass (the model's
 //! `ExpertCompute` seam): `split` decides which of them the GPU takes, `vram_cache` is the
 //! expert cache's VRAM tier (slots on the device under a hard quota, filled from host
@@ -17,6 +19,7 @@
 
 use sluice_kernels::DType;
 
+pub mod dense;
 mod device;
 pub mod experts;
 mod matmul;

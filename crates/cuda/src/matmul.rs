@@ -213,6 +213,24 @@ impl Gpu {
         out: &mut CudaSlice<f32>,
         lanes: usize,
     ) -> Result<(), GpuError> {
+        let len = out.len();
+        self.launch_rows(w.view(self), x, &mut out.slice_mut(0..len), lanes)
+    }
+
+    /// `matmul` of a borrowed device matrix into part of a larger buffer (`out` holds
+    /// n × rows from its start): several products of one input land in one buffer, to come
+    /// back in one copy.
+    pub fn matmul_into(&self, w: DeviceMat<'_>, x: &GpuAct, out: &mut CudaViewMut<'_, f32>) -> Result<(), GpuError> {
+        self.launch_rows(w, x, out, LANES_PER_ROW)
+    }
+
+    fn launch_rows(
+        &self,
+        w: DeviceMat<'_>,
+        x: &GpuAct,
+        out: &mut CudaViewMut<'_, f32>,
+        lanes: usize,
+    ) -> Result<(), GpuError> {
         if lanes != 8 && lanes != 16 {
             return Err(GpuError::Shape(format!("{lanes} lanes a row: the kernels take 8 or 16")));
         }
@@ -231,10 +249,11 @@ impl Gpu {
         let (rows, n) = (w.rows as i32, x.n as i32);
         let cfg = rows_launch(w.rows, lanes, 1);
         let mut b = self.stream.launch_builder(f);
-        b.arg(&w.data).arg(&rows).arg(&nb).arg(&x.d).arg(&x.qs).arg(&x.bsums).arg(&x.qs16).arg(&n).arg(out);
-        // SAFETY: `w.data` holds rows × nb blocks (checked at upload), the activation arrays
-        // hold n × nb blocks of the kind these weights pair with (checked above), and `out`
-        // holds n × rows floats.
+        b.arg(&w.ptr).arg(&rows).arg(&nb).arg(&x.d).arg(&x.qs).arg(&x.bsums).arg(&x.qs16).arg(&n).arg(out);
+        // SAFETY: `w.ptr` is a live matrix of rows × nb blocks of its format, borrowed for
+        // the call (its owner frees device memory in stream order, after this launch); the
+        // activation arrays hold n × nb blocks of the kind these weights pair with (checked
+        // above), and `out` holds n × rows floats.
         unsafe { b.launch(cfg) }?;
         Ok(())
     }

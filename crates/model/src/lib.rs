@@ -3,6 +3,7 @@
 //! which the MoE block reaches its experts.
 
 pub mod config;
+pub mod dense;
 pub mod error;
 pub mod expert;
 pub mod families;

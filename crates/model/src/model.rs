@@ -18,13 +18,13 @@
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::expert::ExpertSource;
-use crate::ffn::{dense_ffn, moe::moe_ffn, FfnWeights};
+use crate::ffn::{moe::moe_ffn, FfnWeights};
 use crate::mixer::Mixer;
 use crate::rope::Rope;
 use crate::state::SeqState;
 use crate::trace::Observer;
 use crate::weights::{embedding_row, norm, Key, TensorSource, Weight};
-use sluice_kernels::{matmul, ops, ThreadPool};
+use sluice_kernels::{ops, ThreadPool};
 use std::sync::Arc;
 
 pub struct Layer {
@@ -55,6 +55,9 @@ pub struct Model {
     pub mtp: Option<crate::mtp::MtpHead>,
     /// Where routed experts are computed when not by `pool` (a GPU); the same bits either way.
     pub expert_compute: Option<Arc<dyn crate::ffn::offload::ExpertCompute>>,
+    /// Where dense products run when not on `pool` (a GPU holding the dense weights); the
+    /// same bits either way.
+    pub dense_compute: Option<Arc<dyn crate::dense::DenseCompute>>,
 }
 
 /// Which rows of logits a forward pass returns.
@@ -132,6 +135,7 @@ impl Model {
             pool,
             mtp: None,
             expert_compute: None,
+            dense_compute: None,
         })
     }
 
@@ -369,7 +373,7 @@ impl Model {
         let cfg = &self.cfg;
         let m = hn.len() / cfg.hidden;
         let mut logits = vec![0f32; m * cfg.vocab_size];
-        matmul(&self.pool, self.output.mat(), hn, m, &mut logits);
+        self.project(&[&self.output], hn, m, &mut [&mut logits]);
         if let Some(cap) = cfg.final_logit_softcap {
             logits.iter_mut().for_each(|v| *v = (*v / cap).tanh() * cap);
         }
@@ -440,7 +444,7 @@ impl Layer {
         rms_norm_rows(x, &self.ffn_norm, cfg.rms_eps, h);
         observe(obs, "ffn_norm", Some(l), h, n);
         match &self.ffn {
-            FfnWeights::Dense(f) => dense_ffn(&m.pool, cfg, f, h, n, y),
+            FfnWeights::Dense(f) => m.gated_ffn(&f.gate, &f.up, &f.down, h, n, y),
             FfnWeights::Moe(w) => moe_ffn(m, experts, l, w, h, positions, y, obs)?,
         }
         if let Some(w) = &self.ffn_post_norm {

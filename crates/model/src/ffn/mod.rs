@@ -90,7 +90,3 @@ pub(crate) fn gated_ffn(
     combine(act, &mut g, &u);
     matmul(pool, down, &g, n, out);
 }
-
-pub fn dense_ffn(pool: &ThreadPool, cfg: &ModelConfig, f: &DenseFfnWeights, x: &[f32], n: usize, out: &mut [f32]) {
-    gated_ffn(pool, cfg.activation, f.gate.mat(), f.up.mat(), f.down.mat(), x, n, out);
-}

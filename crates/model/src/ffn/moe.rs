@@ -253,7 +253,7 @@ pub fn moe_ffn(
     }
     if let Some(sh) = &w.shared {
         let mut ys = vec![0f32; n * hd];
-        gated_ffn(pool, cfg.activation, sh.ffn.gate.mat(), sh.ffn.up.mat(), sh.ffn.down.mat(), x, n, &mut ys);
+        m.gated_ffn(&sh.ffn.gate, &sh.ffn.up, &sh.ffn.down, x, n, &mut ys);
         match &sh.gate_inp {
             Some(gate) => {
                 let mut g = vec![0f32; n];

@@ -99,7 +99,7 @@ pub fn forward(
     if cfg.attn_output_gate {
         // Each head's projection is [q | gate]: split them apart.
         let mut qg = vec![0f32; n * 2 * qd];
-        w.q.forward(pool, h, n, &mut qg);
+        m.linear(&[&w.q, &w.k, &w.v], h, n, &mut [&mut qg, &mut k, &mut v]);
         gate = vec![0f32; n * qd];
         for (t, row) in qg.chunks_exact(2 * qd).enumerate() {
             for (head, pair) in row.chunks_exact(2 * hd).enumerate() {
@@ -109,10 +109,8 @@ pub fn forward(
             }
         }
     } else {
-        w.q.forward(pool, h, n, &mut q);
+        m.linear(&[&w.q, &w.k, &w.v], h, n, &mut [&mut q, &mut k, &mut v]);
     }
-    w.k.forward(pool, h, n, &mut k);
-    w.v.forward(pool, h, n, &mut v);
     if let Some(c) = cfg.clip_qkv {
         for x in q.iter_mut().chain(k.iter_mut()).chain(v.iter_mut()) {
             *x = x.clamp(-c, c);
@@ -189,7 +187,7 @@ pub fn forward(
         }
     }
     observe(obs, "kqv_out", Some(l), &att, n);
-    w.o.forward(pool, &att, n, out);
+    m.linear(&[&w.o], &att, n, &mut [out]);
     observe(obs, "attn_out", Some(l), out, n);
 }
 

@@ -1,0 +1,216 @@
+//! The model's dense matrices in VRAM (`DenseCompute`): attention projections, dense and
+//! shared-expert FFNs and the output head, uploaded once in their stored format and
+//! multiplied there with the bit-exact kernels, so the model's output stays the CPU run's
+//! bit for bit. Products that share an input (q, k and v; gate and up) go down as one upload
+//! and come back as one copy. Attention, norms and the KV cache stay on the host.
+
+use crate::device::{Gpu, GpuError};
+use crate::matmul::{kernel_name, GpuAct, GpuMatrix};
+use cudarc::driver::CudaSlice;
+use sluice_kernels::quant::act::ActKind;
+use sluice_kernels::MatRef;
+use sluice_model::dense::DenseCompute;
+use sluice_model::ffn::FfnWeights;
+use sluice_model::mixer::Mixer;
+use sluice_model::weights::Weight;
+use sluice_model::Model;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+pub struct CudaDense {
+    gpu: Arc<Gpu>,
+    /// Device copies, by the address of the host weight's data (resident for the model's life).
+    mats: HashMap<usize, GpuMatrix>,
+    held_bytes: usize,
+    /// Dense matrices left on the CPU: no kernel for their format, or over the budget.
+    left_bytes: usize,
+    state: Mutex<State>,
+}
+
+#[derive(Default)]
+struct State {
+    x: Option<CudaSlice<f32>>,
+    /// The input quantized for Q8_K-paired and for Q16-paired weights.
+    act_k: Option<GpuAct>,
+    act_16: Option<GpuAct>,
+    out: Option<CudaSlice<f32>>,
+    host: Vec<f32>,
+    calls: u64,
+    rows: u64,
+    declined: u64,
+    errors: u64,
+    last_error: Option<String>,
+    ns: u64,
+}
+
+/// The matrices of `m` that go through `Model::project`, in forward order.
+fn dense_weights(m: &Model) -> Vec<&Weight> {
+    let mut v = Vec::new();
+    for l in &m.layers {
+        if let Mixer::Attention(a) = &l.mixer {
+            v.extend([&a.q.w, &a.k.w, &a.v.w, &a.o.w]);
+        }
+        match &l.ffn {
+            FfnWeights::Dense(f) => v.extend([&f.gate, &f.up, &f.down]),
+            FfnWeights::Moe(w) => {
+                if let Some(sh) = &w.shared {
+                    v.extend([&sh.ffn.gate, &sh.ffn.up, &sh.ffn.down]);
+                }
+            }
+        }
+    }
+    v.push(&m.output);
+    v
+}
+
+fn key(w: &Weight) -> usize {
+    w.data.as_ptr() as usize
+}
+
+impl CudaDense {
+    /// Uploads the dense matrices of `m` that have a kernel, in forward order, while they fit
+    /// in `budget` bytes.
+    pub fn upload(gpu: Arc<Gpu>, m: &Model, budget: usize) -> Result<CudaDense, GpuError> {
+        let mut mats = HashMap::new();
+        let (mut held, mut left) = (0, 0);
+        for w in dense_weights(m) {
+            if mats.contains_key(&key(w)) {
+                continue;
+            }
+            if kernel_name(w.dtype).is_none() || held + w.bytes() > budget {
+                left += w.bytes();
+                continue;
+            }
+            let mat = MatRef::new(w.dtype, w.rows, w.cols, &w.data).map_err(|e| GpuError::Shape(e.to_string()))?;
+            let g = gpu.upload(mat)?;
+            held += g.bytes();
+            mats.insert(key(w), g);
+        }
+        Ok(CudaDense { gpu, mats, held_bytes: held, left_bytes: left, state: Mutex::new(State::default()) })
+    }
+
+    /// Calls computed here, calls declined (a weight it does not hold), and calls that
+    /// failed on the device (computed by the CPU instead).
+    pub fn counts(&self) -> (u64, u64, u64) {
+        let st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        (st.calls, st.declined, st.errors)
+    }
+
+    /// Bytes of dense weights in VRAM.
+    pub fn held_bytes(&self) -> usize {
+        self.held_bytes
+    }
+
+    fn run(
+        &self,
+        st: &mut State,
+        mats: &[&GpuMatrix],
+        x: &[f32],
+        n: usize,
+        outs: &mut [&mut [f32]],
+    ) -> Result<(), GpuError> {
+        let gpu = &*self.gpu;
+        let s = &gpu.stream;
+        let cols = mats[0].cols;
+        if x.len() != n * cols || outs.iter().zip(mats).any(|(o, w)| o.len() != n * w.rows) {
+            return Err(GpuError::Shape(format!("{n} rows of {} values for {cols}-column weights", x.len())));
+        }
+        if st.x.as_ref().is_none_or(|b| b.len() < x.len()) {
+            st.x = Some(s.alloc_zeros::<f32>(2 * x.len())?);
+        }
+        let xd = st.x.as_mut().expect("made above");
+        s.memcpy_htod(x, &mut xd.slice_mut(0..x.len()))?;
+        // The input quantized once for each kind of activation the weights pair with.
+        let (mut done_k, mut done_16) = (false, false);
+        for w in mats {
+            let (slot, done) = match ActKind::for_weights(w.dtype) {
+                Some(ActKind::Q16) => (&mut st.act_16, &mut done_16),
+                _ => (&mut st.act_k, &mut done_k),
+            };
+            if !*done {
+                gpu.quantize_reusing(w.dtype, xd, n, cols, slot)?;
+                *done = true;
+            }
+        }
+        let total: usize = mats.iter().map(|w| n * w.rows).sum();
+        if st.out.as_ref().is_none_or(|b| b.len() < total) {
+            st.out = Some(s.alloc_zeros::<f32>(2 * total)?);
+        }
+        let out = st.out.as_mut().expect("made above");
+        let mut at = 0;
+        for w in mats {
+            let act = match ActKind::for_weights(w.dtype) {
+                Some(ActKind::Q16) => st.act_16.as_ref(),
+                _ => st.act_k.as_ref(),
+            };
+            let len = n * w.rows;
+            gpu.matmul_into(w.view(gpu), act.expect("quantized above"), &mut out.slice_mut(at..at + len))?;
+            at += len;
+        }
+        st.host.resize(total, 0.0);
+        s.memcpy_dtoh(&out.slice(0..total), &mut st.host)?;
+        let mut at = 0;
+        for o in outs.iter_mut() {
+            o.copy_from_slice(&st.host[at..at + o.len()]);
+            at += o.len();
+        }
+        Ok(())
+    }
+}
+
+impl DenseCompute for CudaDense {
+    fn matmul(&self, ws: &[&Weight], x: &[f32], n: usize, outs: &mut [&mut [f32]]) -> bool {
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(mats) = ws.iter().map(|w| self.mats.get(&key(w))).collect::<Option<Vec<_>>>() else {
+            st.declined += 1;
+            return false;
+        };
+        if mats.is_empty() || n == 0 {
+            return false;
+        }
+        let t0 = Instant::now();
+        match self.run(&mut st, &mats, x, n, outs) {
+            Ok(()) => {
+                st.calls += 1;
+                st.rows += mats.iter().map(|w| w.rows as u64).sum::<u64>() * n as u64;
+                st.ns += t0.elapsed().as_nanos() as u64;
+                true
+            }
+            Err(e) => {
+                st.errors += 1;
+                st.last_error = Some(e.to_string());
+                false
+            }
+        }
+    }
+
+    fn describe(&self) -> String {
+        let mut s = format!("dense weights on {}: {:.2} GB in VRAM", self.gpu.name, self.held_bytes as f64 / 1e9);
+        if self.left_bytes > 0 {
+            s.push_str(&format!(
+                ", {:.2} GB on the CPU (formats without a CUDA kernel, or over the budget)",
+                self.left_bytes as f64 / 1e9
+            ));
+        }
+        s
+    }
+
+    fn stats_line(&self) -> String {
+        let st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut s = format!(
+            "GPU dense: {} calls ({:.1} µs each, transfers included), {} declined to the CPU",
+            st.calls,
+            st.ns as f64 / 1e3 / st.calls.max(1) as f64,
+            st.declined
+        );
+        if st.errors > 0 {
+            s.push_str(&format!(
+                "; {} failed and ran on the CPU (last: {})",
+                st.errors,
+                st.last_error.as_deref().unwrap_or("")
+            ));
+        }
+        s
+    }
+}

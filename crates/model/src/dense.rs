@@ -1,0 +1,63 @@
+//! The dense products of the forward pass — attention projections, dense and shared-expert
+//! FFNs, the output head — and the seam through which they run off the CPU's threads (on a
+//! GPU, by `sluice-cuda`). An implementation holds device copies of the weights it took and
+//! must give the bits the CPU's kernels give, so that where a product runs never changes the
+//! output; whatever it does not take (a format without a kernel, a weight it does not hold,
+//! a failed launch) the CPU computes.
+
+use crate::model::Model;
+use crate::weights::{Linear, Weight};
+use sluice_kernels::{matmul, ops};
+
+pub trait DenseCompute: Send + Sync {
+    /// `outs[i] = x · ws[i]ᵀ` (each `n × ws[i].rows`) for weights that share the input `x`
+    /// (`n × cols`), and true; or false, when it does not take all of them (the CPU computes
+    /// them then: `outs` may have been written and will be overwritten).
+    fn matmul(&self, ws: &[&Weight], x: &[f32], n: usize, outs: &mut [&mut [f32]]) -> bool;
+
+    /// Where dense products run and what it holds, for the placement line.
+    fn describe(&self) -> String;
+
+    /// Its counters so far, for `--stats`.
+    fn stats_line(&self) -> String;
+}
+
+impl Model {
+    /// `outs[i] = x · ws[i]ᵀ` for weights sharing one input: on the dense device when the
+    /// model has one and it takes them, else on the pool. The same bits either way.
+    pub fn project(&self, ws: &[&Weight], x: &[f32], n: usize, outs: &mut [&mut [f32]]) {
+        debug_assert_eq!(ws.len(), outs.len());
+        if let Some(d) = &self.dense_compute {
+            if d.matmul(ws, x, n, outs) {
+                return;
+            }
+        }
+        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            matmul(&self.pool, w.mat(), x, n, out);
+        }
+    }
+
+    /// `project` of linear layers, each output then offset by its bias.
+    pub fn linear(&self, ls: &[&Linear], x: &[f32], n: usize, outs: &mut [&mut [f32]]) {
+        let ws: Vec<&Weight> = ls.iter().map(|l| &l.w).collect();
+        self.project(&ws, x, n, outs);
+        for (l, out) in ls.iter().zip(outs.iter_mut()) {
+            if let Some(b) = &l.b {
+                for row in out.chunks_exact_mut(b.len()) {
+                    ops::add_inplace(row, b);
+                }
+            }
+        }
+    }
+
+    /// down(act(gate·x) ⊙ up·x) for `n` rows of `x` with resident weights, into `out`
+    /// (n, hidden): gate and up as one `project` call, the combine on the host.
+    pub(crate) fn gated_ffn(&self, gate: &Weight, up: &Weight, down: &Weight, x: &[f32], n: usize, out: &mut [f32]) {
+        let ff = gate.rows;
+        let mut g = vec![0f32; n * ff]; // (n, ff)
+        let mut u = vec![0f32; n * ff]; // (n, ff)
+        self.project(&[gate, up], x, n, &mut [&mut g, &mut u]);
+        crate::ffn::combine(self.cfg.activation, &mut g, &u);
+        self.project(&[down], &g, n, &mut [out]);
+    }
+}
