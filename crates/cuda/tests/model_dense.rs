@@ -4,45 +4,16 @@
 //! shared experts). Needs an NVIDIA GPU (ignored by default; run with `--ignored` on a CUDA
 //! machine).
 
+mod common;
+
+use common::{logits, write_synth};
 use sluice_cuda::dense::CudaDense;
 use sluice_cuda::experts::CudaExperts;
 use sluice_cuda::vram_cache::slot_bytes_bound;
 use sluice_cuda::Gpu;
-use sluice_model::synth::{builtin_tokenizer, write_model, QuantMix, SynthArch, SynthGrouped, SynthSpec};
-use sluice_model::Logits;
+use sluice_model::synth::SynthArch;
 use sluice_runtime::{Engine, EngineOptions};
 use std::sync::Arc;
-
-fn spec(arch: SynthArch) -> SynthSpec {
-    let mut s = SynthSpec::named("tiny-moe").expect("built in");
-    s.arch = arch;
-    s.hidden = 256;
-    s.expert_ff = 256;
-    s.n_head = 4;
-    s.n_head_kv = 2;
-    s.head_dim = 64;
-    s.n_layer = 3;
-    s.n_expert = 16;
-    s.n_expert_used = 4;
-    s.quant = QuantMix::Q4KM;
-    if arch == SynthArch::Glm4Moe {
-        s.grouped =
-            Some(SynthGrouped { dense_layers: 1, dense_ff: 512, n_shared: 1, n_group: 1, topk_group: 1, scale: 1.0 });
-    }
-    s
-}
-
-/// Logits of a 6-token prefill, then 3 tokens decoded one at a time.
-fn logits(e: &Engine) -> Vec<u32> {
-    let mut st = e.new_state();
-    let mut bits = Vec::new();
-    let prompt = [5u32, 17, 3, 99, 42, 7];
-    bits.extend(e.model.forward(&mut st, &prompt, Logits::All, None).unwrap().iter().map(|f| f.to_bits()));
-    for t in [11u32, 64, 2] {
-        bits.extend(e.model.forward(&mut st, &[t], Logits::All, None).unwrap().iter().map(|f| f.to_bits()));
-    }
-    bits
-}
 
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --ignored on a CUDA machine"]
@@ -51,11 +22,7 @@ fn dense_weights_in_vram_give_the_cpu_logits() {
     std::fs::create_dir_all(&dir).unwrap();
     let gpu = Arc::new(Gpu::open(0).unwrap());
     for arch in [SynthArch::Qwen3Moe, SynthArch::Glm4Moe] {
-        let s = spec(arch);
-        let path = dir.join(format!("{arch:?}.gguf"));
-        let mut f = std::io::BufWriter::new(std::fs::File::create(&path).unwrap());
-        write_model(&s, builtin_tokenizer(s.vocab), &mut f, |_| {}).unwrap();
-        drop(f);
+        let path = write_synth(arch, &dir);
         let mut e = Engine::load(&path, EngineOptions { threads: 2, max_context: 64, ..Default::default() }).unwrap();
         let cpu = logits(&e);
         for with_experts in [false, true] {
