@@ -1,5 +1,6 @@
-//! The model's dense matrices in VRAM (`DenseCompute`): attention projections, dense and
-//! shared-expert FFNs and the output head, uploaded once in their stored format and
+//! The model's dense matrices in VRAM (`DenseCompute`): the token mixers' projections
+//! (attention, latent attention, Gated DeltaNet), dense and shared-expert FFNs, the output
+//! head and a multi-token-prediction head's, uploaded once in their stored format and
 //! multiplied there with the bit-exact kernels, so the model's output stays the CPU run's
 //! bit for bit. Products that share an input (q, k and v; gate and up) go down as one upload
 //! and come back as one copy. Attention, norms and the KV cache stay on the host.
@@ -11,6 +12,7 @@ use sluice_kernels::quant::act::ActKind;
 use sluice_kernels::MatRef;
 use sluice_model::dense::DenseCompute;
 use sluice_model::ffn::FfnWeights;
+use sluice_model::mixer::delta_net::InProj;
 use sluice_model::mixer::Mixer;
 use sluice_model::weights::Weight;
 use sluice_model::Model;
@@ -44,12 +46,28 @@ struct State {
     ns: u64,
 }
 
-/// The matrices of `m` that go through `Model::project`, in forward order.
+/// The matrices of `m` that go through `Model::project`, in forward order (the
+/// multi-token-prediction head's last).
 fn dense_weights(m: &Model) -> Vec<&Weight> {
     let mut v = Vec::new();
-    for l in &m.layers {
-        if let Mixer::Attention(a) = &l.mixer {
-            v.extend([&a.q.w, &a.k.w, &a.v.w, &a.o.w]);
+    let layers = m.layers.iter().chain(m.mtp.as_ref().map(|h| &h.layer));
+    for l in layers {
+        match &l.mixer {
+            Mixer::Attention(a) => v.extend([&a.q.w, &a.k.w, &a.v.w, &a.o.w]),
+            Mixer::Mla(a) => {
+                if let Some((qa, _)) = &a.q_a {
+                    v.push(&qa.w);
+                }
+                v.extend([&a.q.w, &a.kv_a.w, &a.o.w]);
+            }
+            Mixer::GatedDeltaNet(d) => {
+                match &d.proj {
+                    InProj::FusedPerGroup { qkvz, ba } => v.extend([qkvz, ba]),
+                    InProj::QkvGateBa { qkv, z, ba } => v.extend([qkv, z, ba]),
+                    InProj::Separate { qkv, z, b, a } => v.extend([qkv, z, b, a]),
+                }
+                v.push(&d.out);
+            }
         }
         match &l.ffn {
             FfnWeights::Dense(f) => v.extend([&f.gate, &f.up, &f.down]),
@@ -61,6 +79,9 @@ fn dense_weights(m: &Model) -> Vec<&Weight> {
         }
     }
     v.push(&m.output);
+    if let Some(h) = &m.mtp {
+        v.push(&h.eh_proj);
+    }
     v
 }
 

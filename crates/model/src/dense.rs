@@ -1,5 +1,5 @@
-//! The dense products of the forward pass — attention projections, dense and shared-expert
-//! FFNs, the output head — and the seam through which they run off the CPU's threads (on a
+//! The dense products of the forward pass — the token mixers' projections, dense and
+//! shared-expert FFNs, the output head and a multi-token-prediction head's — and the seam through which they run off the CPU's threads (on a
 //! GPU, by `sluice-cuda`). An implementation holds device copies of the weights it took and
 //! must give the bits the CPU's kernels give, so that where a product runs never changes the
 //! output; whatever it does not take (a format without a kernel, a weight it does not hold,

@@ -21,7 +21,6 @@ use crate::model::{observe, rms_norm_rows, Layer, LayerScratch, Logits, Model, S
 use crate::state::SeqState;
 use crate::trace::Observer;
 use crate::weights::{embedding_row, norm, Key, TensorSource, Weight};
-use sluice_kernels::matmul;
 
 pub struct MtpHead {
     /// (hidden, 2·hidden): input [embedding | hidden].
@@ -168,7 +167,7 @@ impl Model {
             rms_norm_rows(&hidden[t * hd..(t + 1) * hd], &head.hnorm, eps, &mut row[hd..]);
         }
         let mut x = vec![0f32; n * hd]; // (n, hidden)
-        matmul(&self.pool, head.eh_proj.mat(), &cat, n, &mut x);
+        self.project(&[&head.eh_proj], &cat, n, &mut [&mut x]);
         observe(obs, "mtp_eh_proj", Some(l), &x, n);
         let positions: Vec<usize> = (state.len()..state.len() + n).collect();
         let mut scratch = LayerScratch::new(n, hd);
@@ -188,7 +187,7 @@ impl Model {
             return Ok((Vec::new(), hn));
         }
         let mut logits = vec![0f32; m * self.cfg.vocab_size];
-        matmul(&self.pool, self.output.mat(), &hn, m, &mut logits);
+        self.project(&[&self.output], &hn, m, &mut [&mut logits]);
         observe(obs, "mtp_logits", Some(l), &logits, m);
         Ok((logits, hn))
     }

@@ -129,21 +129,10 @@ pub trait TensorSource {
     }
 }
 
-/// A projection with an optional bias.
+/// A projection with an optional bias (`Model::linear` computes it).
 pub struct Linear {
     pub w: Weight,
     pub b: Option<Vec<f32>>,
-}
-
-impl Linear {
-    pub fn forward(&self, pool: &sluice_kernels::ThreadPool, x: &[f32], n: usize, out: &mut [f32]) {
-        sluice_kernels::matmul(pool, self.w.mat(), x, n, out);
-        if let Some(b) = &self.b {
-            for row in out.chunks_exact_mut(b.len()) {
-                sluice_kernels::ops::add_inplace(row, b);
-            }
-        }
-    }
 }
 
 /// An RMSNorm weight as the forward pass uses it: `1 + w` when the checkpoint stores norms

@@ -1,12 +1,15 @@
 //! The seam through which the dense products run off the CPU's threads (a GPU in
 //! `sluice-cuda`), driven by a stand-in that computes on one thread of its own and declines
 //! every call that involves the output head: the logits stay bit-identical to the plain run,
-//! every attention projection and the head reach the seam, products of one input arrive
-//! together (q, k and v as one call), and whatever it declines the CPU computes.
+//! every mixer's projections (attention, Gated DeltaNet, latent attention), the dense and
+//! shared-expert FFNs and the head reach the seam, products of one input arrive together
+//! (q, k and v as one call; gate and up), and whatever it declines the CPU computes.
+
+mod common;
 
 use sluice_kernels::{matmul, ThreadPool};
 use sluice_model::dense::DenseCompute;
-use sluice_model::synth::{builtin_tokenizer, write_model, QuantMix, SynthArch, SynthGrouped, SynthSpec};
+use sluice_model::synth::{builtin_tokenizer, write_model, QuantMix, SynthArch, SynthGrouped, SynthMla, SynthSpec};
 use sluice_model::weights::Weight;
 use sluice_model::Logits;
 use sluice_runtime::{Engine, EngineOptions};
@@ -62,7 +65,13 @@ fn through_the_seam(s: &SynthSpec, tag: &str) -> Vec<(usize, bool)> {
     let mut f = std::io::BufWriter::new(std::fs::File::create(&path).unwrap());
     write_model(s, builtin_tokenizer(s.vocab), &mut f, |_| {}).unwrap();
     drop(f);
-    let mut e = Engine::load(&path, EngineOptions { threads: 2, max_context: 32, ..Default::default() }).unwrap();
+    let calls = file_through_the_seam(&path, tag);
+    std::fs::remove_dir_all(&dir).ok();
+    calls
+}
+
+fn file_through_the_seam(path: &std::path::Path, tag: &str) -> Vec<(usize, bool)> {
+    let mut e = Engine::load(path, EngineOptions { threads: 2, max_context: 32, ..Default::default() }).unwrap();
     let plain = bits(&e);
     let head = e.model.output.data.as_ptr() as usize;
     let c = Arc::new(StandIn { pool: ThreadPool::new(1), head, calls: Mutex::new(Vec::new()) });
@@ -71,7 +80,6 @@ fn through_the_seam(s: &SynthSpec, tag: &str) -> Vec<(usize, bool)> {
     let first = plain.iter().zip(&seam).position(|(a, b)| a != b);
     assert_eq!(first, None, "{tag}: logits through the seam differ at {first:?}");
     assert_eq!(plain.len(), seam.len());
-    std::fs::remove_dir_all(&dir).ok();
     let calls = c.calls.lock().unwrap().clone();
     calls
 }
@@ -109,4 +117,32 @@ fn dense_ffn_layers_and_shared_experts_through_the_seam_give_the_cpu_bits() {
     // routed layer's shared expert.
     let gate_up = calls.iter().filter(|(n, took)| *n == 2 && *took).count();
     assert_eq!(gate_up, PASSES * s.n_layer, "{calls:?}");
+}
+
+#[test]
+fn delta_net_projections_through_the_seam_give_the_cpu_bits() {
+    // 3 Gated DeltaNet layers (q/k/v, z, b/a from one input in one call, then the output
+    // projection) and one attention layer.
+    let path = common::synthetic_hybrid("dense-seam-hybrid");
+    let calls = file_through_the_seam(&path, "qwen3next");
+    let in_proj = calls.iter().filter(|(n, took)| *n >= 3 && *took).count();
+    // Per pass: 3 DeltaNet input calls + 1 attention q/k/v call.
+    assert_eq!(in_proj, PASSES * 4, "{calls:?}");
+}
+
+#[test]
+fn latent_attention_projections_through_the_seam_give_the_cpu_bits() {
+    let mut s = SynthSpec::named("deepseek-v3").expect("built in");
+    (s.n_layer, s.n_expert, s.n_expert_used, s.vocab) = (4, 16, 4, 512);
+    (s.hidden, s.n_head, s.head_dim, s.expert_ff) = (256, 4, 96, 256);
+    s.grouped.as_mut().unwrap().dense_ff = 512;
+    s.mla = Some(SynthMla { q_lora_rank: 128, kv_lora_rank: 256, qk_rope: 32, v_head: 64 });
+    s.quant = QuantMix::Q4KM;
+    s.conform();
+    s.validate().unwrap();
+    let calls = through_the_seam(&s, "deepseek2");
+    // q's down projection and the compressed KV share the layer's input: one call of two
+    // per layer and pass, beside the dense layers' and shared experts' gate+up calls.
+    let pairs = calls.iter().filter(|(n, took)| *n == 2 && *took).count();
+    assert_eq!(pairs, PASSES * s.n_layer * 2, "{calls:?}");
 }

@@ -22,7 +22,7 @@ use crate::model::{observe, Model};
 use crate::state::SeqState;
 use crate::trace::Observer;
 use crate::weights::{vector, Key, TensorSource, Weight};
-use sluice_kernels::{matmul, recurrent, SendPtr};
+use sluice_kernels::{recurrent, SendPtr};
 
 /// ε of the L2 normalization of q and k (the reference implementation's constant).
 const L2_EPS: f32 = 1e-6;
@@ -143,7 +143,6 @@ struct Projected {
 }
 
 fn project(m: &Model, d: &DeltaNetConfig, w: &DeltaNetWeights, x: &[f32], n: usize) -> Projected {
-    let pool = &*m.pool;
     let (kd, vd, nv, nk) = (d.key_dim(), d.value_dim(), d.n_v_heads, d.n_k_heads);
     let r = nv / nk; // value heads per key head
     let mut p = Projected {
@@ -167,7 +166,8 @@ fn project(m: &Model, d: &DeltaNetConfig, w: &DeltaNetWeights, x: &[f32], n: usi
             // Per key head g: [q_g (d_k) | k_g (d_k) | v_g (r·d_v) | z_g (r·d_v)].
             let width = 2 * kd + 2 * vd;
             let mut all = vec![0f32; n * width];
-            matmul(pool, qkvz.mat(), x, n, &mut all);
+            let mut bav = vec![0f32; n * 2 * nv];
+            m.project(&[qkvz, ba], x, n, &mut [&mut all, &mut bav]);
             let gw = 2 * d.d_k + 2 * r * d.d_v;
             for t in 0..n {
                 let (row, dst) =
@@ -183,22 +183,15 @@ fn project(m: &Model, d: &DeltaNetConfig, w: &DeltaNetWeights, x: &[f32], n: usi
                     p.z[t * vd + g * r * d.d_v..t * vd + (g + 1) * r * d.d_v].copy_from_slice(z);
                 }
             }
-            let mut bav = vec![0f32; n * 2 * nv];
-            matmul(pool, ba.mat(), x, n, &mut bav);
             split_ba(&bav, &mut p);
         }
         InProj::QkvGateBa { qkv, z, ba } => {
-            matmul(pool, qkv.mat(), x, n, &mut p.qkv);
-            matmul(pool, z.mat(), x, n, &mut p.z);
             let mut bav = vec![0f32; n * 2 * nv];
-            matmul(pool, ba.mat(), x, n, &mut bav);
+            m.project(&[qkv, z, ba], x, n, &mut [&mut p.qkv, &mut p.z, &mut bav]);
             split_ba(&bav, &mut p);
         }
         InProj::Separate { qkv, z, b, a } => {
-            matmul(pool, qkv.mat(), x, n, &mut p.qkv);
-            matmul(pool, z.mat(), x, n, &mut p.z);
-            matmul(pool, b.mat(), x, n, &mut p.b);
-            matmul(pool, a.mat(), x, n, &mut p.a);
+            m.project(&[qkv, z, b, a], x, n, &mut [&mut p.qkv, &mut p.z, &mut p.b, &mut p.a]);
         }
     }
     p
@@ -310,6 +303,6 @@ pub fn forward(
         }
     }
     observe(obs, "attn_output", Some(l), &y, n);
-    matmul(&m.pool, w.out.mat(), &y, n, out);
+    m.project(&[&w.out], &y, n, &mut [out]);
     observe(obs, "linear_attn_out", Some(l), out, n);
 }

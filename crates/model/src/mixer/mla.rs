@@ -195,19 +195,20 @@ pub fn forward(
     let (dk, cw) = (dn + dr, mla.cache_width());
 
     let mut q = vec![0f32; n * nh * dk]; // (n, heads, nope + rope)
+    let mut ckv = vec![0f32; n * cw]; // (n, rank + rope)
+                                      // The products of the layer's input in one call: q's down projection (or q itself) and
+                                      // the compressed KV.
     match &w.q_a {
         Some((qa, norm)) => {
             let mut lat = vec![0f32; n * norm.len()];
-            qa.forward(pool, h, n, &mut lat);
+            m.linear(&[qa, &w.kv_a], h, n, &mut [&mut lat, &mut ckv]);
             for row in lat.chunks_exact_mut(norm.len()) {
                 ops::rms_norm_inplace(row, norm, mla.latent_norm_eps);
             }
-            w.q.forward(pool, &lat, n, &mut q);
+            m.linear(&[&w.q], &lat, n, &mut [&mut q]);
         }
-        None => w.q.forward(pool, h, n, &mut q),
+        None => m.linear(&[&w.q, &w.kv_a], h, n, &mut [&mut q, &mut ckv]),
     }
-    let mut ckv = vec![0f32; n * cw]; // (n, rank + rope)
-    w.kv_a.forward(pool, h, n, &mut ckv);
     for row in ckv.chunks_exact_mut(cw) {
         ops::rms_norm_inplace(&mut row[..r], &w.kv_norm, mla.latent_norm_eps);
     }
@@ -290,6 +291,6 @@ pub fn forward(
         }
     });
     observe(obs, "kqv_out", Some(l), &att, n);
-    w.o.forward(pool, &att, n, out);
+    m.linear(&[&w.o], &att, n, &mut [out]);
     observe(obs, "attn_out", Some(l), out, n);
 }
