@@ -89,7 +89,9 @@ def main():
     ap.add_argument("--out", metavar="DIR", default=lib.RESULTS, help="where the result goes (default: bench/results)")
     a = ap.parse_args()
 
-    exe = os.path.join(STAGE, "sluice")
+    if not os.path.isdir(os.path.join(STAGE, "bin")):
+        subprocess.check_call(["tar", "xJf", os.path.join(STAGE, "binaries.tar.xz"), "-C", STAGE])
+    exe = os.path.join(STAGE, "bin", "sluice")
     with open(os.path.join(STAGE, "STAGE.json")) as f:
         state = json.load(f)
     model = a.model
