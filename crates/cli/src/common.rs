@@ -66,7 +66,7 @@ pub struct ModelArgs {
     /// Compute the routed experts on the NVIDIA GPU (device 0), which keeps up to SIZE of
     /// them in its memory (e.g. 8GiB) and copies the others from host memory when chosen
     /// (where --expert-cache and --expert-mode keep them). The output is the CPU's, bit for
-    /// bit. Needs the NVIDIA driver and NVRTC at run time. The dense matrices (attention
+    /// bit. Needs the NVIDIA driver and NVRTC at run time. The dense matrices (every layer's
     /// projections, dense and shared FFNs, the output head) go to the GPU's memory too,
     /// beside the tier, unless --cpu-dense.
     #[arg(long, value_name = "SIZE")]
