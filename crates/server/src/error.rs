@@ -105,6 +105,12 @@ impl IntoResponse for ApiError {
         if self.kind == ErrorKind::Unauthorized {
             r.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         }
+        if self.kind == ErrorKind::PayloadTooLarge {
+            // The rest of the body is never read, so this connection cannot carry another
+            // request: saying so keeps a keep-alive client from sending its next request
+            // into a socket the server is closing.
+            r.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
+        }
         r
     }
 }
