@@ -1,4 +1,4 @@
-use crate::common::{gpu_stats_json, stats_json, stats_line, ModelArgs};
+use crate::common::{gpu_stats_json, gpu_stats_lines, stats_json, stats_line, ModelArgs};
 use anyhow::Result;
 use sluice_runtime::bench::{bench, BenchOptions};
 
@@ -31,21 +31,21 @@ pub fn main(a: Args) -> Result<()> {
     let threads = engine.model.pool.n_threads();
     if a.json {
         let mut v = serde_json::json!({
-                "model": engine.path.display().to_string(),
-                "threads": threads,
-                "n_prompt": a.prompt, "n_gen": a.gen, "reps": o.reps,
-                "prefill_tok_s": r.prefill_mean(), "prefill_tok_s_stdev": r.prefill_stdev(),
-                "decode_tok_s": r.decode_mean(), "decode_tok_s_stdev": r.decode_stdev(),
-                "prefill_runs": r.prefill_tok_s, "decode_runs": r.decode_tok_s,
-                "dense_bytes": engine.model.dense_bytes(),
-                "experts": {
-                    "placement": engine.placement,
-                    "routing_note": engine.routing_note(),
-                    "prefill": stats_json(&r.prefill_experts_total(), &engine.placement, o.reps * a.prompt),
-                    "decode": stats_json(&r.decode_experts_total(), &engine.placement, o.reps * a.gen),
-                    "prefill_runs": r.prefill_experts.iter().map(|s| stats_json(s, &engine.placement, a.prompt)).collect::<Vec<_>>(),
-                    "decode_runs": r.decode_experts.iter().map(|s| stats_json(s, &engine.placement, a.gen)).collect::<Vec<_>>(),
-                },
+            "model": engine.path.display().to_string(),
+            "threads": threads,
+            "n_prompt": a.prompt, "n_gen": a.gen, "reps": o.reps,
+            "prefill_tok_s": r.prefill_mean(), "prefill_tok_s_stdev": r.prefill_stdev(),
+            "decode_tok_s": r.decode_mean(), "decode_tok_s_stdev": r.decode_stdev(),
+            "prefill_runs": r.prefill_tok_s, "decode_runs": r.decode_tok_s,
+            "dense_bytes": engine.model.dense_bytes(),
+            "experts": {
+                "placement": engine.placement,
+                "routing_note": engine.routing_note(),
+                "prefill": stats_json(&r.prefill_experts_total(), &engine.placement, o.reps * a.prompt),
+                "decode": stats_json(&r.decode_experts_total(), &engine.placement, o.reps * a.gen),
+                "prefill_runs": r.prefill_experts.iter().map(|s| stats_json(s, &engine.placement, a.prompt)).collect::<Vec<_>>(),
+                "decode_runs": r.decode_experts.iter().map(|s| stats_json(s, &engine.placement, a.gen)).collect::<Vec<_>>(),
+            },
         });
         // The GPU's counters cover both tests (its backends count per process).
         gpu_stats_json(&engine, &mut v);
@@ -69,11 +69,8 @@ pub fn main(a: Args) -> Result<()> {
                 println!("  note: {note}");
             }
         }
-        if let Some(c) = &engine.model.expert_compute {
-            println!("  {}", c.stats_line());
-        }
-        if let Some(d) = &engine.model.dense_compute {
-            println!("  {}", d.stats_line());
+        for g in gpu_stats_lines(&engine) {
+            println!("  {g}");
         }
     }
     Ok(())

@@ -545,13 +545,16 @@ pub fn expert_stats_line(e: &Engine, tokens: usize) -> String {
     if let Some(note) = e.routing_note() {
         line.push_str(&format!("\n  note: {note}"));
     }
-    if let Some(c) = &e.model.expert_compute {
-        line.push_str(&format!("\n  {}", c.stats_line()));
-    }
-    if let Some(d) = &e.model.dense_compute {
-        line.push_str(&format!("\n  {}", d.stats_line()));
+    for g in gpu_stats_lines(e) {
+        line.push_str(&format!("\n  {g}"));
     }
     line
+}
+
+/// The GPU's counters (`--gpu-experts`) for humans: its experts', then its dense products'.
+pub fn gpu_stats_lines(e: &Engine) -> Vec<String> {
+    let experts = e.model.expert_compute.as_ref().map(|c| c.stats_line());
+    experts.into_iter().chain(e.model.dense_compute.as_ref().map(|d| d.stats_line())).collect()
 }
 
 /// One line of expert-cache counters over `tokens` tokens.

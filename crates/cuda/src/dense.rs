@@ -11,9 +11,6 @@ use cudarc::driver::CudaSlice;
 use sluice_kernels::quant::act::ActKind;
 use sluice_kernels::MatRef;
 use sluice_model::dense::DenseCompute;
-use sluice_model::ffn::FfnWeights;
-use sluice_model::mixer::delta_net::InProj;
-use sluice_model::mixer::Mixer;
 use sluice_model::weights::Weight;
 use sluice_model::Model;
 use std::collections::HashMap;
@@ -39,54 +36,19 @@ struct State {
     out: Option<CudaSlice<f32>>,
     host: Vec<f32>,
     calls: u64,
-    rows: u64,
     declined: u64,
     errors: u64,
     last_error: Option<String>,
     ns: u64,
 }
 
-/// The matrices of `m` that go through `Model::project`, in forward order (the
-/// multi-token-prediction head's last).
-fn dense_weights(m: &Model) -> Vec<&Weight> {
-    let mut v = Vec::new();
-    let layers = m.layers.iter().chain(m.mtp.as_ref().map(|h| &h.layer));
-    for l in layers {
-        match &l.mixer {
-            Mixer::Attention(a) => v.extend([&a.q.w, &a.k.w, &a.v.w, &a.o.w]),
-            Mixer::Mla(a) => {
-                if let Some((qa, _)) = &a.q_a {
-                    v.push(&qa.w);
-                }
-                v.extend([&a.q.w, &a.kv_a.w, &a.o.w]);
-            }
-            Mixer::GatedDeltaNet(d) => {
-                match &d.proj {
-                    InProj::FusedPerGroup { qkvz, ba } => v.extend([qkvz, ba]),
-                    InProj::QkvGateBa { qkv, z, ba } => v.extend([qkv, z, ba]),
-                    InProj::Separate { qkv, z, b, a } => v.extend([qkv, z, b, a]),
-                }
-                v.push(&d.out);
-            }
-        }
-        match &l.ffn {
-            FfnWeights::Dense(f) => v.extend([&f.gate, &f.up, &f.down]),
-            FfnWeights::Moe(w) => {
-                if let Some(sh) = &w.shared {
-                    v.extend([&sh.ffn.gate, &sh.ffn.up, &sh.ffn.down]);
-                }
-            }
-        }
-    }
-    v.push(&m.output);
-    if let Some(h) = &m.mtp {
-        v.push(&h.eh_proj);
-    }
-    v
-}
-
 fn key(w: &Weight) -> usize {
     w.data.as_ptr() as usize
+}
+
+/// Whether `w` pairs with Q16 activations (Q8_0 weights) rather than Q8_K ones (K-quants).
+fn pairs_q16(w: &GpuMatrix) -> bool {
+    ActKind::for_weights(w.dtype) == Some(ActKind::Q16)
 }
 
 impl CudaDense {
@@ -95,7 +57,7 @@ impl CudaDense {
     pub fn upload(gpu: Arc<Gpu>, m: &Model, budget: usize) -> Result<CudaDense, GpuError> {
         let mut mats = HashMap::new();
         let (mut held, mut left) = (0, 0);
-        for w in dense_weights(m) {
+        for w in m.projected_weights() {
             if mats.contains_key(&key(w)) {
                 continue;
             }
@@ -143,15 +105,13 @@ impl CudaDense {
         let xd = st.x.as_mut().expect("made above");
         s.memcpy_htod(x, &mut xd.slice_mut(0..x.len()))?;
         // The input quantized once for each kind of activation the weights pair with.
-        let (mut done_k, mut done_16) = (false, false);
+        let mut done = [false; 2];
         for w in mats {
-            let (slot, done) = match ActKind::for_weights(w.dtype) {
-                Some(ActKind::Q16) => (&mut st.act_16, &mut done_16),
-                _ => (&mut st.act_k, &mut done_k),
-            };
-            if !*done {
+            let k = pairs_q16(w);
+            if !done[k as usize] {
+                let slot = if k { &mut st.act_16 } else { &mut st.act_k };
                 gpu.quantize_reusing(w.dtype, xd, n, cols, slot)?;
-                *done = true;
+                done[k as usize] = true;
             }
         }
         let total: usize = mats.iter().map(|w| n * w.rows).sum();
@@ -161,10 +121,7 @@ impl CudaDense {
         let out = st.out.as_mut().expect("made above");
         let mut at = 0;
         for w in mats {
-            let act = match ActKind::for_weights(w.dtype) {
-                Some(ActKind::Q16) => st.act_16.as_ref(),
-                _ => st.act_k.as_ref(),
-            };
+            let act = if pairs_q16(w) { st.act_16.as_ref() } else { st.act_k.as_ref() };
             let len = n * w.rows;
             gpu.matmul_into(w.view(gpu), act.expect("quantized above"), &mut out.slice_mut(at..at + len))?;
             at += len;
@@ -194,7 +151,6 @@ impl DenseCompute for CudaDense {
         match self.run(&mut st, &mats, x, n, outs) {
             Ok(()) => {
                 st.calls += 1;
-                st.rows += mats.iter().map(|w| w.rows as u64).sum::<u64>() * n as u64;
                 st.ns += t0.elapsed().as_nanos() as u64;
                 true
             }

@@ -1,10 +1,14 @@
 //! The dense products of the forward pass — the token mixers' projections, dense and
-//! shared-expert FFNs, the output head and a multi-token-prediction head's — and the seam through which they run off the CPU's threads (on a
-//! GPU, by `sluice-cuda`). An implementation holds device copies of the weights it took and
-//! must give the bits the CPU's kernels give, so that where a product runs never changes the
-//! output; whatever it does not take (a format without a kernel, a weight it does not hold,
-//! a failed launch) the CPU computes.
+//! shared-expert FFNs, the output head and a multi-token-prediction head's — and the seam
+//! through which they run off the CPU's threads (on a GPU, by `sluice-cuda`). An
+//! implementation holds device copies of the weights it took and must give the bits the
+//! CPU's kernels give, so that where a product runs never changes the output; whatever it
+//! does not take (a format without a kernel, a weight it does not hold, a failed launch) the
+//! CPU computes.
 
+use crate::ffn::FfnWeights;
+use crate::mixer::delta_net::InProj;
+use crate::mixer::Mixer;
 use crate::model::Model;
 use crate::weights::{Linear, Weight};
 use sluice_kernels::{matmul, ops};
@@ -23,6 +27,36 @@ pub trait DenseCompute: Send + Sync {
 }
 
 impl Model {
+    /// Every matrix the forward pass multiplies through `project`, in forward order (the
+    /// multi-token-prediction head's last): what a `DenseCompute` may hold.
+    pub fn projected_weights(&self) -> Vec<&Weight> {
+        let mut v = Vec::new();
+        for l in self.layers.iter().chain(self.mtp.as_ref().map(|h| &h.layer)) {
+            match &l.mixer {
+                Mixer::Attention(a) => v.extend([&a.q.w, &a.k.w, &a.v.w, &a.o.w]),
+                Mixer::Mla(a) => {
+                    v.extend(a.q_a.as_ref().map(|(qa, _)| &qa.w));
+                    v.extend([&a.q.w, &a.kv_a.w, &a.o.w]);
+                }
+                Mixer::GatedDeltaNet(d) => {
+                    match &d.proj {
+                        InProj::FusedPerGroup { qkvz, ba } => v.extend([qkvz, ba]),
+                        InProj::QkvGateBa { qkv, z, ba } => v.extend([qkv, z, ba]),
+                        InProj::Separate { qkv, z, b, a } => v.extend([qkv, z, b, a]),
+                    }
+                    v.push(&d.out);
+                }
+            }
+            match &l.ffn {
+                FfnWeights::Dense(f) => v.extend([&f.gate, &f.up, &f.down]),
+                FfnWeights::Moe(w) => v.extend(w.shared.iter().flat_map(|sh| [&sh.ffn.gate, &sh.ffn.up, &sh.ffn.down])),
+            }
+        }
+        v.push(&self.output);
+        v.extend(self.mtp.as_ref().map(|h| &h.eh_proj));
+        v
+    }
+
     /// `outs[i] = x · ws[i]ᵀ` for weights sharing one input: on the dense device when the
     /// model has one and it takes them, else on the pool. The same bits either way.
     pub fn project(&self, ws: &[&Weight], x: &[f32], n: usize, outs: &mut [&mut [f32]]) {

@@ -196,8 +196,9 @@ pub fn forward(
 
     let mut q = vec![0f32; n * nh * dk]; // (n, heads, nope + rope)
     let mut ckv = vec![0f32; n * cw]; // (n, rank + rope)
-                                      // The products of the layer's input in one call: q's down projection (or q itself) and
-                                      // the compressed KV.
+
+    // The products of the layer's input in one call: q's down projection (or q itself) and
+    // the compressed KV.
     match &w.q_a {
         Some((qa, norm)) => {
             let mut lat = vec![0f32; n * norm.len()];
