@@ -221,6 +221,14 @@ pub trait ExpertSource: Send + Sync {
     /// Bytes of one expert's three matrices (the largest, if they differ by layer).
     fn expert_bytes(&self) -> usize;
 
+    /// The blocks of memory that hold this source's experts for as long as it lives, where it
+    /// owns them outright (a resident copy): a GPU backend may page-lock them, so that copies
+    /// from them run at the bus's rate. Empty where experts come and go (a cache reuses and
+    /// releases its slots) or stay in a mapped file.
+    fn host_memory(&self) -> Vec<sluice_formats::Blob> {
+        Vec::new()
+    }
+
     /// A line about what this source is (for `--stats` and logs).
     fn describe(&self) -> String;
 
@@ -235,6 +243,8 @@ pub struct ResidentExperts {
     /// `[layer][expert]`; empty for dense layers.
     experts: Vec<Vec<[Weight; 3]>>,
     bytes: usize,
+    /// With a copy: one allocation per layer holding its experts' bytes.
+    memory: Vec<sluice_formats::Blob>,
 }
 
 impl ResidentExperts {
@@ -245,28 +255,18 @@ impl ResidentExperts {
 
 impl ResidentExperts {
     /// Loads all experts of the sparse layers from `src`, checking shapes. With `copy`, their
-    /// bytes are read into memory of their own; otherwise they stay where the source keeps
-    /// them (a memory-mapped file, paged in by the system).
+    /// bytes are read into memory of their own (one allocation per layer); otherwise they stay
+    /// where the source keeps them (a memory-mapped file, paged in by the system).
     pub fn load(src: &dyn TensorSource, cfg: &crate::config::ModelConfig, copy: bool) -> Result<ResidentExperts> {
-        let mut bytes = 0;
-        let experts = cfg.map_experts(|l, e| -> Result<[Weight; 3]> {
-            let mut w = load_expert(src, cfg, l, e)?;
-            if copy {
-                for m in &mut w {
-                    m.data = m.data.to_owned_releasing();
-                }
-            }
-            bytes += w.iter().map(|w| w.bytes()).sum::<usize>();
-            Ok(w)
-        })?;
-        Ok(ResidentExperts { experts, bytes })
+        let sparse: Vec<usize> = (0..cfg.n_layer).filter(|&l| cfg.is_sparse(l)).collect();
+        ResidentExperts::load_layers(src, cfg, &sparse, copy)
     }
 }
 
 impl ResidentExperts {
     /// No experts (for a head whose FFN is dense).
     pub fn empty() -> ResidentExperts {
-        ResidentExperts { experts: Vec::new(), bytes: 0 }
+        ResidentExperts { experts: Vec::new(), bytes: 0, memory: Vec::new() }
     }
 
     /// The experts of `layers` only (indexing by layer as the model does; other layers empty).
@@ -278,24 +278,30 @@ impl ResidentExperts {
     ) -> Result<ResidentExperts> {
         let moe = cfg.moe.as_ref().ok_or_else(|| ModelError::Invalid("not an MoE model".into()))?;
         let mut bytes = 0;
+        let mut memory = Vec::new();
         let mut experts: Vec<Vec<[Weight; 3]>> = vec![Vec::new(); cfg.n_layer];
         for &l in layers {
-            experts[l] = (0..moe.n_expert)
-                .map(|e| {
-                    let mut w = load_expert(src, cfg, l, e)?;
-                    if copy {
-                        for m in &mut w {
-                            m.data = m.data.to_owned_releasing();
-                        }
-                    }
-                    bytes += w.iter().map(|w| w.bytes()).sum::<usize>();
-                    Ok(w)
-                })
-                .collect::<Result<_>>()?;
+            let mut ws = (0..moe.n_expert).map(|e| load_expert(src, cfg, l, e)).collect::<Result<Vec<_>>>()?;
+            if copy {
+                let (whole, copies) = {
+                    let parts: Vec<&sluice_formats::Blob> = ws.iter().flatten().map(|w| &w.data).collect();
+                    sluice_formats::Blob::pack_releasing(&parts, PACK_ALIGN)
+                };
+                for (w, c) in ws.iter_mut().flatten().zip(copies) {
+                    w.data = c;
+                }
+                memory.push(whole);
+            }
+            bytes += ws.iter().flatten().map(|w| w.bytes()).sum::<usize>();
+            experts[l] = ws;
         }
-        Ok(ResidentExperts { experts, bytes })
+        Ok(ResidentExperts { experts, bytes, memory })
     }
 }
+
+/// Where each matrix of a resident copy starts, in bytes from its layer's allocation (the
+/// kernels' widest load, and a cache line).
+const PACK_ALIGN: usize = 64;
 
 /// One expert's three matrices from a tensor source, shape-checked.
 pub fn load_expert(
@@ -355,6 +361,10 @@ impl ExpertSource for ResidentExperts {
 
     fn expert_bytes(&self) -> usize {
         self.largest_expert()
+    }
+
+    fn host_memory(&self) -> Vec<sluice_formats::Blob> {
+        self.memory.clone()
     }
 
     fn describe(&self) -> String {

@@ -199,3 +199,21 @@ fn shrinking_and_regrowing_the_quota_keeps_the_bits() {
         assert_eq!(e.model.experts.stats().quota_changes.len(), 2);
     }
 }
+
+#[test]
+fn a_resident_copy_is_one_block_of_memory_per_layer() {
+    let m = synthetic_model("stream-blocks", QuantMix::Q4KM);
+    let e = load(&m, &Place::resident(), 0);
+    let blocks = e.model.experts.host_memory();
+    let sparse = (0..e.model.cfg.n_layer).filter(|&l| e.model.cfg.is_sparse(l)).count();
+    assert_eq!(blocks.len(), sparse);
+    let held: usize = blocks.iter().map(|b| b.len()).sum();
+    let bytes = e.model.experts.resident_bytes();
+    // Every expert's bytes, each matrix aligned (a little padding between them, no more).
+    assert!(held >= bytes && held < bytes + bytes / 10, "{held} bytes for {bytes} of experts");
+    // A mapping and a cache own no such memory (the file's pages; slots that come and go).
+    let mapped = load(&m, &Place { mode: ExpertMode::Mmap, ..Place::resident() }, 0);
+    assert!(mapped.model.experts.host_memory().is_empty());
+    let streamed = load(&m, &Place::stream(4), slot_bytes(&m));
+    assert!(streamed.model.experts.host_memory().is_empty());
+}
