@@ -39,6 +39,8 @@ pub struct Gpu {
     pub(crate) meta: Mutex<Option<CudaSlice<u8>>>,
     /// The stream the VRAM tier copies experts on, made when first needed.
     copy: Mutex<Option<Arc<CudaStream>>>,
+    /// Host ranges page-locked now (start, end), by `register_host` or `register_blob`.
+    locked: Arc<Mutex<Vec<(usize, usize)>>>,
     /// The device's name, as the driver gives it.
     pub name: String,
     /// Compute capability (major, minor).
@@ -78,6 +80,7 @@ impl Gpu {
             functions,
             meta: Mutex::new(None),
             copy: Mutex::new(None),
+            locked: Arc::default(),
             name,
             capability,
             total_mem,
@@ -109,33 +112,93 @@ impl Gpu {
 }
 
 /// Host memory page-locked for the device while this lives: copies from it to the device
-/// go straight over the bus (from ordinary memory the driver stages them, several times
-/// slower). The memory stays borrowed, so it cannot be freed or moved meanwhile.
+/// go straight over the bus (from ordinary memory they are staged, several times slower).
+/// The memory stays borrowed (or, from `register_blob`, owned), so it cannot be freed or
+/// moved meanwhile.
 pub struct HostRegistration<'a> {
     ptr: *mut std::ffi::c_void,
+    range: (usize, usize),
     ctx: Arc<CudaContext>,
+    locked: Arc<Mutex<Vec<(usize, usize)>>>,
+    /// The buffer a `register_blob` registration keeps alive.
+    _keep: Option<sluice_formats::Blob>,
     _mem: std::marker::PhantomData<&'a [u8]>,
+}
+
+// SAFETY: the pointer only names the registered range for the driver and the registry; the
+// memory itself is borrowed immutably (or owned through the blob), so moving the registration
+// between threads moves no access to it.
+unsafe impl Send for HostRegistration<'_> {}
+unsafe impl Sync for HostRegistration<'_> {}
+
+impl HostRegistration<'_> {
+    pub fn bytes(&self) -> usize {
+        self.range.1 - self.range.0
+    }
 }
 
 impl Gpu {
     /// Page-locks `mem` for copies to this device.
     pub fn register_host<'a>(&self, mem: &'a [u8]) -> Result<HostRegistration<'a>, GpuError> {
+        self.register(mem, None)
+    }
+
+    /// Page-locks a blob's bytes for as long as the registration lives, which keeps the
+    /// blob's buffer alive (a resident copy of a layer's experts, say).
+    pub fn register_blob(&self, blob: sluice_formats::Blob) -> Result<HostRegistration<'static>, GpuError> {
+        let mem: &[u8] = &blob;
+        // SAFETY: the bytes live in the blob's shared buffer, which the registration keeps
+        // (its `_keep`) and which is never written or freed while a blob refers to it; moving
+        // the `Blob` handle does not move them.
+        let mem: &'static [u8] = unsafe { std::slice::from_raw_parts(mem.as_ptr(), mem.len()) };
+        self.register(mem, Some(blob))
+    }
+
+    fn register<'a>(
+        &self,
+        mem: &'a [u8],
+        keep: Option<sluice_formats::Blob>,
+    ) -> Result<HostRegistration<'a>, GpuError> {
         let ctx = self.stream.context().clone();
         ctx.bind_to_thread()?;
         let ptr = mem.as_ptr() as *mut std::ffi::c_void;
-        // SAFETY: `mem` is a live allocation of `mem.len()` bytes, borrowed for as long as
-        // the registration lives; read-only use is all the driver makes of it (device
+        if mem.is_empty() {
+            return Err(GpuError::Shape("page-locking an empty range".into()));
+        }
+        // SAFETY: `mem` is a live allocation of `mem.len()` bytes, borrowed (or kept) for as
+        // long as the registration lives; read-only use is all the driver makes of it (device
         // copies from it), so the shared borrow holds.
         unsafe { cudarc::driver::sys::cuMemHostRegister_v2(ptr, mem.len(), 0) }.result()?;
-        Ok(HostRegistration { ptr, ctx, _mem: std::marker::PhantomData })
+        let range = (ptr as usize, ptr as usize + mem.len());
+        self.locked.lock().unwrap_or_else(|p| p.into_inner()).push(range);
+        Ok(HostRegistration {
+            ptr,
+            range,
+            ctx,
+            locked: self.locked.clone(),
+            _keep: keep,
+            _mem: std::marker::PhantomData,
+        })
+    }
+
+    /// Whether all of `mem` lies in one page-locked range.
+    pub fn is_locked(&self, mem: &[u8]) -> bool {
+        let (a, b) = (mem.as_ptr() as usize, mem.as_ptr() as usize + mem.len());
+        self.locked.lock().unwrap_or_else(|p| p.into_inner()).iter().any(|&(s, e)| s <= a && b <= e)
     }
 }
 
 impl Drop for HostRegistration<'_> {
     fn drop(&mut self) {
+        {
+            let mut l = self.locked.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(i) = l.iter().position(|r| *r == self.range) {
+                l.swap_remove(i);
+            }
+        }
         if self.ctx.bind_to_thread().is_ok() {
-            // SAFETY: `ptr` was registered by `register_host` and not unregistered since;
-            // copies from it were synchronous (or waited on) before the borrow could end.
+            // SAFETY: `ptr` was registered by `register` and not unregistered since; copies
+            // from it were waited on before the borrow could end.
             let _ = unsafe { cudarc::driver::sys::cuMemHostUnregister(self.ptr) };
         }
     }

@@ -11,12 +11,14 @@
 //! their combine down and the expert outputs up: four small copies, the price of that
 //! exactness while the combine has no bit-identical device version.
 
+use crate::device::HostRegistration;
 use crate::device::{Gpu, GpuError};
 use crate::matmul::{kernel_name, DeviceMat, GpuAct};
 use crate::split::{assign, Chosen, Rates};
 use crate::vram_cache::{slot_bytes_bound, ExpertKey, HostPart, VramExperts};
 use cudarc::driver::CudaSlice;
 use sluice_model::error::{ModelError, Result};
+use sluice_model::expert::ExpertSource;
 use sluice_model::ffn::offload::{CpuWork, ExpertBatch, ExpertCompute};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -25,6 +27,44 @@ pub struct CudaExperts {
     gpu: Arc<Gpu>,
     state: Mutex<State>,
     quota: usize,
+    /// The host memory of the experts, page-locked by `warm` (kept for as long as this lives).
+    pinned: Mutex<Vec<HostRegistration<'static>>>,
+}
+
+/// What `warm` did.
+#[derive(Clone, Debug, Default)]
+pub struct Warmed {
+    /// Host bytes page-locked, and the time it took; or why none could be.
+    pub locked_bytes: usize,
+    pub lock_s: f64,
+    pub lock_error: Option<String>,
+    /// Experts copied into the VRAM tier, their bytes and the time it took.
+    pub placed: usize,
+    pub placed_bytes: usize,
+    pub place_s: f64,
+}
+
+impl std::fmt::Display for Warmed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.lock_error {
+            Some(e) => write!(f, "host experts not page-locked ({e}); ")?,
+            None if self.locked_bytes > 0 => write!(
+                f,
+                "{:.2} GB of host experts page-locked in {:.2} s; ",
+                self.locked_bytes as f64 / 1e9,
+                self.lock_s
+            )?,
+            None => {}
+        }
+        write!(
+            f,
+            "VRAM tier warmed with {} experts ({:.2} GB) in {:.2} s ({:.1} GB/s)",
+            self.placed,
+            self.placed_bytes as f64 / 1e9,
+            self.place_s,
+            self.placed_bytes as f64 / 1e9 / self.place_s.max(1e-9)
+        )
+    }
 }
 
 /// The tier and the buffers every call reuses (grown when a call needs more).
@@ -96,7 +136,82 @@ impl CudaExperts {
             t_down: 0,
             calls: 0,
         };
-        Ok(CudaExperts { gpu, state: Mutex::new(state), quota })
+        Ok(CudaExperts { gpu, state: Mutex::new(state), quota, pinned: Mutex::new(Vec::new()) })
+    }
+
+    /// Readies the tier before the first token: page-locks the host memory `src` holds its
+    /// experts in for good (a resident copy; copies from it then run at the bus's rate), and
+    /// fills the tier's slots with experts of `layers` (each of `n_expert` experts) that are
+    /// in host memory now (reading nothing from a store), as many of each layer as the slots
+    /// allow, lowest index first. Changes no result: where an
+    /// expert is computed never changes its bits. A failure to page-lock is reported, not
+    /// fatal (copies are staged instead).
+    pub fn warm(
+        &self,
+        src: &dyn ExpertSource,
+        layers: &[usize],
+        n_expert: usize,
+    ) -> std::result::Result<Warmed, GpuError> {
+        let mut w = Warmed::default();
+        let t = Instant::now();
+        {
+            let mut pinned = self.pinned.lock().unwrap_or_else(|p| p.into_inner());
+            for blob in src.host_memory() {
+                if blob.is_empty() {
+                    continue;
+                }
+                match self.gpu.register_blob(blob) {
+                    Ok(r) => {
+                        w.locked_bytes += r.bytes();
+                        pinned.push(r);
+                    }
+                    Err(e) => {
+                        w.lock_error = Some(e.to_string());
+                        pinned.clear();
+                        w.locked_bytes = 0;
+                        break;
+                    }
+                }
+            }
+        }
+        w.lock_s = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let slots = st.vram.slots();
+        for (i, &l) in layers.iter().enumerate() {
+            // Slots shared out evenly, the first layers taking the remainder.
+            let take = (slots / layers.len().max(1) + usize::from(i < slots % layers.len().max(1))).min(n_expert);
+            if take == 0 || st.vram.is_full() {
+                break;
+            }
+            let ids: Vec<u32> = (0..take as u32).collect();
+            let err = |e: ModelError| GpuError::Shape(format!("warming layer {l}: {e}"));
+            // What is in host memory already: warming reads nothing from a store.
+            let mut fetch = src.fetch_resident(l, &ids).map_err(err)?;
+            let mut views = Vec::with_capacity(take);
+            while let Some(next) = fetch.next() {
+                views.push(next.map_err(err)?);
+            }
+            for (i, view) in &views {
+                let ew = view.weights();
+                let parts: Vec<HostPart<'_>> = [ew.gate, ew.up, ew.down]
+                    .iter()
+                    .map(|m| HostPart { dtype: m.dtype, rows: m.rows, cols: m.cols, data: m.data })
+                    .collect();
+                let key = ExpertKey { layer: l as u32, expert: ids[*i] };
+                let bytes = parts.iter().map(|p| p.data.len()).sum::<usize>();
+                if st.vram.place(&self.gpu, key, &parts)? {
+                    w.placed += 1;
+                    w.placed_bytes += bytes;
+                }
+            }
+            // The copies read the views' bytes: done before they go.
+            st.vram.settle()?;
+        }
+        w.place_s = t.elapsed().as_secs_f64();
+        // The split starts from the copy rate just measured rather than a guess.
+        st.rates.observe_copy(w.placed_bytes as u64, (w.place_s * 1e9) as u64);
+        Ok(w)
     }
 
     pub fn gpu(&self) -> &Gpu {
@@ -264,9 +379,10 @@ impl ExpertCompute for CudaExperts {
         let total = (st.hits + st.misses).max(1);
         let per = |ns: u64| ns as f64 / 1e3 / g.calls.max(1) as f64;
         format!(
-            "GPU experts: {} computed on the GPU, {} left to the CPU; VRAM tier: {} hits, {} misses ({:.1}% hit rate), {} evictions, {:.1} MB copied from host memory in {:.3} s; rates: copy {:.1} GB/s, CPU {:.1} GB/s and {:.1} GMAC/s",
+            "GPU experts: {} computed on the GPU, {} left to the CPU; VRAM tier: {} placed at load, {} hits, {} misses ({:.1}% hit rate), {} evictions, {:.1} MB copied from host memory in {:.3} s; rates: copy {:.1} GB/s, CPU {:.1} GB/s and {:.1} GMAC/s",
             g.on_gpu,
             g.on_cpu,
+            st.placed,
             st.hits,
             st.misses,
             100.0 * st.hits as f64 / total as f64,

@@ -105,13 +105,24 @@ fn check_fits(dtype: DType, cols: usize, x: &GpuAct) -> Result<(), GpuError> {
     Ok(())
 }
 
-/// A launch of `lanes` lanes for each of `rows` rows, `grid_y` times over.
-fn rows_launch(rows: usize, lanes: usize, grid_y: usize) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (((rows * lanes) as u32).div_ceil(BLOCK_THREADS), grid_y as u32, 1),
+/// Blocks a launch aims for at least, so that many tokens fill the device (a few per SM).
+const TARGET_BLOCKS: usize = 1024;
+
+/// A launch of `lanes` lanes for each of `rows` rows, `grid_y` times over, with up to
+/// `tokens` tokens shared out along z: returns the launch and the tokens each z block takes
+/// (a multiple of the kernels' eight-token pass; all of them when one z block suffices).
+fn rows_launch(rows: usize, lanes: usize, grid_y: usize, tokens: usize) -> (LaunchConfig, i32) {
+    let x = (rows * lanes).div_ceil(BLOCK_THREADS as usize);
+    let passes = tokens.div_ceil(8).max(1);
+    let z = TARGET_BLOCKS.div_ceil((x * grid_y).max(1)).clamp(1, passes.min(65535));
+    let chunk = 8 * passes.div_ceil(z);
+    let z = tokens.div_ceil(chunk).max(1);
+    let cfg = LaunchConfig {
+        grid_dim: (x as u32, grid_y as u32, z as u32),
         block_dim: (BLOCK_THREADS, 1, 1),
         shared_mem_bytes: 0,
-    }
+    };
+    (cfg, chunk as i32)
 }
 
 impl Gpu {
@@ -242,14 +253,14 @@ impl Gpu {
         if x.n == 0 || w.rows == 0 {
             return Ok(());
         }
-        // One token: the decode kernel; more: eight tokens a pass (each token's result is
-        // the same either way).
+        // One token: the decode kernel; more: eight tokens a pass, the tokens shared out
+        // between blocks (each token's result is the same either way).
         let f = self.function(&format!("{base}_g{lanes}_{}", if x.n == 1 { 1 } else { 8 }));
         let nb = (w.cols / w.dtype.block_elems()) as i32;
         let (rows, n) = (w.rows as i32, x.n as i32);
-        let cfg = rows_launch(w.rows, lanes, 1);
+        let (cfg, chunk) = rows_launch(w.rows, lanes, 1, x.n);
         let mut b = self.stream.launch_builder(f);
-        b.arg(&w.ptr).arg(&rows).arg(&nb).arg(&x.d).arg(&x.qs).arg(&x.bsums).arg(&x.qs16).arg(&n).arg(out);
+        b.arg(&w.ptr).arg(&rows).arg(&nb).arg(&x.d).arg(&x.qs).arg(&x.bsums).arg(&x.qs16).arg(&n).arg(&chunk).arg(out);
         // SAFETY: `w.ptr` is a live matrix of rows × nb blocks of its format, borrowed for
         // the call (its owner frees device memory in stream order, after this launch); the
         // activation arrays hold n × nb blocks of the kind these weights pair with (checked
@@ -340,10 +351,10 @@ impl Gpu {
         let f = self.function(&format!("{base}_g{lanes}_{}_ids", if max_len == 1 { 1 } else { 8 }));
         let nb = (cols / dtype.block_elems()) as i32;
         let rows_i = rows as i32;
-        let cfg = rows_launch(rows, lanes, nseg);
+        let (cfg, chunk) = rows_launch(rows, lanes, nseg, max_len);
         let mut b = s.launch_builder(f);
         b.arg(&p_ptrs).arg(&p_starts).arg(&p_lens).arg(&rows_i).arg(&nb);
-        b.arg(&x.d).arg(&x.qs).arg(&x.bsums).arg(&x.qs16).arg(&p_rows).arg(out);
+        b.arg(&x.d).arg(&x.qs).arg(&x.bsums).arg(&x.qs16).arg(&p_rows).arg(&chunk).arg(out);
         // SAFETY: every pointer is a live matrix of rows × nb blocks of this format, borrowed
         // for the call (its owner frees device memory in stream order, after this launch);
         // the table was copied in stream order before the launch and is rewritten only by a
@@ -360,5 +371,36 @@ impl Gpu {
         let mut out = self.stream.alloc_zeros::<f32>(n * w.rows)?;
         self.matmul(w, &act, &mut out)?;
         Ok(self.stream.clone_dtoh(&out)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_blocks_cover_every_token_once_in_whole_passes() {
+        for rows in [1, 37, 768, 2048, 151_936] {
+            for grid_y in [1, 8, 128] {
+                for tokens in [0, 1, 2, 8, 9, 100, 512, 4096] {
+                    let (cfg, chunk) = rows_launch(rows, 8, grid_y, tokens);
+                    let (x, y, z) = cfg.grid_dim;
+                    let chunk = chunk as usize;
+                    assert_eq!(x as usize, (rows * 8).div_ceil(128));
+                    assert_eq!(y as usize, grid_y);
+                    assert!(chunk > 0 && chunk.is_multiple_of(8), "{rows} {grid_y} {tokens}: chunk {chunk}");
+                    // The z blocks take tokens [z·chunk, (z+1)·chunk): all of them, none empty.
+                    assert!(z as usize * chunk >= tokens, "{rows} {grid_y} {tokens}: {z} × {chunk}");
+                    assert!(
+                        tokens == 0 || (z as usize - 1) * chunk < tokens,
+                        "{rows} {grid_y} {tokens}: an empty block"
+                    );
+                    assert!(z <= 65535);
+                }
+            }
+        }
+        // A decode step is one block along z; a long prefill of a small matrix is many.
+        assert_eq!(rows_launch(2048, 8, 1, 1).0.grid_dim.2, 1);
+        assert!(rows_launch(2048, 8, 1, 512).0.grid_dim.2 >= 8);
     }
 }

@@ -58,6 +58,10 @@ pub struct VramStats {
     pub bytes_copied: u64,
     /// Time the caller waited on those copies (queueing them and their completion).
     pub copy_ns: u64,
+    /// Experts placed before use (`place`), and their bytes: not counted as misses or
+    /// copies above.
+    pub placed: u64,
+    pub bytes_placed: u64,
     pub slots: usize,
     pub slot_bytes: usize,
 }
@@ -192,7 +196,9 @@ impl VramExperts {
                 .filter(|s| !at.contains(&Some(*s)))
                 .min_by_key(|&s| (self.slots[s].key.is_some(), self.slots[s].last_use))
                 .expect("no more keys than slots");
-            self.fill(victim, keys[i], &parts)?;
+            let t0 = Instant::now();
+            self.stats.bytes_copied += self.fill(gpu, victim, keys[i], &parts)? as u64;
+            self.stats.copy_ns += t0.elapsed().as_nanos() as u64;
             filled.push(victim);
             at[i] = Some(victim);
         }
@@ -213,7 +219,32 @@ impl VramExperts {
         Ok(Resident { cache: self, gpu, slots: taken })
     }
 
-    fn fill(&mut self, s: usize, key: ExpertKey, parts: &[HostPart<'_>]) -> Result<(), GpuError> {
+    /// Copies `key` into a free slot ahead of use (warming the tier at load): false when it
+    /// is held already or no slot is free. The copies run on the copy stream; `settle` waits
+    /// for them, and must be called before the host bytes may go and before any `acquire`
+    /// relies on these slots.
+    pub fn place(&mut self, gpu: &Gpu, key: ExpertKey, parts: &[HostPart<'_>]) -> Result<bool, GpuError> {
+        if self.index.contains_key(&key) {
+            return Ok(false);
+        }
+        let Some(free) = self.slots.iter().position(|s| s.key.is_none()) else { return Ok(false) };
+        self.stats.bytes_placed += self.fill(gpu, free, key, parts)? as u64;
+        self.stats.placed += 1;
+        Ok(true)
+    }
+
+    /// Waits for every copy `place` queued.
+    pub fn settle(&self) -> Result<(), GpuError> {
+        Ok(self.copy.synchronize()?)
+    }
+
+    /// Whether every slot holds an expert.
+    pub fn is_full(&self) -> bool {
+        self.index.len() == self.slots.len()
+    }
+
+    /// Queues the copies of `parts` into slot `s` for `key`; returns their bytes.
+    fn fill(&mut self, gpu: &Gpu, s: usize, key: ExpertKey, parts: &[HostPart<'_>]) -> Result<usize, GpuError> {
         for p in parts {
             let need = p.dtype.row_bytes(p.cols).map(|rb| rb * p.rows);
             if need != Some(p.data.len()) {
@@ -243,22 +274,21 @@ impl VramExperts {
         if let Some(used) = &slot.used {
             self.copy.wait(used)?;
         }
-        let t0 = Instant::now();
         let slab = self.slab.device_ptr(&self.copy).0;
         let base = slab + (s * self.slot_bytes) as u64;
+        let mut bytes = 0;
         for (p, &(_, _, _, off)) in parts.iter().zip(&layout) {
-            self.copy_part(base + off as u64, p.data)?;
-            self.stats.bytes_copied += p.data.len() as u64;
+            self.copy_part(gpu, base + off as u64, p.data)?;
+            bytes += p.data.len();
         }
         let ready = self.copy.record_event(None)?;
-        self.stats.copy_ns += t0.elapsed().as_nanos() as u64;
         let slot = &mut self.slots[s];
         slot.ready = Some(ready);
         slot.parts = layout;
         slot.key = Some(key);
         slot.last_use = self.tick;
         self.index.insert(key, s);
-        Ok(())
+        Ok(bytes)
     }
 
     /// Queues the copy of `src` to device address `dst` on the copy stream. Page-locked host
@@ -266,13 +296,9 @@ impl VramExperts {
     /// buffers in turn (the host fills one while the bus drains the other), several times
     /// faster than the driver's own staging of ordinary memory. `src` must stay untouched
     /// until the copy stream has passed this copy (`acquire` waits for it).
-    fn copy_part(&mut self, dst: u64, src: &[u8]) -> Result<(), GpuError> {
+    fn copy_part(&mut self, gpu: &Gpu, dst: u64, src: &[u8]) -> Result<(), GpuError> {
         self.copy.context().bind_to_thread()?;
-        let mut flags = 0u32;
-        // SAFETY: asks whether `src` lies in page-locked memory; it only reads the pointer.
-        let locked =
-            unsafe { cudarc::driver::sys::cuMemHostGetFlags(&mut flags, src.as_ptr() as *mut _) }.result().is_ok();
-        if locked {
+        if gpu.is_locked(src) {
             // SAFETY: `dst` lies in this tier's slab (the caller's slot), `src` is page-locked
             // and outlives the copy (acquire synchronizes before its borrow ends).
             unsafe { cudarc::driver::result::memcpy_htod_async(dst, src, self.copy.cu_stream()) }?;

@@ -48,7 +48,8 @@ fn every_format_matches_the_cpu_reference_bit_for_bit() {
             let data = weights(dtype, rows, cols, rows as u64 * 31 + cols as u64);
             let w = MatRef::new(dtype, rows, cols, &data).unwrap();
             let gw = gpu.upload(w).unwrap();
-            for n in [1, 2, 7, 8, 9, 17] {
+            // Up to 17 tokens: one to three token blocks; 100: thirteen, the last one short.
+            for n in [1, 2, 7, 8, 9, 17, 100] {
                 let x = activations(n, cols, n as u64 + 7);
                 let mut want = vec![0f32; n * rows];
                 matmul_ref(w, &x, n, &mut want);
@@ -124,7 +125,8 @@ fn grouped_expert_matmul_equals_each_expert_alone() {
         let datas: Vec<Vec<u8>> = (0..n_expert).map(|e| weights(dtype, rows, cols, 100 + e as u64)).collect();
         let mats: Vec<MatRef> = datas.iter().map(|d| MatRef::new(dtype, rows, cols, d).unwrap()).collect();
         let gmats: Vec<_> = mats.iter().map(|m| gpu.upload(*m).unwrap()).collect();
-        for n in [1, 5] {
+        // 40 tokens: 20 entries an expert, shared between three token blocks.
+        for n in [1, 5, 40] {
             let x = activations(n, cols, 40 + n as u64);
             // Token t routes to experts (t + 2k) % n_expert, k < 3; entries grouped by expert.
             let mut pairs: Vec<(usize, usize)> =

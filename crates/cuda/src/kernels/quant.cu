@@ -327,9 +327,13 @@ __device__ __forceinline__ Ints block_part<Q80>(const u8* blk, int j, const Act&
 // Entry i of the n reads activation row `act_rows[i]` (row i where `act_rows` is null) and
 // writes output row i.
 
+// Tokens are shared out between blocks along z, `chunk` (a multiple of NT) to a block, so that
+// a prefill fills the device however few rows a matrix has; each token's operations are the
+// same whichever block takes it.
 template <class F, int G, int NT>
 __device__ __forceinline__ void matmul_rows(const u8* __restrict__ w, int rows, int nb, Act act,
-                                            const int* __restrict__ act_rows, int n, float* __restrict__ out) {
+                                            const int* __restrict__ act_rows, int n, int chunk,
+                                            float* __restrict__ out) {
     constexpr int L = F::L, B = G / L;
     const int lane = threadIdx.x & 31;
     const int row = (blockIdx.x * blockDim.x + threadIdx.x) / G;
@@ -337,14 +341,15 @@ __device__ __forceinline__ void matmul_rows(const u8* __restrict__ w, int rows, 
     const bool live = row < rows;
     const int gbase = lane & ~(G - 1), j = (lane & (G - 1)) % L, sub = (lane & (G - 1)) / L;
     const u8* wr = w + (size_t)(live ? row : 0) * nb * F::BYTES;
-    for (int t0 = 0; t0 < n; t0 += NT) {
-        const int nt = min(NT, n - t0);
+    const int t_end = min(n, (int)(blockIdx.z + 1) * chunk);
+    for (int t0 = blockIdx.z * chunk; t0 < t_end; t0 += NT) {
+        const int nt = min(NT, t_end - t0);
         float acc[NT];
         size_t arow[NT];
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
             acc[t] = 0.0f;
-            const int i = min(t0 + t, n - 1);
+            const int i = min(t0 + t, t_end - 1);
             arow[t] = (size_t)(act_rows ? act_rows[i] : i) * nb;
         }
 #pragma unroll(NT == 1 ? 4 : 1)
@@ -393,9 +398,10 @@ __device__ __forceinline__ void matmul_rows(const u8* __restrict__ w, int rows, 
 
 #define MATMUL(NAME, F, G, NT)                                                                               \
     extern "C" __global__ void NAME(const u8* __restrict__ w, int rows, int nb, const float* ad, const i8* aqs, \
-                                    const short* absum, const short* aqs16, int n, float* __restrict__ out) {  \
+                                    const short* absum, const short* aqs16, int n, int chunk,               \
+                                    float* __restrict__ out) {                                               \
         const Act a = {ad, aqs, absum, aqs16};                                                               \
-        matmul_rows<F, G, NT>(w, rows, nb, a, nullptr, n, out);                                              \
+        matmul_rows<F, G, NT>(w, rows, nb, a, nullptr, n, chunk, out);                                       \
     }                                                                                                        \
     /* Several matrices of one shape in one launch (a MoE layer's experts): segment                       \
        blockIdx.y multiplies the matrix at w[s] with the activation rows act_rows[start[s] ..               \
@@ -403,10 +409,11 @@ __device__ __forceinline__ void matmul_rows(const u8* __restrict__ w, int rows, 
     extern "C" __global__ void NAME##_ids(const unsigned long long* __restrict__ w, const int* __restrict__ start, \
                                           const int* __restrict__ len, int rows, int nb, const float* ad,     \
                                           const i8* aqs, const short* absum, const short* aqs16,              \
-                                          const int* __restrict__ act_rows, float* __restrict__ out) {         \
+                                          const int* __restrict__ act_rows, int chunk, float* __restrict__ out) { \
         const Act a = {ad, aqs, absum, aqs16};                                                               \
         const int sg = blockIdx.y, s0 = start[sg];                                                           \
-        matmul_rows<F, G, NT>((const u8*)w[sg], rows, nb, a, act_rows + s0, len[sg], out + (size_t)s0 * rows); \
+        matmul_rows<F, G, NT>((const u8*)w[sg], rows, nb, a, act_rows + s0, len[sg], chunk,                  \
+                              out + (size_t)s0 * rows);                                                      \
     }
 
 // Each format at 8 and 16 lanes a row, for one token and for eight at a time.
