@@ -258,6 +258,10 @@ impl ResidentExperts {
     /// bytes are read into memory of their own (one allocation per layer); otherwise they stay
     /// where the source keeps them (a memory-mapped file, paged in by the system).
     pub fn load(src: &dyn TensorSource, cfg: &crate::config::ModelConfig, copy: bool) -> Result<ResidentExperts> {
+        if cfg.moe.is_none() {
+            // A dense model: no experts to hold.
+            return Ok(ResidentExperts { experts: vec![Vec::new(); cfg.n_layer], bytes: 0, memory: Vec::new() });
+        }
         let sparse: Vec<usize> = (0..cfg.n_layer).filter(|&l| cfg.is_sparse(l)).collect();
         ResidentExperts::load_layers(src, cfg, &sparse, copy)
     }
