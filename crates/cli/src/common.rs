@@ -418,10 +418,7 @@ impl ModelArgs {
             let c = sluice_cuda::experts::CudaExperts::with_gpu(gpu, quota, e.model.experts.expert_bytes())
                 .context("--gpu-experts")?;
             eprintln!("sluice: {}", sluice_model::ffn::offload::ExpertCompute::describe(&c));
-            let cfg = &e.model.cfg;
-            let sparse: Vec<usize> = (0..cfg.n_layer).filter(|&l| cfg.is_sparse(l)).collect();
-            let n_expert = cfg.moe.as_ref().map_or(0, |m| m.n_expert);
-            let w = c.warm(&*e.model.experts, &sparse, n_expert).context("--gpu-experts: warming the VRAM tier")?;
+            let w = c.warm(&*e.model.experts, &e.model.cfg).context("--gpu-experts: warming the VRAM tier")?;
             eprintln!("sluice: {w}");
             e.model.expert_compute = Some(std::sync::Arc::new(c));
         }

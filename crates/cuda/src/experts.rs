@@ -20,6 +20,7 @@ use cudarc::driver::CudaSlice;
 use sluice_model::error::{ModelError, Result};
 use sluice_model::expert::ExpertSource;
 use sluice_model::ffn::offload::{CpuWork, ExpertBatch, ExpertCompute};
+use sluice_model::ModelConfig;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -141,17 +142,13 @@ impl CudaExperts {
 
     /// Readies the tier before the first token: page-locks the host memory `src` holds its
     /// experts in for good (a resident copy; copies from it then run at the bus's rate), and
-    /// fills the tier's slots with experts of `layers` (each of `n_expert` experts) that are
-    /// in host memory now (reading nothing from a store), as many of each layer as the slots
+    /// fills the tier's slots with experts of `cfg`'s sparse layers that are in host memory now (reading nothing from a store), as many of each layer as the slots
     /// allow, lowest index first. Changes no result: where an
     /// expert is computed never changes its bits. A failure to page-lock is reported, not
     /// fatal (copies are staged instead).
-    pub fn warm(
-        &self,
-        src: &dyn ExpertSource,
-        layers: &[usize],
-        n_expert: usize,
-    ) -> std::result::Result<Warmed, GpuError> {
+    pub fn warm(&self, src: &dyn ExpertSource, cfg: &ModelConfig) -> std::result::Result<Warmed, GpuError> {
+        let layers = cfg.sparse_layers();
+        let n_expert = cfg.moe.as_ref().map_or(0, |m| m.n_expert);
         let mut w = Warmed::default();
         let t = Instant::now();
         {

@@ -26,14 +26,13 @@ fn gpu_experts_give_the_cpu_logits_at_every_quota() {
         let mut e = Engine::load(&path, opts).unwrap();
         let cpu = logits(&e);
         let one = e.model.experts.expert_bytes();
-        let sparse: Vec<usize> = (0..e.model.cfg.n_layer).filter(|&l| e.model.cfg.is_sparse(l)).collect();
         for slots in [1usize, 3, 48] {
             for warm in [false, true] {
                 let c = Arc::new(CudaExperts::open(0, slots * slot_bytes_bound(one, 3), one).unwrap());
                 if warm {
                     // Page-locks the resident copy and fills the tier (3 layers of 16 experts:
                     // 48 slots hold them all) with what host memory holds.
-                    let w = c.warm(&*e.model.experts, &sparse, 16).unwrap();
+                    let w = c.warm(&*e.model.experts, &e.model.cfg).unwrap();
                     assert_eq!(w.lock_error, None);
                     if mode == ExpertMode::Resident {
                         assert!(w.locked_bytes >= e.model.experts.resident_bytes(), "{w:?}");

@@ -347,6 +347,11 @@ impl ModelConfig {
             .collect()
     }
 
+    /// The layers whose FFN is routed experts, in order.
+    pub fn sparse_layers(&self) -> Vec<usize> {
+        (0..self.n_layer).filter(|&l| self.is_sparse(l)).collect()
+    }
+
     /// Whether layer `l`'s FFN is routed experts.
     pub fn is_sparse(&self, l: usize) -> bool {
         self.layers.get(l).is_some_and(|s| s.ffn == FfnKind::Moe)

@@ -258,12 +258,7 @@ impl ResidentExperts {
     /// bytes are read into memory of their own (one allocation per layer); otherwise they stay
     /// where the source keeps them (a memory-mapped file, paged in by the system).
     pub fn load(src: &dyn TensorSource, cfg: &crate::config::ModelConfig, copy: bool) -> Result<ResidentExperts> {
-        if cfg.moe.is_none() {
-            // A dense model: no experts to hold.
-            return Ok(ResidentExperts { experts: vec![Vec::new(); cfg.n_layer], bytes: 0, memory: Vec::new() });
-        }
-        let sparse: Vec<usize> = (0..cfg.n_layer).filter(|&l| cfg.is_sparse(l)).collect();
-        ResidentExperts::load_layers(src, cfg, &sparse, copy)
+        ResidentExperts::load_layers(src, cfg, &cfg.sparse_layers(), copy)
     }
 }
 
@@ -280,12 +275,17 @@ impl ResidentExperts {
         layers: &[usize],
         copy: bool,
     ) -> Result<ResidentExperts> {
-        let moe = cfg.moe.as_ref().ok_or_else(|| ModelError::Invalid("not an MoE model".into()))?;
+        // A dense model has no sparse layers: nothing to hold.
+        let n_expert = match (&cfg.moe, layers.is_empty()) {
+            (Some(m), _) => m.n_expert,
+            (None, true) => 0,
+            (None, false) => return Err(ModelError::Invalid("not an MoE model".into())),
+        };
         let mut bytes = 0;
         let mut memory = Vec::new();
         let mut experts: Vec<Vec<[Weight; 3]>> = vec![Vec::new(); cfg.n_layer];
         for &l in layers {
-            let mut ws = (0..moe.n_expert).map(|e| load_expert(src, cfg, l, e)).collect::<Result<Vec<_>>>()?;
+            let mut ws = (0..n_expert).map(|e| load_expert(src, cfg, l, e)).collect::<Result<Vec<_>>>()?;
             if copy {
                 let (whole, copies) = {
                     let parts: Vec<&sluice_formats::Blob> = ws.iter().flatten().map(|w| &w.data).collect();

@@ -205,7 +205,7 @@ fn a_resident_copy_is_one_block_of_memory_per_layer() {
     let m = synthetic_model("stream-blocks", QuantMix::Q4KM);
     let e = load(&m, &Place::resident(), 0);
     let blocks = e.model.experts.host_memory();
-    let sparse = (0..e.model.cfg.n_layer).filter(|&l| e.model.cfg.is_sparse(l)).count();
+    let sparse = e.model.cfg.sparse_layers().len();
     assert_eq!(blocks.len(), sparse);
     let held: usize = blocks.iter().map(|b| b.len()).sum();
     let bytes = e.model.experts.resident_bytes();
