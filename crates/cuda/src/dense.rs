@@ -5,7 +5,7 @@
 //! bit for bit. Products that share an input (q, k and v; gate and up) go down as one upload
 //! and come back as one copy. Attention, norms and the KV cache stay on the host.
 
-use crate::device::{Gpu, GpuError};
+use crate::device::{Gpu, GpuError, Staging};
 use crate::matmul::{kernel_name, GpuAct, GpuMatrix};
 use cudarc::driver::CudaSlice;
 use sluice_kernels::quant::act::ActKind;
@@ -34,12 +34,27 @@ struct State {
     act_k: Option<GpuAct>,
     act_16: Option<GpuAct>,
     out: Option<CudaSlice<f32>>,
-    host: Vec<f32>,
-    calls: u64,
+    /// Page-locked host sides of the input and the outputs.
+    up: Staging,
+    back: Staging,
+    /// Calls of one token (decode), and of more (prefill, verify passes): count and time.
+    one: Tally,
+    many: Tally,
     declined: u64,
     errors: u64,
     last_error: Option<String>,
+}
+
+#[derive(Default, Clone, Copy)]
+struct Tally {
+    calls: u64,
     ns: u64,
+}
+
+impl Tally {
+    fn us_each(&self) -> f64 {
+        self.ns as f64 / 1e3 / self.calls.max(1) as f64
+    }
 }
 
 fn key(w: &Weight) -> usize {
@@ -77,7 +92,7 @@ impl CudaDense {
     /// failed on the device (computed by the CPU instead).
     pub fn counts(&self) -> (u64, u64, u64) {
         let st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        (st.calls, st.declined, st.errors)
+        (st.one.calls + st.many.calls, st.declined, st.errors)
     }
 
     /// Bytes of dense weights in VRAM.
@@ -102,8 +117,10 @@ impl CudaDense {
         if st.x.as_ref().is_none_or(|b| b.len() < x.len()) {
             st.x = Some(s.alloc_zeros::<f32>(2 * x.len())?);
         }
+        let up = st.up.room(gpu, x.len())?;
+        up.copy_from_slice(x);
         let xd = st.x.as_mut().expect("made above");
-        s.memcpy_htod(x, &mut xd.slice_mut(0..x.len()))?;
+        s.memcpy_htod(&*up, &mut xd.slice_mut(0..x.len()))?;
         // The input quantized once for each kind of activation the weights pair with.
         let mut done = [false; 2];
         for w in mats {
@@ -126,11 +143,13 @@ impl CudaDense {
             gpu.matmul_into(w.view(gpu), act.expect("quantized above"), &mut out.slice_mut(at..at + len))?;
             at += len;
         }
-        st.host.resize(total, 0.0);
-        s.memcpy_dtoh(&out.slice(0..total), &mut st.host)?;
+        let back = st.back.room(gpu, total)?;
+        s.memcpy_dtoh(&out.slice(0..total), &mut *back)?;
+        // The one wait of the call: the input's buffer is free again and the results are in.
+        s.synchronize()?;
         let mut at = 0;
         for o in outs.iter_mut() {
-            o.copy_from_slice(&st.host[at..at + o.len()]);
+            o.copy_from_slice(&back[at..at + o.len()]);
             at += o.len();
         }
         Ok(())
@@ -150,8 +169,9 @@ impl DenseCompute for CudaDense {
         let t0 = Instant::now();
         match self.run(&mut st, &mats, x, n, outs) {
             Ok(()) => {
-                st.calls += 1;
-                st.ns += t0.elapsed().as_nanos() as u64;
+                let t = if n == 1 { &mut st.one } else { &mut st.many };
+                t.calls += 1;
+                t.ns += t0.elapsed().as_nanos() as u64;
                 true
             }
             Err(e) => {
@@ -176,9 +196,11 @@ impl DenseCompute for CudaDense {
     fn stats_line(&self) -> String {
         let st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let mut s = format!(
-            "GPU dense: {} calls ({:.1} µs each, transfers included), {} declined to the CPU",
-            st.calls,
-            st.ns as f64 / 1e3 / st.calls.max(1) as f64,
+            "GPU dense: {} calls of one token ({:.1} µs each, transfers included) and {} of more ({:.1} µs each), {} declined to the CPU",
+            st.one.calls,
+            st.one.us_each(),
+            st.many.calls,
+            st.many.us_each(),
             st.declined
         );
         if st.errors > 0 {

@@ -1,7 +1,7 @@
 //! Opening a device: driver and NVRTC loaded at run time, the kernels compiled for the
 //! device's architecture once and cached on disk by a hash of their source and options.
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DriverError};
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DriverError, PinnedHostSlice};
 use cudarc::nvrtc::{CompileOptions, Ptx};
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -108,6 +108,33 @@ impl Gpu {
     /// The stream kernels run on.
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
+    }
+}
+
+/// A page-locked host buffer for the small copies each call makes (a step's hidden states
+/// down, its products back). From ordinary memory a copy is staged through the driver's own
+/// buffer and returns only once done; from this one it is a plain asynchronous transfer, and
+/// the call waits once, when it needs the results.
+#[derive(Default)]
+pub(crate) struct Staging {
+    buf: Option<PinnedHostSlice<f32>>,
+}
+
+impl Staging {
+    /// The buffer's first `len` values, made (twice as large, to grow rarely) when it holds
+    /// fewer. The caller keeps the stream's order: nothing queued may still read or write the
+    /// buffer when the host touches it.
+    pub(crate) fn room(&mut self, gpu: &Gpu, len: usize) -> Result<&mut [f32], GpuError> {
+        if self.buf.as_ref().is_none_or(|b| b.len() < len) {
+            self.buf = None;
+            // SAFETY: the memory comes back unset; it is zero-filled below before anything
+            // reads it, and zero is a valid f32. Flags 0: cached (not write-combined), since
+            // the host reads results from it.
+            let mut b = unsafe { gpu.stream.context().alloc_pinned_with_flags::<f32>((2 * len).max(1024), 0) }?;
+            b.as_mut_slice()?.fill(0.0);
+            self.buf = Some(b);
+        }
+        Ok(&mut self.buf.as_mut().expect("made above").as_mut_slice()?[..len])
     }
 }
 

@@ -8,13 +8,14 @@
 //! bit, whatever the VRAM quota.
 //!
 //! Per layer and step this moves the tokens' hidden states down, the gate and up outputs up,
-//! their combine down and the expert outputs up: four small copies, the price of that
-//! exactness while the combine has no bit-identical device version.
+//! their combine down and the expert outputs up: four small copies (through page-locked
+//! buffers, waited for twice), the price of that exactness while the combine has no
+//! bit-identical device version.
 
 use crate::device::HostRegistration;
-use crate::device::{Gpu, GpuError};
+use crate::device::{Gpu, GpuError, Staging};
 use crate::matmul::{kernel_name, DeviceMat, GpuAct};
-use crate::split::{assign, Chosen, Rates};
+use crate::split::{assign_exploring, Chosen, Rates};
 use crate::vram_cache::{slot_bytes_bound, ExpertKey, HostPart, VramExperts};
 use cudarc::driver::CudaSlice;
 use sluice_model::error::{ModelError, Result};
@@ -75,6 +76,8 @@ struct State {
     /// Chosen experts the GPU computed, and those left to the CPU.
     on_gpu: u64,
     on_cpu: u64,
+    /// Layers in a row that left no miss to the CPU (`assign_exploring`).
+    since_cpu: u32,
     x: Option<CudaSlice<f32>>,
     ax: Option<GpuAct>,
     /// Gate outputs, then up outputs (entries × ff each).
@@ -82,17 +85,42 @@ struct State {
     h: Option<CudaSlice<f32>>,
     ah: Option<GpuAct>,
     out: Option<CudaSlice<f32>>,
-    host_gu: Vec<f32>,
-    host_out: Vec<f32>,
-    /// Where a call's time goes (ns): input up and quantized, the tier's acquire (copies
-    /// of misses included), gate and up products and their copy back, the combine on the
-    /// host, the down product with its input up and its output back.
+    /// Page-locked host sides: the input, the gate and up outputs (the combine is written
+    /// over the gate's and goes down from there), and the expert outputs.
+    host_x: Staging,
+    host_gu: Staging,
+    host_out: Staging,
+    /// Calls of one token (decode) and of more (prefill, verify passes).
+    one: Phases,
+    many: Phases,
+}
+
+/// Where calls' time goes (ns): input up and quantized, the tier's acquire (copies of misses
+/// included), gate and up products and their copy back, the combine on the host, the down
+/// product with its input up and its output back.
+#[derive(Default, Clone, Copy)]
+struct Phases {
+    calls: u64,
     t_in: u64,
     t_acquire: u64,
     t_gate_up: u64,
     t_combine: u64,
     t_down: u64,
-    calls: u64,
+}
+
+impl Phases {
+    fn line(&self) -> String {
+        let per = |ns: u64| ns as f64 / 1e3 / self.calls.max(1) as f64;
+        format!(
+            "{} calls: in {:.0} µs, acquire {:.0} µs, gate+up {:.0} µs, combine {:.0} µs, down {:.0} µs",
+            self.calls,
+            per(self.t_in),
+            per(self.t_acquire),
+            per(self.t_gate_up),
+            per(self.t_combine),
+            per(self.t_down)
+        )
+    }
 }
 
 fn gpu_err(e: GpuError) -> ModelError {
@@ -122,20 +150,18 @@ impl CudaExperts {
             rates: Rates::default(),
             on_gpu: 0,
             on_cpu: 0,
+            since_cpu: 0,
             x: None,
             ax: None,
             gu: None,
             h: None,
             ah: None,
             out: None,
-            host_gu: Vec::new(),
-            host_out: Vec::new(),
-            t_in: 0,
-            t_acquire: 0,
-            t_gate_up: 0,
-            t_combine: 0,
-            t_down: 0,
-            calls: 0,
+            host_x: Staging::default(),
+            host_gu: Staging::default(),
+            host_out: Staging::default(),
+            one: Phases::default(),
+            many: Phases::default(),
         };
         Ok(CudaExperts { gpu, state: Mutex::new(state), quota, pinned: Mutex::new(Vec::new()) })
     }
@@ -232,7 +258,7 @@ impl CudaExperts {
         let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let st = &mut *guard;
         st.on_gpu += b.ids.len() as u64;
-        st.calls += 1;
+        let mut ph = Phases { calls: 1, ..Phases::default() };
         let mut t = Instant::now();
         let mut lap = |acc: &mut u64| {
             let now = Instant::now();
@@ -241,9 +267,11 @@ impl CudaExperts {
         };
         let before = st.vram.stats();
         let xd = room(gpu, &mut st.x, b.x.len())?;
-        s.memcpy_htod(b.x, &mut xd.slice_mut(0..b.x.len()))?;
+        let hx = st.host_x.room(gpu, b.x.len())?;
+        hx.copy_from_slice(b.x);
+        s.memcpy_htod(&*hx, &mut xd.slice_mut(0..b.x.len()))?;
         gpu.quantize_reusing(gd, xd, n, hidden, &mut st.ax)?;
-        lap(&mut st.t_in);
+        lap(&mut ph.t_in);
         let ax = st.ax.as_ref().expect("quantized above");
         let chunk = st.vram.slots();
         for start in (0..b.ids.len()).step_by(chunk) {
@@ -259,7 +287,7 @@ impl CudaExperts {
                     .collect())
             };
             let res = st.vram.acquire(gpu, &keys, &host)?;
-            lap(&mut st.t_acquire);
+            lap(&mut ph.t_acquire);
             // Entries: every (token, rank) slot each expert of the chunk serves, expert by
             // expert.
             let mut act_rows = Vec::new();
@@ -277,10 +305,12 @@ impl CudaExperts {
             let gu = room(gpu, &mut st.gu, 2 * ef)?;
             gpu.matmul_ids_into(&part(0), ax, &act_rows, &mut gu.slice_mut(0..ef))?;
             gpu.matmul_ids_into(&part(1), ax, &act_rows, &mut gu.slice_mut(ef..2 * ef))?;
-            st.host_gu.resize(2 * ef, 0.0);
-            s.memcpy_dtoh(&gu.slice(0..2 * ef), &mut st.host_gu)?;
-            lap(&mut st.t_gate_up);
-            let (gh, uh) = st.host_gu.split_at_mut(ef);
+            let hgu = st.host_gu.room(gpu, 2 * ef)?;
+            s.memcpy_dtoh(&gu.slice(0..2 * ef), &mut *hgu)?;
+            // Also frees the input's host buffer, and the combine's of the last chunk.
+            s.synchronize()?;
+            lap(&mut ph.t_gate_up);
+            let (gh, uh) = hgu.split_at_mut(ef);
             // The combine, per expert over its tokens, exactly as the CPU's gated FFN runs it.
             for r in &ranges {
                 sluice_model::ffn::combine(
@@ -289,7 +319,7 @@ impl CudaExperts {
                     &uh[r.start * ff..r.end * ff],
                 );
             }
-            lap(&mut st.t_combine);
+            lap(&mut ph.t_combine);
             let hd = room(gpu, &mut st.h, ef)?;
             s.memcpy_htod(&*gh, &mut hd.slice_mut(0..ef))?;
             gpu.quantize_reusing(dd, hd, entries, ff, &mut st.ah)?;
@@ -298,15 +328,27 @@ impl CudaExperts {
             let out = room(gpu, &mut st.out, eh)?;
             gpu.matmul_ids_into(&part(2), st.ah.as_ref().expect("quantized above"), &own, &mut out.slice_mut(0..eh))?;
             drop(res);
-            st.host_out.resize(eh, 0.0);
-            s.memcpy_dtoh(&out.slice(0..eh), &mut st.host_out)?;
+            let ho = st.host_out.room(gpu, eh)?;
+            s.memcpy_dtoh(&out.slice(0..eh), &mut *ho)?;
+            s.synchronize()?;
             for (i, slots) in b.slots[start..end].iter().enumerate() {
                 for (j, &sl) in slots.iter().enumerate() {
                     let e = ranges[i].start + j;
-                    y[sl * hidden..(sl + 1) * hidden].copy_from_slice(&st.host_out[e * hidden..(e + 1) * hidden]);
+                    y[sl * hidden..(sl + 1) * hidden].copy_from_slice(&ho[e * hidden..(e + 1) * hidden]);
                 }
             }
-            lap(&mut st.t_down);
+            lap(&mut ph.t_down);
+        }
+        let tally = if n == 1 { &mut st.one } else { &mut st.many };
+        for (a, b) in [
+            (&mut tally.calls, ph.calls),
+            (&mut tally.t_in, ph.t_in),
+            (&mut tally.t_acquire, ph.t_acquire),
+            (&mut tally.t_gate_up, ph.t_gate_up),
+            (&mut tally.t_combine, ph.t_combine),
+            (&mut tally.t_down, ph.t_down),
+        ] {
+            *a += b;
         }
         let after = st.vram.stats();
         st.rates.observe_copy(after.bytes_copied - before.bytes_copied, after.copy_ns - before.copy_ns);
@@ -343,7 +385,8 @@ impl ExpertCompute for CudaExperts {
                 held: st.vram.holds(ExpertKey { layer: b.layer as u32, expert: e }),
             })
             .collect();
-        let a = assign(&st.rates, &chosen);
+        let rates = st.rates;
+        let a = assign_exploring(&rates, &chosen, &mut st.since_cpu);
         st.on_cpu += a.iter().filter(|g| !**g).count() as u64;
         a
     }
@@ -374,7 +417,6 @@ impl ExpertCompute for CudaExperts {
         let g = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let st = g.vram.stats();
         let total = (st.hits + st.misses).max(1);
-        let per = |ns: u64| ns as f64 / 1e3 / g.calls.max(1) as f64;
         format!(
             "GPU experts: {} computed on the GPU, {} left to the CPU; VRAM tier: {} placed at load, {} hits, {} misses ({:.1}% hit rate), {} evictions, {:.1} MB copied from host memory in {:.3} s; rates: copy {:.1} GB/s, CPU {:.1} GB/s and {:.1} GMAC/s",
             g.on_gpu,
@@ -389,14 +431,6 @@ impl ExpertCompute for CudaExperts {
             g.rates.copy_bytes_per_s / 1e9,
             g.rates.cpu_bytes_per_s / 1e9,
             g.rates.cpu_macs_per_s / 1e9
-        ) + &format!(
-            "; per call ({} calls): in {:.0} µs, acquire {:.0} µs, gate+up {:.0} µs, combine {:.0} µs, down {:.0} µs",
-            g.calls,
-            per(g.t_in),
-            per(g.t_acquire),
-            per(g.t_gate_up),
-            per(g.t_combine),
-            per(g.t_down)
-        )
+        ) + &format!("; per call, of one token ({}), of more ({})", g.one.line(), g.many.line())
     }
 }

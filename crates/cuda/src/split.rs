@@ -99,6 +99,38 @@ pub fn assign(r: &Rates, experts: &[Chosen]) -> Vec<bool> {
     on_gpu
 }
 
+/// Layers in a row whose misses all went to the GPU after which one is given to the CPU
+/// anyway, to measure the CPU's rate again: a rate measured once too low (a cold first
+/// sample, say) would otherwise keep every miss off the CPU for good, never to be corrected.
+pub const EXPLORE_AFTER: u32 = 64;
+
+/// `assign`, giving one miss to the CPU when the `since` layers before (counted here) all
+/// left their misses to the GPU and reached `EXPLORE_AFTER`: the miss the CPU would finish
+/// soonest. Where an expert is computed never changes its bits, only the time.
+pub fn assign_exploring(r: &Rates, experts: &[Chosen], since: &mut u32) -> Vec<bool> {
+    let mut on_gpu = assign(r, experts);
+    let misses = || (0..experts.len()).filter(|&i| !experts[i].held);
+    if misses().next().is_none() {
+        return on_gpu;
+    }
+    if misses().any(|i| !on_gpu[i]) {
+        *since = 0;
+        return on_gpu;
+    }
+    *since += 1;
+    if *since >= EXPLORE_AFTER {
+        let cheapest = misses().min_by(|&a, &b| {
+            let (ea, eb) = (experts[a], experts[b]);
+            r.cpu_seconds(ea.bytes, ea.macs).total_cmp(&r.cpu_seconds(eb.bytes, eb.macs))
+        });
+        if let Some(i) = cheapest {
+            on_gpu[i] = false;
+        }
+        *since = 0;
+    }
+    on_gpu
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -140,6 +172,33 @@ mod tests {
         // 512 tokens an expert: the CPU's multiply-adds dominate.
         let prefill = [Chosen { bytes: MB4, macs: MB4 * 2 * 512, held: false }; 4];
         assert_eq!(assign(&r, &prefill), vec![true; 4]);
+    }
+
+    #[test]
+    fn a_cpu_rate_measured_too_low_is_measured_again() {
+        // The CPU looks 100 times slower than the bus: every miss goes to the GPU, until
+        // EXPLORE_AFTER such layers have passed; then the cheapest one goes to the CPU once.
+        let r = rates(50e9, 0.5e9);
+        let mut e = [Chosen { bytes: MB4, macs: MB4, held: false }; 4];
+        e[2].bytes = MB4 / 2;
+        e[0].held = true;
+        let mut since = 0;
+        for _ in 1..EXPLORE_AFTER {
+            assert_eq!(assign_exploring(&r, &e, &mut since), vec![true; 4]);
+        }
+        assert_eq!(assign_exploring(&r, &e, &mut since), vec![true, true, false, true]);
+        assert_eq!(since, 0);
+        assert_eq!(assign_exploring(&r, &e, &mut since), vec![true; 4]);
+        // Layers without misses neither count nor explore.
+        let held = [Chosen { bytes: MB4, macs: MB4, held: true }; 4];
+        for _ in 0..2 * EXPLORE_AFTER {
+            assert_eq!(assign_exploring(&r, &held, &mut since), vec![true; 4]);
+        }
+        assert_eq!(since, 1);
+        // A layer that gives the CPU a miss by itself starts the count again.
+        let fair = rates(5e9, 40e9);
+        assign_exploring(&fair, &e, &mut since);
+        assert_eq!(since, 0);
     }
 
     #[test]
