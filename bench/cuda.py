@@ -109,13 +109,20 @@ def main():
     ncmoe_share = layers - layers // 8
 
     cases, cmds = {}, {}
-    cmds["sluice_resident"], s_res = sluice_case(exe, model, a, everything)
-    cmds["sluice_resident_cpu_dense"], s_res_cd = sluice_case(exe, model, a, everything, ["--cpu-dense"])
-    cmds["peer_resident"], p_res = peer_case(a.peer_bin, model, a, 0)
-    cmds["sluice_eighth"], s_8 = sluice_case(exe, model, a, eighth)
-    cmds["peer_ncmoe_all"], p_all = peer_case(a.peer_bin, model, a, layers)
-    cmds["peer_ncmoe_share"], p_share = peer_case(a.peer_bin, model, a, ncmoe_share)
-    cmds["sluice_cpu"], s_cpu = sluice_case(exe, model, a, 0)
+
+    def measured(key, case):
+        # Each measurement is logged as it lands: a run cut short still says what it measured.
+        cmds[key], r = case
+        lib.log(json.dumps({key: r}))
+        return r
+
+    s_res = measured("sluice_resident", sluice_case(exe, model, a, everything))
+    s_res_cd = measured("sluice_resident_cpu_dense", sluice_case(exe, model, a, everything, ["--cpu-dense"]))
+    p_res = measured("peer_resident", peer_case(a.peer_bin, model, a, 0))
+    s_8 = measured("sluice_eighth", sluice_case(exe, model, a, eighth))
+    p_all = measured("peer_ncmoe_all", peer_case(a.peer_bin, model, a, layers))
+    p_share = measured("peer_ncmoe_share", peer_case(a.peer_bin, model, a, ncmoe_share))
+    s_cpu = measured("sluice_cpu", sluice_case(exe, model, a, 0))
     cases["resident"] = {
         "sluice": s_res,
         "sluice_cpu_dense": s_res_cd,
