@@ -126,8 +126,11 @@ def main():
     senv = lib.sluice_env(a.sluice_isa)
     out = lib.out_dir(a)
     os.makedirs(out, exist_ok=True)
-    name = f"fidelity-{os.path.basename(a.model).removesuffix('.gguf')}-{result['date'][:10]}{'' if state['clean'] else '-dirty'}.json"
-    path_out = os.path.join(out, name)
+    stem = f"fidelity-{os.path.basename(a.model).removesuffix('.gguf')}-{result['date'][:10]}"
+    dirty = "" if state["clean"] else "-dirty"
+    path_out, n = os.path.join(out, stem + dirty + ".json"), 2
+    while os.path.exists(path_out):
+        path_out, n = os.path.join(out, f"{stem}-{n}{dirty}.json"), n + 1
     for ty in types:
         if ty == "base":
             path, qcmd = a.model, None
