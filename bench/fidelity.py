@@ -140,6 +140,10 @@ def main():
             if not os.path.exists(path):
                 lib.run(qcmd, env=penv)
         ids = json.loads(lib.run([exe, "tokenize", "--model", path, "--file", SCORED, "--json"], env=senv)["out"])["ids"]
+        # The truth scores the tokens sluice makes; llama.cpp must make the same ones.
+        peer_ids = lib.run([os.path.join(peer, "llama-tokenize"), "-m", path, "-f", SCORED, "--ids", "--log-disable"], env=penv)["out"].strip().splitlines()[-1]
+        if json.loads(peer_ids) != ids:
+            raise SystemExit(f"{ty}: llama.cpp and sluice tokenize {os.path.relpath(SCORED, lib.ROOT)} differently; the perplexities would not be comparable")
         tok_path = os.path.join(work, f"{ty}.tokens.json")
         json.dump({"ids": ids}, open(tok_path, "w"))
         s = lib.last_json(lib.run([exe, "perplexity", "--model", path, "--file", SCORED, "--ctx-size", str(a.ctx), "--chunks", str(a.chunks), "-t", t, "--json"], env=senv)["out"])
