@@ -16,6 +16,7 @@ model adds one). Prints one JSON object: {"ppl", "nll": [...], "chunks", "ctx", 
 
 import json
 import sys
+from collections import Counter
 
 import numpy as np
 
@@ -44,7 +45,8 @@ class Weights:
         self.heads = field(self.reader, f"{a}.attention.head_count")
         self.kv_heads = field(self.reader, f"{a}.attention.head_count_kv", self.heads)
         self.dim = field(self.reader, f"{a}.embedding_length")
-        self.head_dim = field(self.reader, f"{a}.rope.dimension_count", self.dim // self.heads)
+        self.head_dim = field(self.reader, f"{a}.attention.key_length", self.dim // self.heads)
+        self.rope_dim = field(self.reader, f"{a}.rope.dimension_count", self.head_dim)
         self.base = float(field(self.reader, f"{a}.rope.freq_base", 10000.0))
         self.eps = float(field(self.reader, f"{a}.attention.layer_norm_rms_epsilon"))
 
@@ -60,10 +62,7 @@ class Weights:
 
     def types(self):
         """How many tensors of each block type the file holds."""
-        out = {}
-        for t in self.reader.tensors:
-            out[t.tensor_type.name] = out.get(t.tensor_type.name, 0) + 1
-        return dict(sorted(out.items()))
+        return dict(sorted(Counter(t.tensor_type.name for t in self.reader.tensors).items()))
 
 
 def rms_norm(x, w, eps):
@@ -104,8 +103,8 @@ def forward_chunk(W, layers, emb, out_norm, out_w, tokens, first):
         q = h @ L["q"].T + L["bq"]
         k = h @ L["k"].T + L["bk"]
         v = h @ L["v"].T + L["bv"]
-        q = rope_neox(q.reshape(n, nh, hd), pos, W.base, hd)
-        k = rope_neox(k.reshape(n, nkv, hd), pos, W.base, hd)
+        q = rope_neox(q.reshape(n, nh, hd), pos, W.base, W.rope_dim)
+        k = rope_neox(k.reshape(n, nkv, hd), pos, W.base, W.rope_dim)
         v = v.reshape(n, nkv, hd)
         o = np.empty((n, nh, hd))
         group = nh // nkv
@@ -133,23 +132,26 @@ def main():
     W = Weights(path)
     bos = field(W.reader, "tokenizer.ggml.bos_token_id")
     add_bos = bool(field(W.reader, "tokenizer.ggml.add_bos_token", False))
-    zeros = lambda m: np.zeros(m)  # noqa: E731 (biases a llama file lacks)
+    def bias(name, rows):
+        # A llama file has no q/k/v biases.
+        b = W.get(name)
+        return np.zeros(rows) if b is None else b
+
     layers = []
     for i in range(W.layers):
         p = f"blk.{i}."
         q, k = W.get(p + "attn_q.weight"), W.get(p + "attn_k.weight")
         if W.arch == "llama":
             q, k = unpermute(q, W.heads), unpermute(k, W.kv_heads)
-        bq, bk, bv = (W.get(p + f"attn_{t}.bias") for t in "qkv")
         layers.append(
             {
                 "attn_norm": W.get(p + "attn_norm.weight"),
                 "q": q,
                 "k": k,
                 "v": W.get(p + "attn_v.weight"),
-                "bq": zeros(q.shape[0]) if bq is None else bq,
-                "bk": zeros(k.shape[0]) if bk is None else bk,
-                "bv": zeros(k.shape[0]) if bv is None else bv,
+                "bq": bias(p + "attn_q.bias", q.shape[0]),
+                "bk": bias(p + "attn_k.bias", k.shape[0]),
+                "bv": bias(p + "attn_v.bias", k.shape[0]),
                 "o": W.get(p + "attn_output.weight"),
                 "ffn_norm": W.get(p + "ffn_norm.weight"),
                 "gate": W.get(p + "ffn_gate.weight"),
