@@ -211,16 +211,21 @@ fn decode_k(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, o: SendPtr) {
 /// Most tokens for which `batch_k` beats one row against the tokens (`x86::rowk_tokens`,
 /// which unpack a block once for up to 32 tokens but pay two horizontal sums and a
 /// scalar accumulation per token and block). Measured with the kernel lab, old against new
-/// interleaved (2 threads, 8192×4096 from memory, time over one token): with 256-bit vectors
-/// Q6_K 1.75× → 1.20× at 2 tokens, 1.83× → 1.89× at 5, and at 64 tokens 71–76 against 61–66
-/// GMAC/s; with 512-bit vectors Q6_K 1.84× → 1.12× at 2, 1.85× → 1.53× at 5, Q4_K 2.24× →
-/// 1.92× at 5, even at 8 (where the VNNI tiled kernel takes over).
+/// interleaved (2 threads, 8192×4096 from memory, time over one token): with 512-bit vectors
+/// Q6_K 1.84× → 1.12× at 2, 1.85× → 1.53× at 5, Q4_K 2.24× → 1.92× at 5, even at 8 (where
+/// the VNNI tiled kernel takes over). With 256-bit vectors (kernel lab, 2048×2048, 2
+/// threads, AVX-512 Xeon forced to AVX2), the limit raised from 4 to 16 tokens: Q4_K 2.92×
+/// → 1.78× at 5, 3.90× → 2.58× at 8, 6.03× → 4.95× at 16; Q5_K 3.10× → 1.40× at 5; Q6_K
+/// 4.88× → 3.42× at 16; Q2_K 6.11× → 5.18× at 8. Past 16 the one-row kernels win again (64
+/// tokens: Q4_K 70.9 against 56.9 GMAC/s, Q6_K 72.3 against 60.0). On an AVX-512 EPYC forced
+/// to AVX2 the same change measures smaller and noisier, two runs each: Q6_K 8.9× → 5.4–6.3× at
+/// 16, 3.7–4.3× → 2.4–2.9× at 8; Q4_K 9.3–10.3× → 7.4–12.3× at 16.
 #[cfg(target_arch = "x86_64")]
 fn batch_k_max_tokens(isa: Isa) -> usize {
     if isa == Isa::Avx512 {
         SMALL_BATCH
     } else {
-        4
+        2 * SMALL_BATCH
     }
 }
 
@@ -497,12 +502,14 @@ mod tests {
     #[test]
     fn every_isa_matches_the_reference_bit_for_bit() {
         let pool = ThreadPool::new(2);
-        // Batches (the small-batch kernels at 3 tokens, 6 with 512-bit vectors; the row
-        // kernels at 6 with 256-bit ones; the tiled kernels at 13: a partial panel) and single
-        // tokens (the decode kernels), with rows left over after groups of four and blocks left
-        // over after groups of eight.
+        // Batches (the small-batch kernels at 3 and 6 tokens, and at 13 with 256-bit vectors:
+        // a full chunk and a partial one; the tiled kernels at 13 with 512-bit ones: a partial
+        // panel; the row kernels at 17 with 256-bit vectors) and single tokens (the decode
+        // kernels), with rows left over after groups of four and blocks left over after groups
+        // of eight.
         for (dtype, (rows, cols, n)) in TYPES.iter().flat_map(|d| {
-            [(9, 512, 3), (9, 512, 6), (9, 512, 13), (9, 512, 1), (7, 2560, 1), (6, 2560, 3)].map(|s| (*d, s))
+            [(9, 512, 3), (9, 512, 6), (9, 512, 13), (9, 512, 17), (9, 512, 1), (7, 2560, 1), (6, 2560, 3)]
+                .map(|s| (*d, s))
         }) {
             let w: Vec<u8> = (0..rows).flat_map(|r| random_row(dtype, cols, 100 + r as u64)).collect();
             let m = MatRef::new(dtype, rows, cols, &w).unwrap();
@@ -520,8 +527,8 @@ mod tests {
 
     #[test]
     fn batch_and_threads_do_not_change_a_row() {
-        // 3 tokens run on the small-batch kernels, 7 on the row (or, with 512-bit vectors, the
-        // small-batch) kernels, 13 on the tiled ones where the CPU has them.
+        // 3 and 7 tokens run on the small-batch kernels, 13 on the tiled ones where the CPU has
+        // them (else on the small-batch kernels for K-quants, the row kernels for the others).
         for (dtype, n) in
             [DType::Q4_K, DType::Q6_K, DType::Q8_0, DType::Q5_0].into_iter().flat_map(|d| [(d, 3), (d, 7), (d, 13)])
         {
