@@ -15,7 +15,7 @@
 use crate::device::HostRegistration;
 use crate::device::{Gpu, GpuError, Staging};
 use crate::matmul::{kernel_name, DeviceMat, GpuAct};
-use crate::split::{assign_exploring, Chosen, Rates};
+use crate::split::{Chosen, Explorer, Rates};
 use crate::vram_cache::{slot_bytes_bound, ExpertKey, HostPart, VramExperts};
 use cudarc::driver::CudaSlice;
 use sluice_model::error::{ModelError, Result};
@@ -76,8 +76,8 @@ struct State {
     /// Chosen experts the GPU computed, and those left to the CPU.
     on_gpu: u64,
     on_cpu: u64,
-    /// Layers in a row that left no miss to the CPU (`assign_exploring`).
-    since_cpu: u32,
+    /// When the CPU is next given a miss to measure its rate again.
+    explorer: Explorer,
     x: Option<CudaSlice<f32>>,
     ax: Option<GpuAct>,
     /// Gate outputs, then up outputs (entries × ff each).
@@ -150,7 +150,7 @@ impl CudaExperts {
             rates: Rates::default(),
             on_gpu: 0,
             on_cpu: 0,
-            since_cpu: 0,
+            explorer: Explorer::default(),
             x: None,
             ax: None,
             gu: None,
@@ -386,7 +386,7 @@ impl ExpertCompute for CudaExperts {
             })
             .collect();
         let rates = st.rates;
-        let a = assign_exploring(&rates, &chosen, &mut st.since_cpu);
+        let a = st.explorer.assign(&rates, &chosen);
         st.on_cpu += a.iter().filter(|g| !**g).count() as u64;
         a
     }

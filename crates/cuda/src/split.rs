@@ -104,31 +104,63 @@ pub fn assign(r: &Rates, experts: &[Chosen]) -> Vec<bool> {
 /// sample, say) would otherwise keep every miss off the CPU for good, never to be corrected.
 pub const EXPLORE_AFTER: u32 = 64;
 
-/// `assign`, giving one miss to the CPU when the `since` layers before (counted here) all
-/// left their misses to the GPU and reached `EXPLORE_AFTER`: the miss the CPU would finish
-/// soonest. Where an expert is computed never changes its bits, only the time.
-pub fn assign_exploring(r: &Rates, experts: &[Chosen], since: &mut u32) -> Vec<bool> {
-    let mut on_gpu = assign(r, experts);
-    let misses = || (0..experts.len()).filter(|&i| !experts[i].held);
-    if misses().next().is_none() {
-        return on_gpu;
+/// The longest wait between two explorations, in layers with misses: at 48 MoE layers, one
+/// every ~1400 tokens once the CPU has been found slower again and again.
+pub const EXPLORE_AT_MOST_EVERY: u32 = EXPLORE_AFTER << 10;
+
+/// When to give the CPU a miss that `assign` would not: after `EXPLORE_AFTER` layers in a
+/// row whose misses all went to the GPU, then, each time that happens again without any layer
+/// choosing the CPU by itself in between, after twice as many (up to
+/// `EXPLORE_AT_MOST_EVERY`). A CPU that really is slower is thus measured again ever more
+/// rarely, so exploring costs little over a run (about log2 of its layers, not one miss in
+/// every 64 layers); a layer that chooses the CPU by itself (the rates say it is worth it)
+/// starts the waits from `EXPLORE_AFTER` again.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Explorer {
+    /// Layers with misses since the last one that gave the CPU a miss.
+    since: u32,
+    /// How many such layers the next exploration waits for.
+    wait: u32,
+}
+
+impl Default for Explorer {
+    fn default() -> Self {
+        Explorer { since: 0, wait: EXPLORE_AFTER }
     }
-    if misses().any(|i| !on_gpu[i]) {
-        *since = 0;
-        return on_gpu;
-    }
-    *since += 1;
-    if *since >= EXPLORE_AFTER {
-        let cheapest = misses().min_by(|&a, &b| {
-            let (ea, eb) = (experts[a], experts[b]);
-            r.cpu_seconds(ea.bytes, ea.macs).total_cmp(&r.cpu_seconds(eb.bytes, eb.macs))
-        });
-        if let Some(i) = cheapest {
-            on_gpu[i] = false;
+}
+
+impl Explorer {
+    /// `assign`, giving one miss to the CPU when the wait is over: the miss the CPU would
+    /// finish soonest. Where an expert is computed never changes its bits, only the time.
+    pub fn assign(&mut self, r: &Rates, experts: &[Chosen]) -> Vec<bool> {
+        let mut on_gpu = assign(r, experts);
+        let misses = || (0..experts.len()).filter(|&i| !experts[i].held);
+        if misses().next().is_none() {
+            return on_gpu;
         }
-        *since = 0;
+        if misses().any(|i| !on_gpu[i]) {
+            *self = Explorer::default();
+            return on_gpu;
+        }
+        self.since += 1;
+        if self.since >= self.wait {
+            let cheapest = misses().min_by(|&a, &b| {
+                let (ea, eb) = (experts[a], experts[b]);
+                r.cpu_seconds(ea.bytes, ea.macs).total_cmp(&r.cpu_seconds(eb.bytes, eb.macs))
+            });
+            if let Some(i) = cheapest {
+                on_gpu[i] = false;
+            }
+            self.since = 0;
+            self.wait = (self.wait.saturating_mul(2)).min(EXPLORE_AT_MOST_EVERY);
+        }
+        on_gpu
     }
-    on_gpu
+
+    /// Layers the next exploration still waits for.
+    pub fn layers_to_next(&self) -> u32 {
+        self.wait - self.since
+    }
 }
 
 #[cfg(test)]
@@ -175,30 +207,44 @@ mod tests {
     }
 
     #[test]
-    fn a_cpu_rate_measured_too_low_is_measured_again() {
+    fn a_cpu_rate_measured_too_low_is_measured_again_ever_more_rarely() {
         // The CPU looks 100 times slower than the bus: every miss goes to the GPU, until
         // EXPLORE_AFTER such layers have passed; then the cheapest one goes to the CPU once.
         let r = rates(50e9, 0.5e9);
         let mut e = [Chosen { bytes: MB4, macs: MB4, held: false }; 4];
         e[2].bytes = MB4 / 2;
         e[0].held = true;
-        let mut since = 0;
+        let mut x = Explorer::default();
         for _ in 1..EXPLORE_AFTER {
-            assert_eq!(assign_exploring(&r, &e, &mut since), vec![true; 4]);
+            assert_eq!(x.assign(&r, &e), vec![true; 4]);
         }
-        assert_eq!(assign_exploring(&r, &e, &mut since), vec![true, true, false, true]);
-        assert_eq!(since, 0);
-        assert_eq!(assign_exploring(&r, &e, &mut since), vec![true; 4]);
+        assert_eq!(x.assign(&r, &e), vec![true, true, false, true]);
+        // The CPU was slow again (the rates did not change): the next wait is twice as long.
+        assert_eq!(x.layers_to_next(), 2 * EXPLORE_AFTER);
+        for _ in 1..2 * EXPLORE_AFTER {
+            assert_eq!(x.assign(&r, &e), vec![true; 4]);
+        }
+        assert_eq!(x.assign(&r, &e), vec![true, true, false, true]);
+        assert_eq!(x.layers_to_next(), 4 * EXPLORE_AFTER);
         // Layers without misses neither count nor explore.
         let held = [Chosen { bytes: MB4, macs: MB4, held: true }; 4];
-        for _ in 0..2 * EXPLORE_AFTER {
-            assert_eq!(assign_exploring(&r, &held, &mut since), vec![true; 4]);
+        for _ in 0..8 * EXPLORE_AFTER {
+            assert_eq!(x.assign(&r, &held), vec![true; 4]);
         }
-        assert_eq!(since, 1);
-        // A layer that gives the CPU a miss by itself starts the count again.
+        assert_eq!(x.layers_to_next(), 4 * EXPLORE_AFTER);
+        // 2000 tokens of 48 such layers explore 10 times (waits of 64, 128, ... 32768 layers),
+        // where a fixed wait of 64 explored 1500 times; later the wait stops at its bound.
+        let mut x = Explorer::default();
+        let explored = (0..48 * 2000).filter(|_| x.assign(&r, &e).contains(&false)).count();
+        assert_eq!(explored, 10);
+        for _ in 0..4 * EXPLORE_AT_MOST_EVERY {
+            x.assign(&r, &e);
+        }
+        assert_eq!(x.wait, EXPLORE_AT_MOST_EVERY);
+        // A layer that gives the CPU a miss by itself starts the waits from the beginning.
         let fair = rates(5e9, 40e9);
-        assign_exploring(&fair, &e, &mut since);
-        assert_eq!(since, 0);
+        assert!(x.assign(&fair, &e).contains(&false));
+        assert_eq!(x, Explorer::default());
     }
 
     #[test]
