@@ -81,6 +81,29 @@ unsafe fn hsum8(v: __m256i) -> i32 {
 ///
 /// Prefetches never fault, but the caller keeps `p .. p + len` inside one allocation (pointer
 /// arithmetic); the CPU has AVX2 (checked by `cpu::isa()`).
+/// Asks for the blocks that a kernel walking R rows together, group by group, reads after the
+/// group `b0..b0 + m` (of `nb` blocks a row) of the row whose group starts at `base`: the next
+/// group of the same row, or, at the row's end, the first group of the row R further down.
+///
+/// # Safety
+///
+/// As `prefetch_rows` (what is asked for may lie past the matrix: prefetches never fault, and
+/// the pointer arithmetic wraps).
+#[inline(always)]
+pub(crate) unsafe fn prefetch_next(
+    base: *const u8,
+    row_bytes: usize,
+    rows: usize,
+    (b0, m, nb): (usize, usize, usize),
+    bb: usize,
+) {
+    if b0 + m < nb {
+        prefetch_rows(base.wrapping_add(m * bb), (nb - b0 - m).min(8) * bb);
+    } else {
+        prefetch_rows(base.wrapping_add(rows * row_bytes).wrapping_sub(b0 * bb), nb.min(8) * bb);
+    }
+}
+
 #[inline(always)]
 pub(crate) unsafe fn prefetch_rows(p: *const u8, len: usize) {
     let mut o = 0;
@@ -269,8 +292,7 @@ pub unsafe fn rowsk_decode<const R: usize, const K: u32>(
         let mut minf = [[0f32; 8]; R];
         for r in 0..R {
             let base = w.as_ptr().add(r * row_bytes + b0 * bb);
-            // The same blocks of the row R rows further down: the next pass reads them.
-            prefetch_rows(base.wrapping_add(R * row_bytes), m * bb);
+            prefetch_next(base, row_bytes, R, (b0, m, nb), bb);
             let mut a = [_mm256_setzero_si256(); 8];
             let mut mn = [_mm256_setzero_si256(); 8];
             let mut dbits = [0u16; 8];
