@@ -194,7 +194,7 @@ fn rows_by(
 
 /// One token against a K-quant matrix: four rows at a time where a row is one group of eight
 /// blocks or less, else one. Walking four long rows together, group by group, interleaves four
-/// streams of 1–2 KiB pieces, which the hardware prefetcher of an AMD EPYC (Zen 4) followed
+/// streams of 1–2 KiB pieces, which the hardware prefetcher of an AVX-512 AMD EPYC followed
 /// poorly; one row at a time is one sequential stream. Kernel lab, AVX-512 EPYC, decode GB/s
 /// with 1 | 2 threads, four rows → one: Q4_K 2048×4096 7.5 → 14.0 | 14.7 → 29.4, 896×4864
 /// 8.0 → 15.5 | 13.2 → 28.3, 4096×14336 9.9 → 11.5 | 10.5 → 19.2, Q6_K 4096×14336 6.8 → 9.8 |

@@ -84,6 +84,10 @@ unsafe fn hsum8(v: __m256i) -> i32 {
 /// Asks for the blocks that a kernel walking R rows together, group by group, reads after the
 /// group `b0..b0 + m` (of `nb` blocks a row) of the row whose group starts at `base`: the next
 /// group of the same row, or, at the row's end, the first group of the row R further down.
+/// For rows of one group this is what these kernels asked for before (the next pass's
+/// blocks); for long rows walked one at a time (`decode_k`) it keeps the stream ahead
+/// (kernel lab, AVX-512 EPYC, Q6_K 4096×14336 decode with 2 threads 18.8 → 26.7 GB/s over
+/// asking for the next row's blocks).
 ///
 /// # Safety
 ///
