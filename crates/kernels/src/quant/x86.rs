@@ -75,12 +75,6 @@ unsafe fn hsum8(v: __m256i) -> i32 {
     _mm_cvtsi128_si32(s)
 }
 
-/// Asks for the cache lines of `len` bytes at `p`.
-///
-/// # Safety
-///
-/// Prefetches never fault, but the caller keeps `p .. p + len` inside one allocation (pointer
-/// arithmetic); the CPU has AVX2 (checked by `cpu::isa()`).
 /// Asks for the blocks that a kernel walking R rows together, group by group, reads after the
 /// group `b0..b0 + m` (of `nb` blocks a row) of the row whose group starts at `base`: the next
 /// group of the same row, or, at the row's end, the first group of the row R further down.
@@ -108,6 +102,12 @@ pub(crate) unsafe fn prefetch_next(
     }
 }
 
+/// Asks for the cache lines of `len` bytes at `p`.
+///
+/// # Safety
+///
+/// Prefetches never fault, but the caller keeps `p .. p + len` inside one allocation (pointer
+/// arithmetic); the CPU has AVX2 (checked by `cpu::isa()`).
 #[inline(always)]
 pub(crate) unsafe fn prefetch_rows(p: *const u8, len: usize) {
     let mut o = 0;
