@@ -152,14 +152,9 @@ impl Explorer {
                 on_gpu[i] = false;
             }
             self.since = 0;
-            self.wait = (self.wait.saturating_mul(2)).min(EXPLORE_AT_MOST_EVERY);
+            self.wait = self.wait.saturating_mul(2).min(EXPLORE_AT_MOST_EVERY);
         }
         on_gpu
-    }
-
-    /// Layers the next exploration still waits for.
-    pub fn layers_to_next(&self) -> u32 {
-        self.wait - self.since
     }
 }
 
@@ -168,6 +163,11 @@ mod tests {
     use super::*;
 
     const MB4: usize = 4 << 20;
+
+    /// Layers the next exploration still waits for.
+    fn layers_to_next(x: &Explorer) -> u32 {
+        x.wait - x.since
+    }
 
     fn rates(copy: f64, cpu: f64) -> Rates {
         Rates { copy_bytes_per_s: copy, cpu_bytes_per_s: cpu, cpu_macs_per_s: 50e9, gpu_bytes_per_s: 1e12 }
@@ -220,18 +220,18 @@ mod tests {
         }
         assert_eq!(x.assign(&r, &e), vec![true, true, false, true]);
         // The CPU was slow again (the rates did not change): the next wait is twice as long.
-        assert_eq!(x.layers_to_next(), 2 * EXPLORE_AFTER);
+        assert_eq!(layers_to_next(&x), 2 * EXPLORE_AFTER);
         for _ in 1..2 * EXPLORE_AFTER {
             assert_eq!(x.assign(&r, &e), vec![true; 4]);
         }
         assert_eq!(x.assign(&r, &e), vec![true, true, false, true]);
-        assert_eq!(x.layers_to_next(), 4 * EXPLORE_AFTER);
+        assert_eq!(layers_to_next(&x), 4 * EXPLORE_AFTER);
         // Layers without misses neither count nor explore.
         let held = [Chosen { bytes: MB4, macs: MB4, held: true }; 4];
         for _ in 0..8 * EXPLORE_AFTER {
             assert_eq!(x.assign(&r, &held), vec![true; 4]);
         }
-        assert_eq!(x.layers_to_next(), 4 * EXPLORE_AFTER);
+        assert_eq!(layers_to_next(&x), 4 * EXPLORE_AFTER);
         // 2000 tokens of 48 such layers explore 10 times (waits of 64, 128, ... 32768 layers),
         // where a fixed wait of 64 explored 1500 times; later the wait stops at its bound.
         let mut x = Explorer::default();

@@ -791,7 +791,7 @@ pub(crate) fn matmul(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, n: usize,
     let rb = w.row_bytes();
     if n == 1 {
         // Decode: four rows at a time (fewer at a range's end).
-        return super::rows_by_four(pool, w, o, |wr, k, vals| {
+        return super::rows_by(pool, w, 4, o, |wr, k, vals| {
             macro_rules! go {
                 ($f:ident $(, $dt:expr)?) => {
                     match k {

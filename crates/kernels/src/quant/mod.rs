@@ -158,15 +158,9 @@ fn is_block32(dtype: DType) -> bool {
     matches!(dtype, DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0)
 }
 
-/// Walks `w`'s rows in groups of four (fewer at a range's end) across the pool; `f(rows, k,
-/// vals)` computes the k rows whose bytes are `rows` into `vals[..k]`, which land in output
-/// row 0 of `o`.
-#[cfg(target_arch = "x86_64")]
-fn rows_by_four(pool: &ThreadPool, w: MatRef<'_>, o: SendPtr, f: impl Fn(&[u8], usize, &mut [f32; 4]) + Sync) {
-    rows_by(pool, w, 4, o, f)
-}
-
-/// `rows_by_four` with `per_call` (1 to 4) rows a call.
+/// Walks `w`'s rows in groups of `per_call` (1 to 4; fewer at a range's end) across the pool;
+/// `f(rows, k, vals)` computes the k rows whose bytes are `rows` into `vals[..k]`, which land in
+/// output row 0 of `o`.
 #[cfg(target_arch = "x86_64")]
 fn rows_by(
     pool: &ThreadPool,

@@ -434,7 +434,7 @@ pub(crate) fn matmul(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, n: usize,
     let rb = w.row_bytes();
     if n == 1 {
         // Decode: four rows at a time (fewer at a range's end).
-        return super::rows_by_four(pool, w, o, |wr, k, vals| {
+        return super::rows_by(pool, w, 4, o, |wr, k, vals| {
             // SAFETY: AVX2/FMA were detected (the caller's contract); `wr` holds k whole rows
             // (MatRef::new checked the size); `act` is padded by QuantAct.
             unsafe {
