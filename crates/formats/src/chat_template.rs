@@ -30,7 +30,8 @@
 //! Errors name that source and, for a template's own errors, the line.
 //!
 //! `parse_tool_calls` reads the tool calls a model writes in the Qwen/Hermes format,
-//! `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, back out of generated text.
+//! `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, back out of generated text;
+//! `parse_tool_calls_offered` also takes bare call objects naming an offered tool.
 
 use crate::gguf::GgufFile;
 use minijinja::value::{Kwargs, Value, ValueKind};
@@ -1047,6 +1048,50 @@ fn strftime_local(fmt: &str) -> String {
     }
 }
 
+/// The function names a request's `tools` list offers (`[{"type": "function", "function":
+/// {"name": ...}}]`, or `[{"name": ...}]`), in order.
+pub fn tool_names(tools: &JsonValue) -> Vec<String> {
+    (0..tools.len())
+        .filter_map(|i| {
+            let t = tools.at(i)?;
+            let name = t.get("function").and_then(|f| f.get("name")).or_else(|| t.get("name"))?;
+            name.0.as_str().map(str::to_string)
+        })
+        .collect()
+}
+
+/// Tool calls in what a model writes when it was offered the tools named `offered`: the
+/// Qwen/Hermes tagged format (`parse_tool_calls`), or — what small models often write instead
+/// — the bare call objects themselves at the very start of the reply (`{"name": "get_weather",
+/// "arguments": {...}}`, one or more, any whitespace between). A bare object counts only when
+/// it names an offered tool; reading stops at the first JSON value that is not such a call,
+/// and everything from there on is the text.
+pub fn parse_tool_calls_offered(text: &str, offered: &[String]) -> (String, Vec<ToolCall>) {
+    let (rest, calls) = parse_tool_calls(text);
+    if !calls.is_empty() || offered.is_empty() {
+        return (rest, calls);
+    }
+    let lead = text.len() - text.trim_start().len();
+    if !text[lead..].starts_with('{') {
+        return (text.to_string(), calls);
+    }
+    let mut calls = Vec::new();
+    let mut end = lead;
+    let mut values = serde_json::Deserializer::from_str(&text[lead..]).into_iter::<Value>();
+    while let Some(Ok(v)) = values.next() {
+        let call = (v.kind() == ValueKind::Map).then(|| call_of(&v)).flatten();
+        match call {
+            Some(c) if offered.contains(&c.name) => calls.push(c),
+            _ => break,
+        }
+        end = lead + values.byte_offset();
+    }
+    if calls.is_empty() {
+        return (text.to_string(), calls);
+    }
+    (text[end..].trim().to_string(), calls)
+}
+
 /// Tool calls written in the Qwen/Hermes format (`<tool_call>{"name": ..., "arguments":
 /// {...}}</tool_call>`, any whitespace around the JSON, any number of calls), and the text
 /// around them with the calls taken out and the ends trimmed. A block whose JSON does not
@@ -1084,8 +1129,13 @@ fn parse_call(body: &str) -> Option<ToolCall> {
     if v.kind() != ValueKind::Map {
         return None;
     }
-    let name = get(&v, "name")?.as_str()?.to_string();
-    let arguments = match get(&v, "arguments").or_else(|| get(&v, "parameters")) {
+    call_of(&v)
+}
+
+/// A call object: `{"name": ..., "arguments" (or "parameters"): {...} or "..."}`.
+fn call_of(v: &Value) -> Option<ToolCall> {
+    let name = get(v, "name")?.as_str()?.to_string();
+    let arguments = match get(v, "arguments").or_else(|| get(v, "parameters")) {
         None => "{}".to_string(),
         Some(a) => match a.as_str() {
             Some(s) => s.to_string(),

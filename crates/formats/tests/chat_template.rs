@@ -3,7 +3,9 @@
 //! errors say, and tool calls read back out of generated text. The rendered prompts of the
 //! real models' own templates are checked against llama-server's records (tests/chat).
 
-use sluice_formats::chat_template::{parse_tool_calls, Content, JsonValue, CHATML};
+use sluice_formats::chat_template::{
+    parse_tool_calls, parse_tool_calls_offered, tool_names, Content, JsonValue, CHATML,
+};
 use sluice_formats::{ChatTemplate, Message, RenderOptions, ToolCall};
 use std::path::PathBuf;
 
@@ -304,4 +306,38 @@ fn real_templates_render_llama_servers_prompts() {
         }
     }
     assert!(checked >= 15, "only {checked} recorded conversations found in {}", dir.display());
+}
+
+#[test]
+fn bare_call_objects_count_only_for_offered_tools() {
+    let tools = JsonValue::parse(
+        r#"[{"type": "function", "function": {"name": "get_weather", "parameters": {}}}, {"name": "get_time"}]"#,
+    )
+    .unwrap();
+    let offered = tool_names(&tools);
+    assert_eq!(offered, ["get_weather", "get_time"]);
+    // What Qwen2.5-Coder-0.5B writes for a weather question: the call without its tags.
+    let (rest, calls) =
+        parse_tool_calls_offered(" {\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}", &offered);
+    assert_eq!(rest, "");
+    assert_eq!(calls, vec![ToolCall { id: None, name: "get_weather".into(), arguments: r#"{"city":"Paris"}"#.into() }]);
+    // Two calls, then text that is not a call (an invented tool result) stays text.
+    let text = "{\"name\": \"get_time\"}\n{\"name\": \"get_weather\", \"arguments\": \"{}\"}\n{\"temp_c\": 2} done";
+    let (rest, calls) = parse_tool_calls_offered(text, &offered);
+    assert_eq!(calls.iter().map(|c| c.name.as_str()).collect::<Vec<_>>(), ["get_time", "get_weather"]);
+    assert_eq!(calls[0].arguments, "{}");
+    assert_eq!(rest, "{\"temp_c\": 2} done");
+    // A tool not offered, JSON that is data, text before the object, or no tools: no call.
+    for t in [
+        "{\"name\": \"rm_rf\", \"arguments\": {}}",
+        "{\"city\": \"Paris\"}",
+        "Sure: {\"name\": \"get_time\"}",
+        "{\"name\": \"get_time\"",
+    ] {
+        assert_eq!(parse_tool_calls_offered(t, &offered), (t.to_string(), vec![]), "{t}");
+    }
+    assert_eq!(parse_tool_calls_offered("{\"name\": \"get_time\"}", &[]).1, vec![]);
+    // The tagged format still wins, and is read whatever the names.
+    let (_, calls) = parse_tool_calls_offered("<tool_call>{\"name\": \"other\"}</tool_call>", &offered);
+    assert_eq!(calls[0].name, "other");
 }

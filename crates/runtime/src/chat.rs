@@ -5,7 +5,7 @@
 use crate::engine::Engine;
 use crate::error::{Result, RuntimeError};
 use crate::generate::{generate_cached, GenerateOptions, Generation, PromptCache, StopReason};
-use sluice_formats::chat_template::{parse_tool_calls, Message, RenderOptions, ToolCall};
+use sluice_formats::chat_template::{parse_tool_calls_offered, tool_names, Message, RenderOptions, ToolCall};
 use sluice_formats::TextStream;
 use sluice_model::SeqState;
 
@@ -132,7 +132,10 @@ impl<'e> ChatSession<'e> {
         if let Some(cut) = self.stop_texts.iter().filter_map(|s| text.find(s)).min() {
             text.truncate(cut);
         }
-        let (text, tool_calls) = if self.render.tools.is_some() { parse_tool_calls(&text) } else { (text, Vec::new()) };
+        let (text, tool_calls) = match &self.render.tools {
+            Some(t) => parse_tool_calls_offered(&text, &tool_names(t)),
+            None => (text, Vec::new()),
+        };
         self.messages.push(Message { tool_calls: tool_calls.clone(), ..Message::assistant(text.clone()) });
         Ok(Turn { text, tool_calls, generation: g })
     }

@@ -16,7 +16,7 @@ use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Value};
-use sluice_formats::chat_template::{parse_tool_calls, JsonValue, Message, RenderOptions};
+use sluice_formats::chat_template::{parse_tool_calls_offered, tool_names, JsonValue, Message, RenderOptions};
 use sluice_formats::Tokenizer;
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -221,7 +221,8 @@ struct Prepared {
     prompt: Vec<u32>,
     stop_tokens: Vec<u32>,
     stop_texts: Vec<String>,
-    tools: bool,
+    /// With tools: the names of the functions offered.
+    tools: Option<Vec<String>>,
     literal_tokens: Vec<(u32, String)>,
 }
 
@@ -261,7 +262,7 @@ async fn handle(app: Arc<App>, body: Result<Bytes, BytesRejection>, kind: Kind) 
         .map_err(|e| ApiError::internal(format!("preparing the prompt: {e}")))??;
     let (job, rx) = make_job(&app, &ready, &prepared, &params, prompt_param, arrived)?;
     submit(&app, &ready, job)?;
-    let fmt = Formatter::new(&app, &ready, kind, &params, prepared.tools);
+    let fmt = Formatter::new(&app, &ready, kind, &params, prepared.tools.clone());
     if params.stream {
         Ok(stream_response(app.clone(), fmt, rx, arrived))
     } else {
@@ -279,7 +280,8 @@ fn prepare(engine: &sluice_runtime::Engine, input: Input, ignore_eos: bool) -> R
     let p = match input {
         Input::Chat(messages, tools) => {
             let template = engine.chat_template().map_err(|e| ApiError::invalid("messages", e.to_string()))?;
-            let has_tools = tools.is_some();
+            let offered = tools.as_ref().map(tool_names);
+            let has_tools = offered.is_some();
             let opts = RenderOptions { tools, ..RenderOptions::default() };
             let prompt =
                 engine.chat_tokens(&messages, &opts).map_err(|e| ApiError::invalid("messages", e.to_string()))?;
@@ -300,7 +302,7 @@ fn prepare(engine: &sluice_runtime::Engine, input: Input, ignore_eos: bool) -> R
             } else {
                 Vec::new()
             };
-            Prepared { prompt, stop_tokens: engine.chat_stop_tokens(), stop_texts, tools: has_tools, literal_tokens }
+            Prepared { prompt, stop_tokens: engine.chat_stop_tokens(), stop_texts, tools: offered, literal_tokens }
         }
         Input::Completion(Prompt::Text(s)) => {
             let prompt = engine.encode(&s).map_err(|e| ApiError::invalid("prompt", e.to_string()))?;
@@ -308,7 +310,7 @@ fn prepare(engine: &sluice_runtime::Engine, input: Input, ignore_eos: bool) -> R
                 prompt,
                 stop_tokens: engine.eos.clone(),
                 stop_texts: Vec::new(),
-                tools: false,
+                tools: None,
                 literal_tokens: Vec::new(),
             }
         }
@@ -324,7 +326,7 @@ fn prepare(engine: &sluice_runtime::Engine, input: Input, ignore_eos: bool) -> R
                 prompt: t,
                 stop_tokens: engine.eos.clone(),
                 stop_texts: Vec::new(),
-                tools: false,
+                tools: None,
                 literal_tokens: Vec::new(),
             }
         }
@@ -456,7 +458,8 @@ struct Formatter {
     model: String,
     include_usage: bool,
     logprobs: bool,
-    tools: bool,
+    /// With tools: the names of the functions offered.
+    tools: Option<Vec<String>>,
     engine: Arc<sluice_runtime::Engine>,
     /// All text so far.
     text: String,
@@ -469,7 +472,7 @@ struct Formatter {
 const TOOL_OPEN: &str = "<tool_call>";
 
 impl Formatter {
-    fn new(app: &App, ready: &Ready, kind: Kind, params: &Params, tools: bool) -> Formatter {
+    fn new(app: &App, ready: &Ready, kind: Kind, params: &Params, tools: Option<Vec<String>>) -> Formatter {
         Formatter {
             kind,
             id: random_id(if kind == Kind::Chat { "chatcmpl" } else { "cmpl" }),
@@ -594,11 +597,16 @@ impl Formatter {
     /// Text that may go out as content now (with tools, text from a tool call on is held).
     fn content_to_send(&mut self, text: &str) -> String {
         self.text.push_str(text);
-        if !self.tools {
+        let Some(offered) = &self.tools else {
             self.sent = self.text.len();
             return text.to_string();
-        }
+        };
         let rest = &self.text[self.sent..];
+        // A reply that opens with `{` may be a bare call object: hold it all until the end.
+        let opening = rest.trim_start();
+        if self.sent == 0 && !offered.is_empty() && (opening.is_empty() || opening.starts_with('{')) {
+            return String::new();
+        }
         let upto = match rest.find(TOOL_OPEN) {
             Some(i) => i,
             None => {
@@ -649,8 +657,8 @@ impl Formatter {
         match self.kind {
             Kind::Chat => {
                 let mut calls = Vec::new();
-                if self.tools {
-                    let (content, c) = parse_tool_calls(&self.text);
+                if let Some(offered) = &self.tools {
+                    let (content, c) = parse_tool_calls_offered(&self.text, offered);
                     calls = c;
                     let held = if calls.is_empty() {
                         self.text[self.sent..].to_string()
@@ -695,7 +703,10 @@ impl Formatter {
         let usage = Self::usage(d);
         match self.kind {
             Kind::Chat => {
-                let (content, calls) = if self.tools { parse_tool_calls(text) } else { (text.to_string(), Vec::new()) };
+                let (content, calls) = match &self.tools {
+                    Some(offered) => parse_tool_calls_offered(text, offered),
+                    None => (text.to_string(), Vec::new()),
+                };
                 let mut message = json!({"role": "assistant", "content": content});
                 if !calls.is_empty() {
                     if content.is_empty() {
@@ -721,6 +732,7 @@ impl Formatter {
                     engine: self.engine.clone(),
                     id: self.id.clone(),
                     model: self.model.clone(),
+                    tools: None,
                     ..*self
                 };
                 let logprobs = if self.logprobs { me.completion_logprobs(tokens) } else { Value::Null };

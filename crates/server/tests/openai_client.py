@@ -1,6 +1,8 @@
 """The official `openai` Python client against a running `sluice serve` (started by
 crates/server/tests/openai_client.rs): chat completion, streaming, logprobs, completions.
 Usage: openai_client.py BASE_URL. Exits non-zero on the first failed check."""
+import concurrent.futures
+import json
 import sys
 
 import openai
@@ -47,12 +49,63 @@ t = cr.choices[0].text
 assert "\n" not in t and len(t) > 0, repr(t)
 assert len(cr.choices[0].logprobs.tokens) == len(cr.choices[0].logprobs.token_logprobs)
 
+# Tools: Qwen2.5-Coder-0.5B answers a weather question with the bare call object; it comes
+# back as a tool call, streamed or not, and the tool's result goes into the next turn.
+tools = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+ask = [{"role": "user", "content": "What is the weather in Paris? Use the tool."}]
+r = client.chat.completions.create(model="qwen", messages=ask, tools=tools, max_tokens=64, temperature=0)
+c = r.choices[0]
+assert c.finish_reason == "tool_calls", (c.finish_reason, c.message)
+assert c.message.content is None, c.message.content
+call = c.message.tool_calls[0]
+assert call.type == "function" and call.function.name == "get_weather", call
+assert json.loads(call.function.arguments) == {"city": "Paris"}, call.function.arguments
+names, args, finish = [], "", None
+for chunk in client.chat.completions.create(model="qwen", messages=ask, tools=tools, max_tokens=64,
+                                            temperature=0, stream=True):
+    for ch in chunk.choices:
+        assert not ch.delta.content, ("content beside a call", ch.delta.content)
+        for tc in ch.delta.tool_calls or []:
+            if tc.function.name:
+                names.append(tc.function.name)
+            args += tc.function.arguments or ""
+        finish = ch.finish_reason or finish
+assert names == ["get_weather"] and json.loads(args) == {"city": "Paris"} and finish == "tool_calls", (names, args)
+turn2 = ask + [c.message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": call.id, "content": '{"temp_c": 17, "sky": "clear"}'}]
+r2 = client.chat.completions.create(model="qwen", messages=turn2, tools=tools, max_tokens=32, temperature=0)
+# (What this small model does with the result varies; the result and the call are in its prompt.)
+assert r2.usage.prompt_tokens > r.usage.prompt_tokens + r.usage.completion_tokens, (r.usage, r2.usage)
+
+# Six different requests at once get the text and log-probabilities they get alone.
+def ask_one(k):
+    m = [{"role": "user", "content": f"Write a haiku about the number {k}."}]
+    r = client.chat.completions.create(model="qwen", messages=m, max_tokens=12 + 5 * k, temperature=0.7,
+                                       seed=k, logprobs=True, top_logprobs=2)
+    ch = r.choices[0]
+    return ch.message.content, [(t.token, t.logprob, [(x.token, x.logprob) for x in t.top_logprobs])
+                                for t in ch.logprobs.content]
+alone = [ask_one(k) for k in range(6)]
+with concurrent.futures.ThreadPoolExecutor(6) as ex:
+    together = list(ex.map(ask_one, range(6)))
+for k in range(6):
+    assert together[k] == alone[k], (k, together[k][0], alone[k][0])
+
 # Errors come back as the client's exception types.
 try:
-    client.chat.completions.create(model="qwen", messages=msgs, max_tokens=-1)
-    raise SystemExit("a negative max_tokens was accepted")
+    client.chat.completions.create(model="qwen", messages=[{"role": "user", "content": "x" * 200_000}],
+                                   max_tokens=4)
+    raise SystemExit("an oversize body was accepted")
+except openai.APIStatusError as e:
+    assert e.status_code == 413, e.status_code
+    assert "body" in e.message.lower(), e.message
+try:
+    client.chat.completions.create(model="qwen", messages=msgs, max_tokens="many")
+    raise SystemExit("a max_tokens that is not a number was accepted")
 except openai.BadRequestError as e:
-    assert e.status_code == 400
+    assert e.status_code == 400 and "max_tokens" in e.message, e.message
 bad = openai.OpenAI(base_url=base + "/v1", api_key="wrong")
 try:
     bad.models.list()

@@ -28,7 +28,13 @@ async fn the_openai_python_client_works() {
         lib.display(),
         String::from_utf8_lossy(&probe.stderr)
     );
-    let o = ServerOptions { api_key: Some("test-key".into()), model_id: "qwen".into(), ctx_size: 1024, ..opts() };
+    let o = ServerOptions {
+        api_key: Some("test-key".into()),
+        model_id: "qwen".into(),
+        ctx_size: 1024,
+        max_body_bytes: 64 << 10,
+        ..opts()
+    };
     let s = start(real_model("qwen2.5-coder-0.5b-q4_k_m.gguf"), o, ExpertOptions::default()).await;
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/openai_client.py");
     let base = s.base.clone();

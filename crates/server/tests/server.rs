@@ -419,3 +419,110 @@ async fn metrics_page_and_stats_are_served() {
     assert!(v["scheduler"]["tokens_generated"].as_u64().unwrap() >= 3);
     s.shutdown();
 }
+
+/// Reads a streamed response to its end.
+async fn rest_of(mut r: reqwest::Response, mut text: String) -> String {
+    while let Some(c) = r.chunk().await.expect("the stream reads") {
+        text.push_str(&String::from_utf8_lossy(&c));
+    }
+    text
+}
+
+/// Sends a streamed request and returns once its first event arrived.
+async fn started(s: &Srv, body: &Value) -> (reqwest::Response, String) {
+    let mut r = s.post(COMP).json(body).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let mut text = String::new();
+    while !text.contains("data: ") {
+        let c = r.chunk().await.unwrap().expect("the stream goes on");
+        text.push_str(&String::from_utf8_lossy(&c));
+    }
+    (r, text)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn shutdown_lets_running_requests_finish_and_refuses_new_ones() {
+    let model = real_model("qwen2.5-coder-0.5b-q4_k_m.gguf");
+    let body = json!({"prompt": "Once upon a time", "max_tokens": 40, "ignore_eos": true, "temperature": 0,
+                      "logprobs": 2, "stream": true});
+    let mut s =
+        start(model.clone(), ServerOptions { parallel: 2, ctx_size: 512, ..opts() }, ExpertOptions::default()).await;
+    let alone = complete(&s, COMP, &body).await;
+    let (r, head) = started(&s, &body).await;
+    let h = s.handle.take().expect("running");
+    let stopping = tokio::task::spawn_blocking(move || h.shutdown());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // No new work once shutting down: the connection is refused, or the request gets a 503.
+    match s.post(COMP).json(&json!({"prompt": "hi", "max_tokens": 2})).send().await {
+        Err(_) => {}
+        Ok(r) => assert_eq!(r.status(), 503, "{}", r.text().await.unwrap_or_default()),
+    }
+    // The running request finishes whole, with the bits it has when nothing stops.
+    let finished = parse_sse(&rest_of(r, head).await, false);
+    assert_eq!(finished, alone);
+    stopping.await.unwrap().expect("a clean shutdown");
+
+    // A grace period shorter than the request: it ends with an error event, then [DONE], and
+    // the server stops soon after the grace, not when the request would have ended.
+    let o = ServerOptions { parallel: 2, ctx_size: 512, shutdown_grace: Duration::from_millis(300), ..opts() };
+    let mut s = start(model, o, ExpertOptions::default()).await;
+    let long = json!({"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": true, "stream": true});
+    let (r, head) = started(&s, &long).await;
+    let h = s.handle.take().expect("running");
+    let t0 = Instant::now();
+    let stopping = tokio::task::spawn_blocking(move || h.shutdown());
+    let text = rest_of(r, head).await;
+    stopping.await.unwrap().expect("a clean shutdown");
+    assert!(t0.elapsed() < Duration::from_secs(5), "shutdown took {:?} with a 300 ms grace", t0.elapsed());
+    let events: Vec<&str> = text.split("\n\n").map(str::trim).filter(|e| e.starts_with("data: ")).collect();
+    assert_eq!(events.last(), Some(&"data: [DONE]"), "{text}");
+    let err: Value = serde_json::from_str(&events[events.len() - 2]["data: ".len()..]).unwrap();
+    assert_eq!(err["error"]["code"], "service_unavailable", "{err}");
+    assert!(err["error"]["message"].as_str().unwrap().contains("shutting down"), "{err}");
+    assert!(events.len() < 400, "the request ran to its end");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_full_queue_waiting_for_memory_gets_503_with_retry_after() {
+    let model = real_model("qwen2.5-coder-0.5b-q4_k_m.gguf");
+    let budget = load(model.clone(), ExpertOptions::default()).unwrap().model.cfg.state_bytes(300);
+    // Two slots but memory for one sequence, and no queue beyond the free slots.
+    let o = ServerOptions {
+        parallel: 2,
+        max_queue: 0,
+        ctx_size: 512,
+        state_memory: Some(budget),
+        prefix_cache_bytes: 0,
+        ..opts()
+    };
+    let s = start(model, o, ExpertOptions::default()).await;
+    let b = json!({"prompt": "def add(a, b):", "max_tokens": 150, "ignore_eos": true, "temperature": 0, "logprobs": 1});
+    let alone = complete(&s, COMP, &b).await;
+    let (running, head) = started(&s, &with_stream(&b, true)).await;
+    // The second takes the free slot's place in the queue and waits for memory.
+    let waiting = tokio::spawn({
+        let (c, url) = (s.client.clone(), format!("{}{COMP}", s.base));
+        let b = b.clone();
+        async move { c.post(url).json(&b).send().await.unwrap().json::<Value>().await.unwrap() }
+    });
+    let t0 = Instant::now();
+    while s.metric("sluice_queue_depth", &[]).await < 1.0 {
+        assert!(t0.elapsed() < Duration::from_secs(10), "the second request never queued");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // A third finds the queue full of requests waiting for memory: 503, try again later.
+    let r = s.post(COMP).json(&json!({"prompt": "hi", "max_tokens": 2})).send().await.unwrap();
+    assert_eq!(r.status(), 503);
+    assert_eq!(r.headers()["retry-after"], "2");
+    let v: Value = r.json().await.unwrap();
+    assert!(v["error"]["message"].as_str().unwrap().contains("memory"), "{v}");
+    assert_eq!(s.metric("sluice_requests_rejected_total", &["memory"]).await, 1.0);
+    // The two admitted ones finish with the bits they get alone.
+    let first = parse_sse(&rest_of(running, head).await, false);
+    assert_eq!(first.text, alone.text);
+    assert_eq!(first.logprobs, alone.logprobs);
+    let second = waiting.await.unwrap();
+    assert_eq!(second["choices"][0]["text"].as_str(), Some(alone.text.as_str()), "{second}");
+    s.shutdown();
+}
