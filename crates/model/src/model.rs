@@ -329,42 +329,80 @@ impl Model {
         for (l, lw) in self.layers.iter().enumerate() {
             lw.forward(self, l, &mut x, &mut segs, &positions, experts, &mut scratch, obs)?;
         }
-        let mut out = Vec::with_capacity(wants.len());
-        let mut start = 0;
-        for (len, want) in wants {
-            out.push(self.head(&x[start * hd..(start + len) * hd], len, want, obs)?);
-            start += len;
-        }
-        Ok(out)
+        self.heads(&x, &wants, obs)
     }
 
-    /// The final norm and the output projection of the requested rows of `x` (the residual
-    /// stream after the last layer): (logits, normed hidden rows).
-    fn head(
+    /// The final norm and the output projection of the rows each sequence of a batch wants
+    /// (`wants`: each one's rows of `x`, in order, and what it wants): (logits, normed hidden
+    /// rows) per sequence, with one output projection over all the rows that want logits: the
+    /// output matrix — often the largest single matrix of a small model — is read once per
+    /// step, not once per sequence. The kernels give a row the same bits whatever rows run
+    /// beside it, so each sequence gets the bits it gets alone.
+    fn heads(
         &self,
         x: &[f32],
-        n: usize,
-        want: Logits,
+        wants: &[(usize, Logits)],
         obs: &mut Option<&mut dyn Observer>,
-    ) -> Result<(Vec<f32>, Vec<f32>)> {
+    ) -> Result<Vec<(Vec<f32>, Vec<f32>)>> {
         let cfg = &self.cfg;
         let hd = cfg.hidden;
-        let rows = match want {
-            Logits::None => return Ok((Vec::new(), Vec::new())),
-            Logits::All | Logits::HiddenOnly => 0..n,
-            Logits::Last => n - 1..n,
-            Logits::From(f) => f.min(n)..n,
-        };
-        let m = rows.len();
-        let mut hn = vec![0f32; m * hd];
-        rms_norm_rows(&x[rows.start * hd..rows.end * hd], &self.output_norm, cfg.rms_eps, &mut hn);
-        observe(obs, "result_norm", None, &hn, m);
-        if want == Logits::HiddenOnly {
-            return Ok((Vec::new(), hn));
+        let mut spans = Vec::with_capacity(wants.len()); // each sequence's rows of `x` to normalize
+        let mut start = 0;
+        for &(len, want) in wants {
+            let rows = match want {
+                Logits::None => start..start,
+                Logits::All | Logits::HiddenOnly => start..start + len,
+                Logits::Last => start + len - 1..start + len,
+                Logits::From(f) => start + f.min(len)..start + len,
+            };
+            spans.push(rows);
+            start += len;
         }
-        let logits = self.output_logits(&hn);
-        observe(obs, "result_output", None, &logits, m);
-        Ok((logits, hn))
+        let m: usize = spans.iter().map(|r| r.len()).sum();
+        let mut hn = vec![0f32; m * hd];
+        let mut at = 0;
+        for r in &spans {
+            let k = r.len();
+            rms_norm_rows(
+                &x[r.start * hd..r.end * hd],
+                &self.output_norm,
+                cfg.rms_eps,
+                &mut hn[at * hd..(at + k) * hd],
+            );
+            at += k;
+        }
+        // Only the rows of sequences that want logits go through the output projection.
+        let mut proj = Vec::new();
+        let mut at = 0;
+        for (r, &(_, want)) in spans.iter().zip(wants) {
+            if want != Logits::HiddenOnly {
+                proj.extend_from_slice(&hn[at * hd..(at + r.len()) * hd]);
+            }
+            at += r.len();
+        }
+        let logits = if proj.is_empty() { Vec::new() } else { self.output_logits(&proj) };
+        let v = cfg.vocab_size;
+        let mut out = Vec::with_capacity(wants.len());
+        let (mut at, mut lat) = (0, 0);
+        for (r, &(_, want)) in spans.iter().zip(wants) {
+            let k = r.len();
+            if want == Logits::None {
+                out.push((Vec::new(), Vec::new()));
+                continue;
+            }
+            let h = hn[at * hd..(at + k) * hd].to_vec();
+            at += k;
+            observe(obs, "result_norm", None, &h, k);
+            if want == Logits::HiddenOnly {
+                out.push((Vec::new(), h));
+                continue;
+            }
+            let l = logits[lat * v..(lat + k) * v].to_vec();
+            lat += k;
+            observe(obs, "result_output", None, &l, k);
+            out.push((l, h));
+        }
+        Ok(out)
     }
 
     /// Logits of final-normed hidden rows (`rows × hidden`, as `forward_hidden` returns them):
