@@ -47,6 +47,8 @@ def main():
     ap.add_argument("--tokens", type=int, default=64, help="tokens per request")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--sluice-isa", choices=["scalar", "avx2", "avx512"],
+                    help="force sluice's kernel set (SLUICE_ISA), e.g. avx2 beside an AVX2 llama.cpp build")
     lib.add_common_args(ap)
     a = ap.parse_args()
     state = lib.check_tree(a.allow_dirty or a.dry_run)
@@ -64,7 +66,8 @@ def main():
     lib.log("llama-server: " + " ".join(l_cmd))
     procs = []
     try:
-        procs.append(sc.start(s_cmd, sp, log_path="/tmp/sluice-bench-server.log"))
+        isas = {"sluice": lib.sluice_isa(a.sluice_isa, not a.dry_run), "llama.cpp": lib.peer_isa(peer, a.model)}
+        procs.append(sc.start(s_cmd, sp, env=lib.sluice_env(a.sluice_isa), log_path="/tmp/sluice-bench-server.log"))
         procs.append(sc.start(l_cmd, lp, env=lib.peer_env(peer), log_path="/tmp/llama-bench-server.log"))
         rows = {c: {"sluice": [], "llama.cpp": []} for c in a.concurrency}
         for r in range(a.rounds):
@@ -81,7 +84,9 @@ def main():
             "model": lib.model_info(a.model),
             "threads": a.threads,
             "tokens_per_request": a.tokens,
-            "commands": {"sluice": s_cmd, "llama.cpp": l_cmd},
+            "commands": {"sluice": (["SLUICE_ISA=" + a.sluice_isa] if a.sluice_isa else []) + s_cmd, "llama.cpp": l_cmd},
+            "isa": {k: v["isa"] for k, v in isas.items()},
+            "isa_detail": isas,
             "peer": lib.PEER_VERSION,
             "cases": [
                 {
