@@ -47,8 +47,6 @@ def main():
     ap.add_argument("--tokens", type=int, default=64, help="tokens per request")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--sluice-isa", choices=["scalar", "avx2", "avx512"],
-                    help="force sluice's kernel set (SLUICE_ISA), e.g. avx2 beside an AVX2 llama.cpp build")
     lib.add_common_args(ap)
     a = ap.parse_args()
     state = lib.check_tree(a.allow_dirty or a.dry_run)
