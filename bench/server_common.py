@@ -14,6 +14,12 @@ def free_port():
         return s.getsockname()[1]
 
 
+def get_text(port, path):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    c.request("GET", path)
+    return c.getresponse().read().decode(errors="replace")
+
+
 def wait_health(port, proc, timeout=300):
     t0 = time.time()
     while time.time() - t0 < timeout:
@@ -30,10 +36,10 @@ def wait_health(port, proc, timeout=300):
     raise SystemExit("the server did not become ready")
 
 
-def start(cmd, port, env=None, log_path=None):
+def start(cmd, port, env=None, log_path=None, timeout=300):
     log = open(log_path or os.devnull, "w")
     p = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    wait_health(port, p)
+    wait_health(port, p, timeout)
     return p
 
 
@@ -45,22 +51,39 @@ def rss_bytes(pid):
     return 0
 
 
-def stream_completion(port, body, disconnect_after=None, timeout=600):
+def stream_completion(port, body, disconnect_after=None, timeout=600, deadline=None):
     """POSTs a streamed /v1/completions request. Returns (status, text, ttft_s, gaps_s, tokens
-    seen as chunks, disconnected)."""
+    seen as chunks, disconnected). At `deadline` (a time.time() value) the client disconnects."""
     body = dict(body, stream=True)
+    if deadline is not None:
+        timeout = max(0.1, min(timeout, deadline - time.time()))
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     t0 = time.time()
     c.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-    r = c.getresponse()
+    try:
+        r = c.getresponse()
+    except (TimeoutError, socket.timeout):
+        if deadline is None:
+            raise
+        c.close()
+        return 200, "", None, [], 0, True
     if r.status != 200:
         return r.status, r.read().decode(errors="replace"), None, [], 0, False
     text, ttft, gaps, last, chunks, done = "", None, [], None, 0, False
     buf = b""
     while True:
-        line = r.readline()
+        try:
+            line = r.readline()
+        except (TimeoutError, socket.timeout):
+            if deadline is None:
+                raise
+            c.close()
+            return 200, text, ttft, gaps, chunks, True
         if not line:
             break
+        if deadline is not None and time.time() >= deadline:
+            c.close()
+            return 200, text, ttft, gaps, chunks, True
         line = line.strip()
         if not line.startswith(b"data: "):
             continue
