@@ -51,9 +51,13 @@ def rss_bytes(pid):
     return 0
 
 
-def stream_completion(port, body, disconnect_after=None, timeout=600, deadline=None):
+def stream_completion(port, body, disconnect_after=None, timeout=600, deadline=None, counts=None):
     """POSTs a streamed /v1/completions request. Returns (status, text, ttft_s, gaps_s, tokens
-    seen as chunks, disconnected). At `deadline` (a time.time() value) the client disconnects."""
+    seen as chunks with text, disconnected). At `deadline` (a time.time() value) the client
+    disconnects. `counts` (a dict), where given, receives `events` (chunks with a choice, text or
+    not) and `usage_tokens` (completion_tokens of a usage chunk, None without one)."""
+    if counts is not None:
+        counts.update(events=0, usage_tokens=None)
     body = dict(body, stream=True)
     if deadline is not None:
         timeout = max(0.1, min(timeout, deadline - time.time()))
@@ -95,6 +99,10 @@ def stream_completion(port, body, disconnect_after=None, timeout=600, deadline=N
         if "error" in v:
             return 500, json.dumps(v), ttft, gaps, chunks, False
         ch = v.get("choices") or []
+        if counts is not None:
+            counts["events"] += 1 if ch else 0
+            if v.get("usage"):
+                counts["usage_tokens"] = v["usage"].get("completion_tokens")
         if ch and ch[0].get("text"):
             now = time.time()
             if ttft is None:

@@ -9,8 +9,9 @@ after the other (both at once would share the memory being measured), each: star
 warm-up request, then `--rounds` rounds of each concurrency, every client asking for a greedy
 completion of `--tokens` tokens (ignore_eos). A round ends when every client is done or at
 `--round-timeout`, when the clients still streaming disconnect; aggregate tok/s = the tokens
-the clients received (one per streamed chunk, the same count for both servers) over the
-round's wall time. llama-server runs with `--no-repack` (its CPU repacking copies the weights
+the clients received over the round's wall time (a finished stream counts the completion
+tokens of its usage chunk, one cut at the deadline the chunks it received). llama-server runs
+with `--no-repack` (its CPU repacking copies the weights
 into anonymous memory, which cannot fit) and a context of the slots' total.
 
 From sluice's /metrics, per round: bytes read from disk, expert misses and demand accesses,
@@ -52,10 +53,12 @@ def one_round(port, clients, n, timeout):
     got = [None] * clients
     deadline = time.time() + timeout
 
+    counts = [{} for _ in range(clients)]
+
     def one(k):
         body = {"prompt": f"Write a story about number {k}.", "max_tokens": n, "n_predict": n,
-                "temperature": 0, "ignore_eos": True}
-        got[k] = sc.stream_completion(port, body, deadline=deadline)
+                "temperature": 0, "ignore_eos": True, "stream_options": {"include_usage": True}}
+        got[k] = sc.stream_completion(port, body, deadline=deadline, counts=counts[k])
 
     t0 = time.time()
     ts = [threading.Thread(target=one, args=(k,)) for k in range(clients)]
@@ -67,7 +70,10 @@ def one_round(port, clients, n, timeout):
     for r in got:
         if r[0] != 200:
             raise SystemExit(f"request failed: {r[0]} {r[1][:200]}")
-    return sum(r[4] for r in got), wall, sum(1 for r in got if not r[5])
+    # A finished stream counts its usage; one cut at the deadline its chunks (llama-server sends
+    # one a token; sluice none for a token without text of its own: undercounted, never over).
+    toks = sum(c["usage_tokens"] if c["usage_tokens"] is not None else c["events"] for c in counts)
+    return toks, wall, sum(1 for r in got if not r[5])
 
 
 def uniform_union(experts, top_k, streams):
