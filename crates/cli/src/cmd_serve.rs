@@ -31,8 +31,7 @@ pub struct Args {
     #[arg(long, default_value = "16MiB")]
     max_body: String,
     /// Memory for sequence state (KV cache, recurrent state) of running requests and cached
-    /// prefixes (default: available memory after loading, less the expert cache's unfilled quota
-    /// and headroom).
+    /// prefixes (default: available memory after loading, less headroom).
     #[arg(long, value_name = "SIZE")]
     state_memory: Option<String>,
     /// Most memory for finished sequences' states kept for prefix reuse (0: off).

@@ -41,8 +41,7 @@ pub struct ServerOptions {
     /// Largest request body in bytes.
     pub max_body_bytes: usize,
     /// Memory for sequence state (KV and recurrent) of running requests and the prefix cache
-    /// (None: available memory after loading, less the expert cache's unfilled quota and
-    /// headroom).
+    /// (None: available memory after loading, less headroom).
     pub state_memory: Option<u64>,
     /// Most bytes of finished sequences' states kept for prefix reuse (0: none).
     pub prefix_cache_bytes: u64,
@@ -130,11 +129,7 @@ impl App {
         };
         let state_budget = self.opts.state_memory.unwrap_or_else(|| {
             let avail = sluice_runtime::placement::mem_available().unwrap_or(4 << 30);
-            // A streaming expert cache takes its slots as it fills: the part of its quota not
-            // yet filled is memory it will take, not memory free for sequence state.
-            let s = engine.model.experts.stats();
-            let unfilled = (s.quota_bytes as u64).saturating_sub(s.resident_bytes as u64);
-            avail.saturating_sub(unfilled).saturating_sub((1 << 30) + avail / 20)
+            avail.saturating_sub((1 << 30) + avail / 20)
         });
         let scfg = SchedulerConfig {
             parallel: self.opts.parallel.max(1),
