@@ -11,8 +11,6 @@ quiet machine only; --dry-run writes under /tmp).
 import argparse
 import os
 import sys
-import threading
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import lib  # noqa: E402
@@ -20,23 +18,7 @@ import server_common as sc  # noqa: E402
 
 
 def round_tok_s(port, clients, n):
-    results = [None] * clients
-
-    def one(k):
-        body = {"prompt": f"Write a story about number {k}.", "max_tokens": n, "n_predict": n,
-                "temperature": 0, "ignore_eos": True}
-        results[k] = sc.stream_completion(port, body)
-
-    t0 = time.time()
-    ts = [threading.Thread(target=one, args=(k,)) for k in range(clients)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    wall = time.time() - t0
-    for r in results:
-        if r[0] != 200:
-            raise SystemExit(f"request failed: {r[0]} {r[1][:200]}")
+    _, wall = sc.concurrent_streams(clients, lambda k: sc.stream_completion(port, sc.story_body(k, n)))
     return clients * n / wall
 
 

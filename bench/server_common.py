@@ -5,6 +5,7 @@ import json
 import os
 import socket
 import subprocess
+import threading
 import time
 
 
@@ -121,6 +122,33 @@ def stream_completion(port, body, disconnect_after=None, timeout=600, deadline=N
         return 599, "stream ended without [DONE]", ttft, gaps, chunks, False
     del buf
     return 200, text, ttft, gaps, chunks, False
+
+
+def story_body(k, n, **extra):
+    """The benchmarks' request: a greedy completion of `n` tokens for client `k` (ignore_eos)."""
+    return dict({"prompt": f"Write a story about number {k}.", "max_tokens": n, "n_predict": n,
+                 "temperature": 0, "ignore_eos": True}, **extra)
+
+
+def concurrent_streams(clients, request):
+    """Runs `request(k)` (a stream_completion) for every client at once on threads of their own;
+    returns (results, wall seconds). Exits when a request failed."""
+    results = [None] * clients
+
+    def one(k):
+        results[k] = request(k)
+
+    t0 = time.time()
+    ts = [threading.Thread(target=one, args=(k,)) for k in range(clients)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    wall = time.time() - t0
+    for r in results:
+        if r[0] != 200:
+            raise SystemExit(f"request failed: {r[0]} {r[1][:200]}")
+    return results, wall
 
 
 def percentile(xs, q):

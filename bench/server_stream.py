@@ -28,7 +28,6 @@ with `--sluice-arg=--expert-cache=32MiB`), and writes outside bench/results.
 import argparse
 import os
 import sys
-import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -50,26 +49,11 @@ def sluice_counters(port):
 
 def one_round(port, clients, n, timeout):
     """(tokens received, wall seconds, finished clients) of `clients` concurrent streams."""
-    got = [None] * clients
     deadline = time.time() + timeout
-
     counts = [{} for _ in range(clients)]
-
-    def one(k):
-        body = {"prompt": f"Write a story about number {k}.", "max_tokens": n, "n_predict": n,
-                "temperature": 0, "ignore_eos": True, "stream_options": {"include_usage": True}}
-        got[k] = sc.stream_completion(port, body, deadline=deadline, counts=counts[k])
-
-    t0 = time.time()
-    ts = [threading.Thread(target=one, args=(k,)) for k in range(clients)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    wall = time.time() - t0
-    for r in got:
-        if r[0] != 200:
-            raise SystemExit(f"request failed: {r[0]} {r[1][:200]}")
+    body = lambda k: sc.story_body(k, n, stream_options={"include_usage": True})  # noqa: E731
+    got, wall = sc.concurrent_streams(
+        clients, lambda k: sc.stream_completion(port, body(k), deadline=deadline, counts=counts[k]))
     # A finished stream counts its usage; one cut at the deadline its chunks (llama-server sends
     # one a token; sluice none for a token without text of its own: undercounted, never over).
     toks = sum(c["usage_tokens"] if c["usage_tokens"] is not None else c["events"] for c in counts)
