@@ -258,8 +258,12 @@ pub(crate) const SMALL_BATCH: usize = 8;
 /// token before → after: Q5_0 n=2 2.48× → 1.26×, n=5 3.01× → 2.23×; Q8_0 n=2 2.11× → 1.34×,
 /// n=8 3.09× → 3.05×, n=16 5.20× → 6.03× (so the rows-batch kernel stops below 8). Decode
 /// (one token) keeps `rows_decode`: run through `rows_batch`, Q5_0 decoded at 14.9 GB/s
-/// against 17.0.
-pub(crate) const ROW_KERNEL_MIN_TOKENS: usize = 8;
+/// against 17.0. Eight tokens (a server batch of eight streams) went to `row_tokens` until
+/// measured on an AVX-512 EPYC (kernel lab, 2 threads, interleaved runs of both binaries, time
+/// of 8 tokens over one token's): on `rows_batch` Q5_0 4.3–5.7× → 3.9× (4864×896, at AVX2 too:
+/// 4.3× → 3.9×), Q8_0 4.4× → 3.6×, Q4_0 5.4× → 5.0×, IQ4_XS 5.0× → 4.3×, IQ2_XXS 3.5× → 3.1×
+/// (2048×2048), MXFP4 unchanged (5.5×); so the small-batch kernels take every size they can.
+pub(crate) const ROW_KERNEL_MIN_TOKENS: usize = SMALL_BATCH + 1;
 
 /// One small-batch kernel call's results: `[token][row]`.
 pub(crate) type BatchOut = [[f32; 4]; SMALL_BATCH];
