@@ -26,7 +26,7 @@ use crate::pool::ThreadPool;
 use std::arch::x86_64::*;
 
 /// The IQ format with GGML id `id`, at compile time.
-const fn dtype_const(id: u32) -> DType {
+pub(super) const fn dtype_const(id: u32) -> DType {
     match id {
         16 => DType::IQ2_XXS,
         17 => DType::IQ2_XS,
@@ -42,7 +42,7 @@ const fn dtype_const(id: u32) -> DType {
 }
 
 /// Whether the format's codes carry signs (moved onto the activations); IQ1's are offset instead.
-const fn signed(dt: DType) -> bool {
+pub(super) const fn signed(dt: DType) -> bool {
     !matches!(dt, DType::IQ1_S | DType::IQ1_M)
 }
 
@@ -287,7 +287,7 @@ macro_rules! unroll8 {
 ///
 /// `b` points to one whole block of the format; the CPU has AVX2 (checked by `cpu::isa()`).
 #[inline(always)]
-unsafe fn for_groups<const DT: u32>(b: *const u8, mut f: impl FnMut(usize, __m256i, __m256i, __m256i)) {
+pub(super) unsafe fn for_groups<const DT: u32>(b: *const u8, mut f: impl FnMut(usize, __m256i, __m256i, __m256i)) {
     let dt = const { dtype_const(DT) };
     let one = _mm256_set1_epi8(1);
     match dt {
@@ -532,7 +532,7 @@ unsafe fn iq1_scales16<const DT: u32>(b: *const u8) -> __m256i {
 ///
 /// `b` points to one whole block of the format.
 #[inline(always)]
-unsafe fn d_bits<const DT: u32>(b: *const u8) -> u16 {
+pub(super) unsafe fn d_bits<const DT: u32>(b: *const u8) -> u16 {
     if const { dtype_const(DT) } == DType::IQ1_M {
         super::iq::iq1m_d_bits(std::slice::from_raw_parts(b, 56))
     } else {

@@ -86,7 +86,12 @@ pub(crate) fn matmul_quant_isa(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, x: &[
     let kind = ActKind::for_weights(w.dtype).expect("MatRef::new checks support");
     let act = QuantAct::new(kind, x, n, w.cols);
     let o = SendPtr(out.as_mut_ptr());
-    // IQ formats: their own AVX2 kernels (which serve the AVX-512 level too).
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 && crate::cpu::has_vnni() && n >= gemm_min_tokens(w.dtype) && gemm_supports(w.dtype) {
+        return gemm_tiled(pool, w, &act, n, o);
+    }
+    // IQ formats: their own AVX2 kernels (decode and small batches at the AVX-512 level too,
+    // and prefill where the tiled kernel above does not run).
     #[cfg(target_arch = "x86_64")]
     if isa >= Isa::Avx2 && iq::is_iq(w.dtype) {
         return iq_x86::matmul(pool, w, &act, n, o);
@@ -95,10 +100,6 @@ pub(crate) fn matmul_quant_isa(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, x: &[
     #[cfg(target_arch = "x86_64")]
     if isa >= Isa::Avx2 && w.dtype == DType::MXFP4 {
         return mxfp4_x86::matmul(pool, w, &act, n, o);
-    }
-    #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx512 && crate::cpu::has_vnni() && n >= gemm_min_tokens(w.dtype) && gemm_supports(w.dtype) {
-        return gemm_tiled(pool, w, &act, n, o);
     }
     // K-quants: decode and small batches on the kernels of `x86` (every format; Q2_K and Q3_K
     // unpacked by `k23_x86`).
@@ -348,11 +349,16 @@ fn batch_k(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, n: usize,
 /// timings (2 threads, Xeon with VNNI), Q4_K at 4–5 tokens took 2.5× one token's time tiled
 /// and 2.0× on the row kernels, 8 tokens about the same either way (2.7× / 2.9×); Q6_K and
 /// Q2_K cross near 7, Q5_K and Q3_K near 10, the 32-value block formats (Q4_0 at 8 tokens:
-/// 4.2× tiled, 3.5× on the row kernels) past 10. Verify passes of speculative decoding and
-/// small decode batches are these sizes.
+/// 4.2× tiled, 3.5× on the row kernels) past 10. The IQ formats (AMD EPYC with VNNI, 2
+/// threads): IQ4_NL crosses near 4 (5 tokens: 2.6× tiled, 3.1× on the row kernels), IQ1_S
+/// near 6, IQ2_XXS, IQ3_XXS and IQ4_XS near 8 (IQ2_XXS at 8: 3.2× tiled, 3.4× on the row
+/// kernels; at 5: 3.0× against 2.4×). Verify passes of speculative decoding and small decode
+/// batches are these sizes.
 fn gemm_min_tokens(dtype: DType) -> usize {
     if is_block32(dtype) {
         12
+    } else if dtype == DType::IQ4_NL {
+        5
     } else {
         8
     }
@@ -372,7 +378,7 @@ fn gemm_supports(dtype: DType) -> bool {
             | DType::Q4_K
             | DType::Q5_K
             | DType::Q6_K
-    )
+    ) || iq::is_iq(dtype)
 }
 
 /// The tiled AVX-512 VNNI path: panels of 16 tokens, rows in blocks that stay in L2.

@@ -7,7 +7,8 @@
 //! integer sums of a block come out already separated by token, with no horizontal reduction.
 //! Four rows run together so their dependency chains overlap.
 //!
-//! Formats: Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, Q2_K, Q3_K.
+//! Formats: Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, Q2_K, Q3_K and the IQ formats (their
+//! blocks unpacked by the AVX2 kernels' `iq_x86::for_groups`).
 //!
 //! Each lane then applies `dot_ref::accumulate`'s operations for its (row, token) pair, block
 //! after block, so results equal the scalar reference to the bit.
@@ -165,6 +166,14 @@ pub unsafe fn gemm<const R: usize>(dtype: DType, w: &[u8], row_bytes: usize, p: 
         DType::Q6_K => gemm_q6k::<R>(w, row_bytes, p, out),
         DType::Q2_K => gemm_k23::<R, false>(w, row_bytes, p, out),
         DType::Q3_K => gemm_k23::<R, true>(w, row_bytes, p, out),
+        DType::IQ2_XXS => gemm_iq::<R, 16>(w, row_bytes, p, out),
+        DType::IQ2_XS => gemm_iq::<R, 17>(w, row_bytes, p, out),
+        DType::IQ3_XXS => gemm_iq::<R, 18>(w, row_bytes, p, out),
+        DType::IQ1_S => gemm_iq::<R, 19>(w, row_bytes, p, out),
+        DType::IQ3_S => gemm_iq::<R, 21>(w, row_bytes, p, out),
+        DType::IQ2_S => gemm_iq::<R, 22>(w, row_bytes, p, out),
+        DType::IQ4_XS => gemm_iq::<R, 23>(w, row_bytes, p, out),
+        DType::IQ1_M => gemm_iq::<R, 29>(w, row_bytes, p, out),
         _ => gemm32::<R>(dtype, w, row_bytes, p, out),
     }
 }
@@ -178,11 +187,12 @@ pub unsafe fn gemm<const R: usize>(dtype: DType, w: &[u8], row_bytes: usize, p: 
 unsafe fn gemm32<const R: usize>(dtype: DType, w: &[u8], row_bytes: usize, p: &Panel, out: &mut [[f32; TILE]; ROWS]) {
     let bb = dtype.block_bytes();
     let has_m = matches!(dtype, DType::Q4_1 | DType::Q5_1);
-    // Q8_0's signed codes become unsigned by +128; the others are already unsigned.
+    // Q8_0's and IQ4_NL's signed codes become unsigned by +128; the others are already
+    // unsigned.
     let bias: i32 = match dtype {
         DType::Q4_0 => 8,
         DType::Q5_0 => 16,
-        DType::Q8_0 => 128,
+        DType::Q8_0 | DType::IQ4_NL => 128,
         _ => 0,
     };
     let shift = _mm_cvtsi32_si128(bias.trailing_zeros() as i32);
@@ -193,8 +203,14 @@ unsafe fn gemm32<const R: usize>(dtype: DType, w: &[u8], row_bytes: usize, p: &P
     for b in 0..p.nb {
         for r in 0..R {
             let blk = w.as_ptr().add(r * row_bytes + b * bb);
-            let mut u = codes32(dtype, blk);
-            if dtype == DType::Q8_0 {
+            let mut u = _mm256_setzero_si256();
+            if dtype == DType::IQ4_NL {
+                // The block's 32 levels (signed), as the AVX2 kernels unpack them.
+                super::iq_x86::for_groups::<20>(blk, |_, _, levels, _| u = levels);
+            } else {
+                u = codes32(dtype, blk);
+            }
+            if bias == 128 {
                 u = _mm256_xor_si256(u, _mm256_set1_epi8(-128));
             }
             _mm256_storeu_si256(codes[r].as_mut_ptr() as *mut __m256i, u);
@@ -391,6 +407,65 @@ unsafe fn gemm_k23<const R: usize, const Q3: bool>(
                 accf[r] =
                     _mm512_fnmadd_ps(_mm512_mul_ps(_mm512_set1_ps(dmin[r]), dx), _mm512_cvtepi32_ps(s2[r]), accf[r]);
             }
+        }
+    }
+    for r in 0..R {
+        _mm512_storeu_ps(out[r].as_mut_ptr(), accf[r]);
+    }
+}
+
+/// The IQ formats with 256-value blocks (IQ4_NL, a 32-value block, goes through `gemm32`):
+/// each 32-value group as `iq_x86::for_groups` unpacks it for the AVX2 kernels, made one
+/// unsigned byte per value — signed codes plus 128, IQ1's codes as they come (already offset
+/// by 9) — with one scale per 16 values; the offset comes off after as B · Σ scale · (16-value
+/// activation sum), as Q6_K's +32 does. The integer sum is `iq::block_isum`'s, the float step
+/// `accumulate`'s (`D` = the stored f16 times the format's power of two, exact).
+///
+/// # Safety
+///
+/// The CPU supports the features named in `gemm`'s `target_feature` (AVX-512 VNNI; the
+/// dispatcher checks `cpu::isa()` and `cpu::has_vnni()` first); `w` holds R whole rows of
+/// `row_bytes` of the format; the panel holds Q8_K activations of the rows' width.
+#[inline(always)]
+unsafe fn gemm_iq<const R: usize, const DT: u32>(w: &[u8], row_bytes: usize, p: &Panel, out: &mut [[f32; TILE]; ROWS]) {
+    use super::iq_x86::{d_bits, dtype_const, for_groups, signed};
+    let dt = const { dtype_const(DT) };
+    let bb = dt.block_bytes();
+    let factor = super::iq::scale_factor(dt);
+    let flip = _mm256_set1_epi8(-128);
+    let mut accf = [_mm512_setzero_ps(); R];
+    let mut codes = [[0u8; 256]; R];
+    let mut sc = [[0i32; 16]; R];
+    let mut sp = [[0i32; 8]; R];
+    let mut d = [0f32; R];
+    for b in 0..p.nb {
+        for r in 0..R {
+            let blk = w.as_ptr().add(r * row_bytes + b * bb);
+            let (cr, sr) = (&mut codes[r], &mut sc[r]);
+            for_groups::<DT>(blk, |k, mag, sgn, scl| {
+                let u = if signed(dt) { _mm256_xor_si256(_mm256_sign_epi8(mag, sgn), flip) } else { mag };
+                _mm256_storeu_si256(cr.as_mut_ptr().add(32 * k) as *mut __m256i, u);
+                // Lanes 0..8 hold the scale of values 0..16, lanes 8..16 that of 16..32.
+                sr[2 * k] = _mm256_extract_epi16::<0>(scl) as i16 as i32;
+                sr[2 * k + 1] = _mm256_extract_epi16::<8>(scl) as i16 as i32;
+            });
+            for j in 0..8 {
+                sp[r][j] = (sc[r][2 * j] & 0xFFFF) | (sc[r][2 * j + 1] << 16);
+            }
+            d[r] = f16_to_f32(d_bits::<DT>(blk)) * factor;
+        }
+        let s1 = groups16::<R>(&codes, &sc, p.codes.as_ptr().add(b * 64 * TILE));
+        let corr = pair_sums::<R>(p, b, &sp);
+        let dx = ldf(p.dx.as_ptr().add(b * TILE));
+        for r in 0..R {
+            // B · Σ scale · sum: B = 128 (signed codes) or 9 (IQ1's offset).
+            let off = if signed(dt) {
+                _mm512_slli_epi32(corr[r], 7)
+            } else {
+                _mm512_add_epi32(_mm512_slli_epi32(corr[r], 3), corr[r])
+            };
+            let isum = _mm512_sub_epi32(s1[r], off);
+            accf[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(d[r]), dx), _mm512_cvtepi32_ps(isum), accf[r]);
         }
     }
     for r in 0..R {
