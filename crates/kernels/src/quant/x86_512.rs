@@ -310,32 +310,55 @@ unsafe fn gemm_q4k<const R: usize>(q5: bool, w: &[u8], row_bytes: usize, p: &Pan
 #[inline(always)]
 unsafe fn gemm_q6k<const R: usize>(w: &[u8], row_bytes: usize, p: &Panel, out: &mut [[f32; TILE]; ROWS]) {
     let bb = DType::Q6_K.block_bytes();
+    // Codes are q + 32.
+    gemm_offset16::<R>(p, out, 32, |r, b, codes, sc| {
+        let blk = std::slice::from_raw_parts(w.as_ptr().add(r * row_bytes + b * bb), bb);
+        let u = codes_q6k(blk);
+        for (j, v) in u.iter().enumerate() {
+            _mm256_storeu_si256(codes.as_mut_ptr().add(32 * j) as *mut __m256i, *v);
+        }
+        for g in 0..16 {
+            sc[g] = (blk[192 + g] as i8) as i32;
+        }
+        f16_to_f32(f16_bits(blk, 208))
+    });
+}
+
+/// The frame of the formats whose 256-value blocks unpack to unsigned codes `q + bias` with a
+/// scale per 16 values and one float scale `d` (Q6_K, the IQ formats): `unpack(r, b, codes,
+/// scales)` fills row r's block b and returns its `d`; per lane (token) the block's integer sum
+/// is Σ_g scale_g · (codes_g · x_g) − bias · Σ_g scale_g · Σx_g (the activations' 16-value
+/// sums), then `acc = fma(d·dx, isum, acc)`, `accumulate`'s step.
+///
+/// # Safety
+///
+/// The CPU has AVX-512 VNNI (the caller, compiled for it, was dispatched after `cpu::isa()`
+/// and `cpu::has_vnni()`); the panel holds Q8_K activations; `unpack` reads only whole blocks.
+#[inline(always)]
+unsafe fn gemm_offset16<const R: usize>(
+    p: &Panel,
+    out: &mut [[f32; TILE]; ROWS],
+    bias: i32,
+    mut unpack: impl FnMut(usize, usize, &mut [u8; 256], &mut [i32; 16]) -> f32,
+) {
     let mut accf = [_mm512_setzero_ps(); R];
     let mut codes = [[0u8; 256]; R];
     let mut sc = [[0i32; 16]; R];
     let mut sp = [[0i32; 8]; R];
     let mut d = [0f32; R];
+    let bias = _mm512_set1_epi32(bias);
     for b in 0..p.nb {
         for r in 0..R {
-            let blk = std::slice::from_raw_parts(w.as_ptr().add(r * row_bytes + b * bb), bb);
-            let u = codes_q6k(blk);
-            for (j, v) in u.iter().enumerate() {
-                _mm256_storeu_si256(codes[r].as_mut_ptr().add(32 * j) as *mut __m256i, *v);
-            }
-            for g in 0..16 {
-                sc[r][g] = (blk[192 + g] as i8) as i32;
-            }
+            d[r] = unpack(r, b, &mut codes[r], &mut sc[r]);
             for j in 0..8 {
                 sp[r][j] = (sc[r][2 * j] & 0xFFFF) | (sc[r][2 * j + 1] << 16);
             }
-            d[r] = f16_to_f32(f16_bits(blk, 208));
         }
         let s1 = groups16::<R>(&codes, &sc, p.codes.as_ptr().add(b * 64 * TILE));
-        // Codes are q + 32: take off 32 · Σ_g scale_g · Σx_g.
         let corr = pair_sums::<R>(p, b, &sp);
         let dx = ldf(p.dx.as_ptr().add(b * TILE));
         for r in 0..R {
-            let isum = _mm512_sub_epi32(s1[r], _mm512_slli_epi32(corr[r], 5));
+            let isum = _mm512_sub_epi32(s1[r], _mm512_mullo_epi32(corr[r], bias));
             accf[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(d[r]), dx), _mm512_cvtepi32_ps(isum), accf[r]);
         }
     }
@@ -433,44 +456,17 @@ unsafe fn gemm_iq<const R: usize, const DT: u32>(w: &[u8], row_bytes: usize, p: 
     let bb = dt.block_bytes();
     let factor = super::iq::scale_factor(dt);
     let flip = _mm256_set1_epi8(-128);
-    let mut accf = [_mm512_setzero_ps(); R];
-    let mut codes = [[0u8; 256]; R];
-    let mut sc = [[0i32; 16]; R];
-    let mut sp = [[0i32; 8]; R];
-    let mut d = [0f32; R];
-    for b in 0..p.nb {
-        for r in 0..R {
-            let blk = w.as_ptr().add(r * row_bytes + b * bb);
-            let (cr, sr) = (&mut codes[r], &mut sc[r]);
-            for_groups::<DT>(blk, |k, mag, sgn, scl| {
-                let u = if signed(dt) { _mm256_xor_si256(_mm256_sign_epi8(mag, sgn), flip) } else { mag };
-                _mm256_storeu_si256(cr.as_mut_ptr().add(32 * k) as *mut __m256i, u);
-                // Lanes 0..8 hold the scale of values 0..16, lanes 8..16 that of 16..32.
-                sr[2 * k] = _mm256_extract_epi16::<0>(scl) as i16 as i32;
-                sr[2 * k + 1] = _mm256_extract_epi16::<8>(scl) as i16 as i32;
-            });
-            for j in 0..8 {
-                sp[r][j] = (sc[r][2 * j] & 0xFFFF) | (sc[r][2 * j + 1] << 16);
-            }
-            d[r] = f16_to_f32(d_bits::<DT>(blk)) * factor;
-        }
-        let s1 = groups16::<R>(&codes, &sc, p.codes.as_ptr().add(b * 64 * TILE));
-        let corr = pair_sums::<R>(p, b, &sp);
-        let dx = ldf(p.dx.as_ptr().add(b * TILE));
-        for r in 0..R {
-            // B · Σ scale · sum: B = 128 (signed codes) or 9 (IQ1's offset).
-            let off = if signed(dt) {
-                _mm512_slli_epi32(corr[r], 7)
-            } else {
-                _mm512_add_epi32(_mm512_slli_epi32(corr[r], 3), corr[r])
-            };
-            let isum = _mm512_sub_epi32(s1[r], off);
-            accf[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(d[r]), dx), _mm512_cvtepi32_ps(isum), accf[r]);
-        }
-    }
-    for r in 0..R {
-        _mm512_storeu_ps(out[r].as_mut_ptr(), accf[r]);
-    }
+    gemm_offset16::<R>(p, out, if signed(dt) { 128 } else { 9 }, |r, b, codes, sc| {
+        let blk = w.as_ptr().add(r * row_bytes + b * bb);
+        for_groups::<DT>(blk, |k, mag, sgn, scl| {
+            let u = if signed(dt) { _mm256_xor_si256(_mm256_sign_epi8(mag, sgn), flip) } else { mag };
+            _mm256_storeu_si256(codes.as_mut_ptr().add(32 * k) as *mut __m256i, u);
+            // Lanes 0..8 hold the scale of values 0..16, lanes 8..16 that of 16..32.
+            sc[2 * k] = _mm256_extract_epi16::<0>(scl) as i16 as i32;
+            sc[2 * k + 1] = _mm256_extract_epi16::<8>(scl) as i16 as i32;
+        });
+        f16_to_f32(d_bits::<DT>(blk)) * factor
+    });
 }
 
 /// Pairs of a K-quant block's unpacked 32-value code vectors and their scale vectors
