@@ -96,7 +96,8 @@ pub(crate) fn matmul_quant_isa(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, x: &[
     if isa >= Isa::Avx2 && iq::is_iq(w.dtype) {
         return iq_x86::matmul(pool, w, &act, n, o);
     }
-    // MXFP4: its own AVX2 kernels (which serve the AVX-512 level too).
+    // MXFP4: its own AVX2 kernels (which serve the AVX-512 level too, where the tiled kernel
+    // above does not apply).
     #[cfg(target_arch = "x86_64")]
     if isa >= Isa::Avx2 && w.dtype == DType::MXFP4 {
         return mxfp4_x86::matmul(pool, w, &act, n, o);
@@ -352,13 +353,17 @@ fn batch_k(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, n: usize,
 /// 4.2× tiled, 3.5× on the row kernels) past 10. The IQ formats (AMD EPYC with VNNI, 2
 /// threads): IQ4_NL crosses near 4 (5 tokens: 2.6× tiled, 3.1× on the row kernels), IQ1_S
 /// near 6, IQ2_XXS, IQ3_XXS and IQ4_XS near 8 (IQ2_XXS at 8: 3.2× tiled, 3.4× on the row
-/// kernels; at 5: 3.0× against 2.4×). Verify passes of speculative decoding and small decode
-/// batches are these sizes.
+/// kernels; at 5: 3.0× against 2.4×). MXFP4 (same machine) takes the tiled kernel past the
+/// small-batch kernels' largest batch: at 8 tokens both take about 4× one token's time, at 12
+/// tiled 3.4–3.7× against 4.4–7.8× on its one-row prefill kernel. Verify passes of speculative
+/// decoding and small decode batches are these sizes.
 fn gemm_min_tokens(dtype: DType) -> usize {
     if is_block32(dtype) {
         12
     } else if dtype == DType::IQ4_NL {
         5
+    } else if dtype == DType::MXFP4 {
+        SMALL_BATCH + 1
     } else {
         8
     }
@@ -373,6 +378,7 @@ fn gemm_supports(dtype: DType) -> bool {
             | DType::Q4_1
             | DType::Q5_0
             | DType::Q5_1
+            | DType::MXFP4
             | DType::Q2_K
             | DType::Q3_K
             | DType::Q4_K

@@ -1,7 +1,8 @@
 //! AVX2 kernels of MXFP4 weights against Q8_0 activations: decode (one token, several rows at
 //! once), small batches (several rows against a few tokens) and prefill (one row against a
 //! range of tokens), each group of eight blocks unpacked once for all the tokens. They run at
-//! the AVX2 and the AVX-512 levels alike.
+//! the AVX2 and the AVX-512 levels alike, except prefill where the CPU has VNNI: there the
+//! tiled kernel of `x86_512` takes the codes this file unpacks (`codes`).
 //!
 //! A block is an E8M0 exponent and 32 four-bit codes indexing the doubled FP4 table
 //! (`MXFP4_VALUES`, −12..12). The codes are looked up with `vpshufb` in that table plus 12, so
@@ -28,7 +29,7 @@ use std::arch::x86_64::*;
 const BB: usize = 17;
 
 /// What the lookup table adds to each FP4 value so that codes are unsigned.
-const OFFSET: i32 = 12;
+pub(crate) const OFFSET: i32 = 12;
 
 /// The doubled FP4 values plus `OFFSET` (0..24), in both 128-bit lanes: a `vpshufb` table.
 ///
@@ -36,7 +37,7 @@ const OFFSET: i32 = 12;
 ///
 /// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
 #[inline(always)]
-unsafe fn table() -> __m256i {
+pub(crate) unsafe fn table() -> __m256i {
     const T: [u8; 16] = {
         let mut t = [0u8; 16];
         let mut i = 0;
@@ -58,7 +59,7 @@ unsafe fn table() -> __m256i {
 ///
 /// `b` is valid for reading one block (17 bytes); the CPU has AVX2 (checked by `cpu::isa()`).
 #[inline(always)]
-unsafe fn codes(t: __m256i, b: *const u8) -> __m256i {
+pub(crate) unsafe fn codes(t: __m256i, b: *const u8) -> __m256i {
     let v = _mm256_broadcastsi128_si256(_mm_loadu_si128(b.add(1) as *const __m128i));
     let n = _mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
     _mm256_shuffle_epi8(t, _mm256_and_si256(n, _mm256_set1_epi8(0x0F)))

@@ -7,7 +7,7 @@
 //! integer sums of a block come out already separated by token, with no horizontal reduction.
 //! Four rows run together so their dependency chains overlap.
 //!
-//! Formats: Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, Q2_K, Q3_K and the IQ formats (their
+//! Formats: Q4_0, Q4_1, Q5_0, Q5_1, MXFP4, Q4_K, Q5_K, Q6_K, Q2_K, Q3_K and the IQ formats (their
 //! blocks unpacked by the AVX2 kernels' `iq_x86::for_groups`).
 //!
 //! Each lane then applies `dot_ref::accumulate`'s operations for its (row, token) pair, block
@@ -17,6 +17,7 @@
 #![allow(clippy::needless_range_loop)]
 
 use super::act::QuantAct;
+use super::blocks::e8m0_half;
 use super::x86::{codes32, codes_q4k, codes_q6k, f16_bits, f16_to_f32};
 use crate::DType;
 use std::arch::x86_64::*;
@@ -187,15 +188,16 @@ pub unsafe fn gemm<const R: usize>(dtype: DType, w: &[u8], row_bytes: usize, p: 
 unsafe fn gemm32<const R: usize>(dtype: DType, w: &[u8], row_bytes: usize, p: &Panel, out: &mut [[f32; TILE]; ROWS]) {
     let bb = dtype.block_bytes();
     let has_m = matches!(dtype, DType::Q4_1 | DType::Q5_1);
-    // Q8_0's and IQ4_NL's signed codes become unsigned by +128; the others are already
-    // unsigned.
+    // Q8_0's and IQ4_NL's signed codes become unsigned by +128, MXFP4's doubled values by +12
+    // (its lookup table's offset); the others are already unsigned.
     let bias: i32 = match dtype {
         DType::Q4_0 => 8,
         DType::Q5_0 => 16,
         DType::Q8_0 | DType::IQ4_NL => 128,
+        DType::MXFP4 => super::mxfp4_x86::OFFSET,
         _ => 0,
     };
-    let shift = _mm_cvtsi32_si128(bias.trailing_zeros() as i32);
+    let mxfp4 = super::mxfp4_x86::table();
     let mut accf = [_mm512_setzero_ps(); R];
     let mut codes = [[0u8; 32]; R];
     let mut d = [0f32; R];
@@ -207,6 +209,8 @@ unsafe fn gemm32<const R: usize>(dtype: DType, w: &[u8], row_bytes: usize, p: &P
             if dtype == DType::IQ4_NL {
                 // The block's 32 levels (signed), as the AVX2 kernels unpack them.
                 super::iq_x86::for_groups::<20>(blk, |_, _, levels, _| u = levels);
+            } else if dtype == DType::MXFP4 {
+                u = super::mxfp4_x86::codes(mxfp4, blk);
             } else {
                 u = codes32(dtype, blk);
             }
@@ -215,7 +219,7 @@ unsafe fn gemm32<const R: usize>(dtype: DType, w: &[u8], row_bytes: usize, p: &P
             }
             _mm256_storeu_si256(codes[r].as_mut_ptr() as *mut __m256i, u);
             let wb = std::slice::from_raw_parts(blk, bb);
-            d[r] = f16_to_f32(f16_bits(wb, 0));
+            d[r] = if dtype == DType::MXFP4 { e8m0_half(wb[0]) } else { f16_to_f32(f16_bits(wb, 0)) };
             if has_m {
                 m[r] = f16_to_f32(f16_bits(wb, 2));
             }
@@ -229,7 +233,7 @@ unsafe fn gemm32<const R: usize>(dtype: DType, w: &[u8], row_bytes: usize, p: &P
             }
         }
         let dx = ldf(p.dx.as_ptr().add(b * TILE));
-        let xs = _mm512_sll_epi32(ld(p.xsum.as_ptr().add(b * TILE) as *const u32), shift);
+        let xs = _mm512_mullo_epi32(ld(p.xsum.as_ptr().add(b * TILE) as *const u32), _mm512_set1_epi32(bias));
         for r in 0..R {
             let isum = if bias != 0 { _mm512_sub_epi32(acc[r], xs) } else { acc[r] };
             let ddx = _mm512_mul_ps(_mm512_set1_ps(d[r]), dx);
