@@ -100,7 +100,7 @@ pub(crate) fn matmul_quant_isa(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, x: &[
     // above does not apply).
     #[cfg(target_arch = "x86_64")]
     if isa >= Isa::Avx2 && w.dtype == DType::MXFP4 {
-        return mxfp4_x86::matmul(pool, w, &act, n, o);
+        return mxfp4_x86::matmul(isa, pool, w, &act, n, o);
     }
     // K-quants: decode and small batches on the kernels of `x86` (every format; Q2_K and Q3_K
     // unpacked by `k23_x86`).

@@ -20,6 +20,7 @@ use super::act::QuantAct;
 use super::blocks::MXFP4_VALUES;
 use super::x86::prefetch_rows;
 use super::{BatchOut, SMALL_BATCH};
+use crate::cpu::Isa;
 use crate::dtype::DType;
 use crate::matmul::{MatRef, SendPtr};
 use crate::pool::ThreadPool;
@@ -92,22 +93,6 @@ unsafe fn reduce8(h: &[__m256i; 4]) -> __m256i {
     _mm256_add_epi32(_mm256_permute2x128_si256(s0, s1, 0x20), _mm256_permute2x128_si256(s0, s1, 0x31))
 }
 
-/// Block `J`'s pair sums `p` into `h` (see `reduce8`): an even block alone (its odd partner,
-/// if any, overwrites it), an odd one added to its even partner `prev`.
-///
-/// # Safety
-///
-/// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
-#[inline(always)]
-unsafe fn add_block<const J: usize>(h: &mut [__m256i; 4], prev: &mut __m256i, p: __m256i) {
-    if J.is_multiple_of(2) {
-        *prev = p;
-        h[J / 2] = _mm256_hadd_epi16(p, _mm256_setzero_si256());
-    } else {
-        h[J / 2] = _mm256_hadd_epi16(*prev, p);
-    }
-}
-
 /// `e8m0_half(e)` of eight exponents (in i32 lanes), exactly: for e ≥ 2 the normal number whose
 /// biased exponent is e − 1, `(e − 1)·2^23` as bits; for e = 0 and 1 the subnormals 2^−128 and
 /// 2^−127, `2^(21 + e)` as bits. The second form taken at min(e, 2) is at most the first for
@@ -132,6 +117,46 @@ unsafe fn e8m0_half8(e: __m256i) -> __m256 {
 #[inline(always)]
 unsafe fn scales8(e: __m128i) -> __m256 {
     e8m0_half8(_mm256_cvtepu8_epi32(e))
+}
+
+/// The scales of the eight blocks from `b`, their exponents fetched with four 32-byte loads
+/// instead of eight byte inserts. Exponent j sits at byte 17j: for j = 2i at byte 0 of dword i
+/// of the load at 30i, for j = 2i + 1 at byte 1 of dword i + 4 of the same load; the blends
+/// take lanes i and i + 4 from load i, a shift by 8 in the high lanes and a mask leave the
+/// exponents as [e0, e2, e4, e6 | e1, e3, e5, e7], and a permutation puts them in order.
+///
+/// # Safety
+///
+/// `b` is valid for reading eight whole blocks (136 bytes; the last load ends at byte 122);
+/// AVX2.
+#[inline(always)]
+unsafe fn group_scales(b: *const u8) -> __m256 {
+    let l = |o: usize| _mm256_loadu_si256(b.add(o) as *const __m256i);
+    let v = _mm256_blend_epi32(l(0), l(30), 0b0010_0010);
+    let v = _mm256_blend_epi32(v, l(60), 0b0100_0100);
+    let v = _mm256_blend_epi32(v, l(90), 0b1000_1000);
+    // [e0, e2, e4, e6 | e1, e3, e5, e7]
+    let v = _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8)), _mm256_set1_epi32(0xFF));
+    e8m0_half8(_mm256_permutevar8x32_epi32(v, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)))
+}
+
+/// The scales of the `m` blocks from `b` (lanes past `m` zero): `group_scales` for a whole
+/// group, the exponents one by one for a row's last, shorter one (whose loads could pass the
+/// row's end).
+///
+/// # Safety
+///
+/// `b` is valid for reading `m` ≤ 8 blocks; AVX2.
+#[inline(always)]
+unsafe fn block_scales(b: *const u8, m: usize) -> __m256 {
+    if m == 8 {
+        return group_scales(b);
+    }
+    let mut e = [0u8; 16];
+    for j in 0..m {
+        e[j] = *b.add(j * BB);
+    }
+    scales8(_mm_loadu_si128(e.as_ptr() as *const __m128i))
 }
 
 /// Byte `J` of `e` replaced by the exponent of the block at `b`.
@@ -243,39 +268,77 @@ unsafe fn accumulate4(acc: __m128, d: &[__m256; 4], s: &[__m256; 4], m: usize) -
     acc
 }
 
-/// Decode (one token) over R ≤ 4 rows at once, eight blocks at a time: each block's integer
-/// sums stay in vector lanes until the eight are reduced together, the scale products are
-/// formed eight at a time, and the rows' per-block float additions run in the lanes of one
-/// vector — the operations of `accumulate`, in its order, for each row.
+/// One token's activation codes regrouped for `rows_decode`: in each group of eight blocks,
+/// for k in 0..4, the first halves of blocks k and k + 4 (32 bytes), then their second halves
+/// — the order in which `rows_decode` lays out a pair of blocks' low and high nibbles.
+pub(crate) struct DecodeAct(Vec<i8>);
+
+impl DecodeAct {
+    /// Token 0 of `act` (padded to whole groups of eight blocks, as `QuantAct` pads them).
+    pub(crate) fn new(act: &QuantAct) -> DecodeAct {
+        let nb = act.blocks_per_row().next_multiple_of(8);
+        let x = &act.qs[act.idx(0, 0) * 32..][..nb * 32];
+        let mut v = vec![0i8; nb * 32];
+        for (src, dst) in x.chunks_exact(256).zip(v.chunks_exact_mut(256)) {
+            for k in 0..4 {
+                let (lo, hi) = (&src[32 * k..32 * k + 32], &src[32 * (k + 4)..32 * (k + 4) + 32]);
+                let d = &mut dst[64 * k..64 * k + 64];
+                d[..16].copy_from_slice(&lo[..16]);
+                d[16..32].copy_from_slice(&hi[..16]);
+                d[32..48].copy_from_slice(&lo[16..]);
+                d[48..].copy_from_slice(&hi[16..]);
+            }
+        }
+        DecodeAct(v)
+    }
+}
+
+/// Decode (one token) over R ≤ 4 rows at once, eight blocks at a time. Blocks k and k + 4 of a
+/// group share a vector, one per 128-bit lane, so the low nibbles of both make one lookup and
+/// the high nibbles another, and their products with the regrouped activations (`DecodeAct`)
+/// come out already separated by block: three `vphaddd` leave the eight blocks' sums in order,
+/// with no per-block reduction. With `VNNI`, `vpdpbusd` forms the products and their sums of
+/// four in one step (AVX-512 VNNI on 256-bit vectors); without, `vpmaddubsw` and `vpmaddwd`
+/// (a pair of products is at most 2·24·127 = 6096, the two halves' pairs at most 12192: no i16
+/// wraps). The scale products are formed eight at a time, and the rows' per-block float
+/// additions run in the lanes of one vector — the operations of `accumulate`, in its order,
+/// for each row.
 ///
 /// # Safety
 ///
-/// The CPU has AVX2 and FMA (checked by `cpu::isa()`); `w` holds R whole MXFP4 rows of
-/// `row_bytes`; `act` is one token's Q8_0 activations for rows of this width, padded to whole
-/// groups of eight blocks (as `QuantAct` pads them).
-#[target_feature(enable = "avx2,fma")]
-pub unsafe fn rows_decode<const R: usize>(w: &[u8], row_bytes: usize, act: &QuantAct, out: &mut [f32; 4]) {
+/// The CPU has AVX2 and FMA, and with `VNNI` AVX-512 VNNI and VL (the callers are compiled for
+/// them and dispatched after `cpu::isa()` and `cpu::has_vnni()`); `w` holds R whole MXFP4 rows
+/// of `row_bytes`; `act` is one token's Q8_0 activations for rows of this width, padded to
+/// whole groups of eight blocks (as `QuantAct` pads them), and `xp` their regrouping.
+#[inline(always)]
+unsafe fn decode<const R: usize, const VNNI: bool>(
+    w: &[u8],
+    row_bytes: usize,
+    act: &QuantAct,
+    xp: &DecodeAct,
+    out: &mut [f32; 4],
+) {
     let nb = act.blocks_per_row();
     debug_assert!(R <= 4 && w.len() >= R * row_bytes && row_bytes == nb * BB);
-    let t = table();
     let mut acc = _mm_setzero_ps();
     /// # Safety
     ///
-    /// As `rows_decode`'s, for the eight blocks from `b0` (`m` of them inside the row).
+    /// As `decode`'s, for the eight blocks from `b0` (`m` of them inside the row).
     #[inline(always)]
-    unsafe fn group<const R: usize>(
+    unsafe fn group<const R: usize, const VNNI: bool>(
         w: &[u8],
         row_bytes: usize,
         act: &QuantAct,
-        t: __m256i,
+        xp: &DecodeAct,
         b0: usize,
         m: usize,
         acc: __m128,
     ) -> __m128 {
         let i0 = act.idx(0, b0);
-        let xq = act.qs.as_ptr().add(i0 * 32);
+        let xg = xp.0.as_ptr().add(b0 * 32);
         let dx = _mm256_loadu_ps(act.d.as_ptr().add(i0));
         let xs = offset_sums(act, i0);
+        let (t, mask) = (table(), _mm256_set1_epi8(0x0F));
         // Rows past R stay zero, and so do their lanes of `acc`.
         let mut ddx = [_mm256_setzero_ps(); 4];
         let mut isf = [_mm256_setzero_ps(); 4];
@@ -283,22 +346,70 @@ pub unsafe fn rows_decode<const R: usize>(w: &[u8], row_bytes: usize, act: &Quan
             let base = w.as_ptr().add(r * row_bytes + b0 * BB);
             // The same blocks of the row R rows further down: the next pass reads them.
             prefetch_rows(base.wrapping_add(R * row_bytes), 8 * BB);
-            let (mut h, mut prev) = ([_mm256_setzero_si256(); 4], _mm256_setzero_si256());
-            let mut e = _mm_setzero_si128();
-            blocks8!(m, J, {
-                let blk = base.add(J * BB);
-                add_block::<J>(&mut h, &mut prev, pairs(codes(t, blk), xq.add(32 * J)));
-                e = with_exponent::<{ J as i32 }>(e, blk);
-            });
-            ddx[r] = _mm256_mul_ps(scales8(e), dx);
-            isf[r] = _mm256_cvtepi32_ps(_mm256_sub_epi32(reduce8(&h), xs));
+            let mut y = [_mm256_setzero_si256(); 4];
+            for k in 0..4 {
+                // Blocks past the row's end read as zero codes (their activations are zero).
+                let ld = |j: usize| {
+                    if j < m {
+                        _mm_loadu_si128(base.add(j * BB + 1) as *const __m128i)
+                    } else {
+                        _mm_setzero_si128()
+                    }
+                };
+                let v = _mm256_set_m128i(ld(k + 4), ld(k));
+                let lo = _mm256_shuffle_epi8(t, _mm256_and_si256(v, mask));
+                let hi = _mm256_shuffle_epi8(t, _mm256_and_si256(_mm256_srli_epi16(v, 4), mask));
+                let xl = _mm256_loadu_si256(xg.add(64 * k) as *const __m256i);
+                let xh = _mm256_loadu_si256(xg.add(64 * k + 32) as *const __m256i);
+                y[k] = if VNNI {
+                    _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, xl), hi, xh)
+                } else {
+                    let p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
+                    _mm256_madd_epi16(p, _mm256_set1_epi16(1))
+                };
+            }
+            let sums = _mm256_hadd_epi32(_mm256_hadd_epi32(y[0], y[1]), _mm256_hadd_epi32(y[2], y[3]));
+            ddx[r] = _mm256_mul_ps(block_scales(base, m), dx);
+            isf[r] = _mm256_cvtepi32_ps(_mm256_sub_epi32(sums, xs));
         }
         accumulate4(acc, &ddx, &isf, m)
     }
-    by_groups!(nb, |b0, m| acc = group::<R>(w, row_bytes, act, t, b0, m, acc));
+    by_groups!(nb, |b0, m| acc = group::<R, VNNI>(w, row_bytes, act, xp, b0, m, acc));
     let mut v = [0f32; 4];
     _mm_storeu_ps(v.as_mut_ptr(), acc);
     out[..R].copy_from_slice(&v[..R]);
+}
+
+/// `decode` with `vpmaddubsw` (AVX2).
+///
+/// # Safety
+///
+/// As `decode`'s without `VNNI`.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn rows_decode<const R: usize>(
+    w: &[u8],
+    row_bytes: usize,
+    act: &QuantAct,
+    xp: &DecodeAct,
+    out: &mut [f32; 4],
+) {
+    decode::<R, false>(w, row_bytes, act, xp, out)
+}
+
+/// `decode` with `vpdpbusd` (AVX-512 VNNI).
+///
+/// # Safety
+///
+/// As `decode`'s with `VNNI`.
+#[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub unsafe fn rows_decode_vnni<const R: usize>(
+    w: &[u8],
+    row_bytes: usize,
+    act: &QuantAct,
+    xp: &DecodeAct,
+    out: &mut [f32; 4],
+) {
+    decode::<R, true>(w, row_bytes, act, xp, out)
 }
 
 /// Tokens `t0..t0 + n` (n ≤ `SMALL_BATCH`) over R ≤ 4 rows at once (small batches): each group
@@ -430,20 +541,27 @@ pub unsafe fn row_tokens(row: &[u8], act: &QuantAct, t0: usize, out: &mut [f32])
 
 /// `out = x · Wᵀ` for MXFP4 weights with AVX2: the caller checked the CPU (`isa() ≥ Avx2`), and
 /// `act` holds `n` tokens quantized for `w` (Q8_0); `o` is `n × w.rows`.
-pub(crate) fn matmul(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, n: usize, o: SendPtr) {
+pub(crate) fn matmul(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, n: usize, o: SendPtr) {
     assert!(w.dtype == DType::MXFP4 && act.rows == n && act.cols == w.cols);
     let rb = w.row_bytes();
     if n == 1 {
         // Decode: four rows at a time (fewer at a range's end).
+        let xp = DecodeAct::new(act);
+        let vnni = isa == Isa::Avx512 && crate::cpu::has_vnni();
         return super::rows_by(pool, w, 4, o, |wr, k, vals| {
-            // SAFETY: AVX2/FMA were detected (the caller's contract); `wr` holds k whole rows
-            // (MatRef::new checked the size); `act` is padded by QuantAct.
+            // SAFETY: AVX2/FMA were detected (the caller's contract), AVX-512 VNNI where `vnni`;
+            // `wr` holds k whole rows (MatRef::new checked the size); `act` is padded by
+            // QuantAct and `xp` regroups it.
             unsafe {
-                match k {
-                    4 => rows_decode::<4>(wr, rb, act, vals),
-                    3 => rows_decode::<3>(wr, rb, act, vals),
-                    2 => rows_decode::<2>(wr, rb, act, vals),
-                    _ => rows_decode::<1>(wr, rb, act, vals),
+                match (vnni, k) {
+                    (true, 4) => rows_decode_vnni::<4>(wr, rb, act, &xp, vals),
+                    (true, 3) => rows_decode_vnni::<3>(wr, rb, act, &xp, vals),
+                    (true, 2) => rows_decode_vnni::<2>(wr, rb, act, &xp, vals),
+                    (true, _) => rows_decode_vnni::<1>(wr, rb, act, &xp, vals),
+                    (false, 4) => rows_decode::<4>(wr, rb, act, &xp, vals),
+                    (false, 3) => rows_decode::<3>(wr, rb, act, &xp, vals),
+                    (false, 2) => rows_decode::<2>(wr, rb, act, &xp, vals),
+                    (false, _) => rows_decode::<1>(wr, rb, act, &xp, vals),
                 }
             }
         });
