@@ -19,6 +19,7 @@
 use super::act::QuantAct;
 use super::iq::scale_factor;
 use super::iq_tables::*;
+use super::x86::prefetch_rows;
 use super::{BatchOut, SMALL_BATCH};
 use crate::dtype::DType;
 use crate::matmul::{MatRef, SendPtr};
@@ -607,21 +608,6 @@ unsafe fn hsum8(v: __m256i) -> i32 {
     _mm_cvtsi128_si32(s)
 }
 
-/// Asks for the cache lines of `len` bytes at `p`.
-///
-/// # Safety
-///
-/// Prefetches never fault, but the caller keeps `p .. p + len` inside one allocation (pointer
-/// arithmetic); the CPU has AVX2 (checked by `cpu::isa()`).
-#[inline(always)]
-unsafe fn prefetch(p: *const u8, len: usize) {
-    let mut o = 0;
-    while o < len {
-        _mm_prefetch(p.wrapping_add(o) as *const i8, _MM_HINT_T0);
-        o += 64;
-    }
-}
-
 /// Decode (one token) over R rows at once, eight blocks at a time: each block's integer sums
 /// stay in vector lanes until the eight are reduced together, the scale products are formed
 /// eight at a time, and the R rows' per-block float additions are R independent chains — the
@@ -655,7 +641,7 @@ pub unsafe fn rows_decode<const R: usize, const DT: u32>(
         for r in 0..R {
             let base = w.as_ptr().add(r * row_bytes + b0 * bb);
             // The same blocks of the row R rows further down: the next pass reads them.
-            prefetch(base.wrapping_add(R * row_bytes), m * bb);
+            prefetch_rows(base.wrapping_add(R * row_bytes), m * bb);
             let mut a = [_mm256_setzero_si256(); 8];
             let mut dbits = [0u16; 8];
             for j in 0..m {
@@ -721,7 +707,7 @@ pub unsafe fn rows_batch<const R: usize, const DT: u32>(
         for r in 0..R {
             let base = w.as_ptr().add(r * row_bytes + b0 * bb);
             // The same blocks of the row R rows further down: the next pass reads them.
-            prefetch(base.wrapping_add(R * row_bytes), m * bb);
+            prefetch_rows(base.wrapping_add(R * row_bytes), m * bb);
             let mut dbits = [0u16; 8];
             for j in 0..m {
                 let blk = base.add(j * bb);
