@@ -142,12 +142,12 @@ def med(x):
 
 def pretty_model(r):
     base = os.path.splitext(os.path.basename(r["model"]["path"]))[0]
-    m = re.search(r"-((?:i?q\d\w*)|f16|bf16|f32)$", base)
+    m = re.search(r"-((?:i?q\d\w*)|mxfp4|f16|bf16|f32)$", base)
     quant = ""
     if m:
         quant = " " + m.group(1).upper()
         base = base[: m.start()]
-    known = {"olmoe": "OLMoE", "smollm2": "SmolLM2", "gemma3": "Gemma3"}
+    known = {"olmoe": "OLMoE", "smollm2": "SmolLM2", "gemma3": "Gemma3", "gpt": "gpt", "oss": "oss"}
     words = []
     for w in base.split("-"):
         if w in known:
