@@ -129,8 +129,38 @@ def out_dir(a):
     return a.out or RESULTS
 
 
+_MACHINE_LOCK = None
+
+
+def hold_machine():
+    """Takes this machine for one benchmark until the process ends, or exits naming the one that
+    holds it: two benchmarks on the same cores (and the same page cache) slow each other, and
+    both results would be wrong without saying so."""
+    global _MACHINE_LOCK
+    if _MACHINE_LOCK is not None:
+        return
+    import fcntl
+
+    path = os.path.join(tempfile.gettempdir(), "sluice-bench.lock")
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        raise SystemExit(f"another benchmark is running on this machine ({holder}; lock {path}); wait for it to end: results measured side by side with it would be wrong")
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()}: {' '.join(shlex.quote(x) for x in sys.argv)}\n")
+    f.flush()
+    _MACHINE_LOCK = f
+
+
 def check_tree(allow_dirty):
-    """The tree's state; exits when it is dirty and that was not allowed."""
+    """The tree's state; exits when it is dirty and that was not allowed. Every benchmark calls
+    it before it measures, so it also takes the machine (`hold_machine`)."""
+    hold_machine()
     state = git_state()
     if not state["clean"]:
         listing = "\n".join("  " + c for c in state["changes"][:20])
