@@ -8,6 +8,7 @@ measured and whether the tree was clean; a script refuses a dirty tree unless gi
 """
 
 import datetime
+import fcntl
 import hashlib
 import json
 import os
@@ -139,8 +140,6 @@ def hold_machine():
     global _MACHINE_LOCK
     if _MACHINE_LOCK is not None:
         return
-    import fcntl
-
     path = os.path.join(tempfile.gettempdir(), "sluice-bench.lock")
     f = open(path, "a+")
     try:

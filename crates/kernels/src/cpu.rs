@@ -24,6 +24,12 @@ impl Isa {
         }
     }
 
+    /// Whether kernels at this level may use the AVX-512 VNNI int8 dot products: the level is
+    /// AVX-512 and the CPU has them.
+    pub fn uses_vnni(self) -> bool {
+        self == Isa::Avx512 && has_vnni()
+    }
+
     /// The best level this CPU supports.
     pub fn detect() -> Isa {
         #[cfg(target_arch = "x86_64")]

@@ -87,7 +87,7 @@ pub(crate) fn matmul_quant_isa(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, x: &[
     let act = QuantAct::new(kind, x, n, w.cols);
     let o = SendPtr(out.as_mut_ptr());
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx512 && crate::cpu::has_vnni() && n >= gemm_min_tokens(w.dtype) && gemm_supports(w.dtype) {
+    if isa.uses_vnni() && n >= gemm_min_tokens(w.dtype) && gemm_supports(w.dtype) {
         return gemm_tiled(pool, w, &act, n, o);
     }
     // IQ formats: their own AVX2 kernels (decode and small batches at the AVX-512 level too,

@@ -547,23 +547,18 @@ pub(crate) fn matmul(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct,
     if n == 1 {
         // Decode: four rows at a time (fewer at a range's end).
         let xp = DecodeAct::new(act);
-        let vnni = isa == Isa::Avx512 && crate::cpu::has_vnni();
+        // The kernel for each count of rows, 1 to 4.
+        type Decode = unsafe fn(&[u8], usize, &QuantAct, &DecodeAct, &mut [f32; 4]);
+        let kernels: [Decode; 4] = if isa.uses_vnni() {
+            [rows_decode_vnni::<1>, rows_decode_vnni::<2>, rows_decode_vnni::<3>, rows_decode_vnni::<4>]
+        } else {
+            [rows_decode::<1>, rows_decode::<2>, rows_decode::<3>, rows_decode::<4>]
+        };
         return super::rows_by(pool, w, 4, o, |wr, k, vals| {
-            // SAFETY: AVX2/FMA were detected (the caller's contract), AVX-512 VNNI where `vnni`;
-            // `wr` holds k whole rows (MatRef::new checked the size); `act` is padded by
-            // QuantAct and `xp` regroups it.
-            unsafe {
-                match (vnni, k) {
-                    (true, 4) => rows_decode_vnni::<4>(wr, rb, act, &xp, vals),
-                    (true, 3) => rows_decode_vnni::<3>(wr, rb, act, &xp, vals),
-                    (true, 2) => rows_decode_vnni::<2>(wr, rb, act, &xp, vals),
-                    (true, _) => rows_decode_vnni::<1>(wr, rb, act, &xp, vals),
-                    (false, 4) => rows_decode::<4>(wr, rb, act, &xp, vals),
-                    (false, 3) => rows_decode::<3>(wr, rb, act, &xp, vals),
-                    (false, 2) => rows_decode::<2>(wr, rb, act, &xp, vals),
-                    (false, _) => rows_decode::<1>(wr, rb, act, &xp, vals),
-                }
-            }
+            // SAFETY: AVX2/FMA were detected (the caller's contract), AVX-512 VNNI where
+            // `uses_vnni`; `wr` holds k (1 to 4) whole rows (MatRef::new checked the size);
+            // `act` is padded by QuantAct and `xp` regroups it.
+            unsafe { kernels[k.clamp(1, 4) - 1](wr, rb, act, &xp, vals) }
         });
     }
     if n < super::ROW_KERNEL_MIN_TOKENS {
