@@ -547,7 +547,11 @@ pub(crate) fn matmul(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct,
     if n == 1 {
         // Decode: four rows at a time (fewer at a range's end).
         let xp = DecodeAct::new(act);
-        // The kernel for each count of rows, 1 to 4.
+        /// One of the decode kernels, by count of rows (1 to 4).
+        ///
+        /// # Safety
+        ///
+        /// Calling one has `decode`'s contract.
         type Decode = unsafe fn(&[u8], usize, &QuantAct, &DecodeAct, &mut [f32; 4]);
         let kernels: [Decode; 4] = if isa.uses_vnni() {
             [rows_decode_vnni::<1>, rows_decode_vnni::<2>, rows_decode_vnni::<3>, rows_decode_vnni::<4>]
