@@ -7,6 +7,12 @@
 //! FFN combines, softmax, axpy, argmax) at decode widths.
 //!
 //! `kernel-lab [--quick] [--json] [--dtype NAME] [--shape ROWSxCOLS]`
+//!
+//! `kernel-lab matmul --dtype NAME --shape ROWSxCOLS --tokens N --threads T` times one product
+//! and nothing else (no checks), as llama.cpp's `test-backend-ops perf -o MUL_MAT` times one
+//! case: the same matrix over and over for at least a second, f32 activations quantized inside
+//! the timed call, the mean time per product. It prints one JSON line; bench/matmul.py runs it
+//! beside llama.cpp's figures.
 
 use sluice_kernels::cpu::Isa;
 use sluice_kernels::testdata::{quantized as weights, uniform as rng};
@@ -205,8 +211,89 @@ fn relative_error(got: &[f32], want: &[f32]) -> Result<f32, String> {
     Ok(max)
 }
 
+/// The value after `flag`, parsed; exits with a message naming the flag when it is missing or
+/// does not parse.
+fn flag_value<T: std::str::FromStr>(args: &[String], flag: &str, what: &str) -> T {
+    let given = args.iter().position(|a| a == flag).and_then(|i| args.get(i + 1));
+    match given.map(|s| s.parse::<T>()) {
+        Some(Ok(v)) => v,
+        Some(Err(_)) => {
+            eprintln!("{flag} wants {what}, not '{}'", given.map(String::as_str).unwrap_or(""));
+            std::process::exit(2);
+        }
+        None => {
+            eprintln!("kernel-lab matmul needs {flag} ({what})");
+            std::process::exit(2);
+        }
+    }
+}
+
+/// `ROWSxCOLS` with both above zero.
+fn parse_shape(given: &str) -> Option<(usize, usize)> {
+    let (r, c) = given.split_once('x')?;
+    let (r, c) = (r.parse::<usize>().ok()?, c.parse::<usize>().ok()?);
+    (r > 0 && c > 0).then_some((r, c))
+}
+
+/// `kernel-lab matmul …`: the mean time of one `tokens`-token product with a `rows × cols`
+/// matrix of `dtype` on `threads` threads, as one JSON line.
+fn time_one_matmul(args: &[String]) {
+    let name: String = flag_value(args, "--dtype", "a format name such as Q4_K");
+    let Some(d) = DType::from_name(&name).filter(|d| sluice_kernels::supports_matmul(*d)) else {
+        eprintln!("--dtype: '{name}' is not a format the kernels multiply");
+        std::process::exit(2);
+    };
+    let shape: String = flag_value(args, "--shape", "ROWSxCOLS, e.g. 4096x14336");
+    let Some((rows, cols)) = parse_shape(&shape) else {
+        eprintln!("--shape wants ROWSxCOLS with both above zero (e.g. 4096x14336), not '{shape}'");
+        std::process::exit(2);
+    };
+    if !cols.is_multiple_of(d.block_elems()) {
+        eprintln!("--shape: {cols} columns are not whole blocks of {} ({} values each)", d.name(), d.block_elems());
+        std::process::exit(2);
+    }
+    let tokens: usize = flag_value(args, "--tokens", "a token count above zero");
+    let threads: usize = flag_value(args, "--threads", "a thread count above zero");
+    if tokens == 0 || threads == 0 {
+        eprintln!("--tokens and --threads want counts above zero");
+        std::process::exit(2);
+    }
+    // Values do not change the time: quantize a band of rows once and repeat it (the IQ
+    // quantizers search their grids, slow for a whole large matrix).
+    let band = rows.min(64);
+    let one = weights(d, band, cols, 12);
+    let mut w = Vec::with_capacity(one.len() * rows.div_ceil(band));
+    while w.len() < d.row_bytes(cols).unwrap_or(0) * rows {
+        w.extend_from_slice(&one);
+    }
+    w.truncate(d.row_bytes(cols).unwrap_or(0) * rows);
+    let m = MatRef::new(d, rows, cols, &w).expect("lab matrix");
+    let mut r = rng(8);
+    let x: Vec<f32> = (0..tokens * cols).map(|_| r()).collect();
+    let mut out = vec![0f32; tokens * rows];
+    let pool = ThreadPool::new(threads);
+    sluice_kernels::matmul(&pool, m, &x, tokens, &mut out); // warm-up
+    let (mut runs, t0) = (0u64, Instant::now());
+    while runs == 0 || t0.elapsed().as_secs_f64() < 1.0 {
+        sluice_kernels::matmul(&pool, m, &x, tokens, &mut out);
+        runs += 1;
+    }
+    let us = t0.elapsed().as_secs_f64() * 1e6 / runs as f64;
+    let gmacs = (rows * cols * tokens) as f64 / us / 1e3;
+    println!(
+        "{{\"kernel\":\"matmul_one\",\"dtype\":\"{}\",\"isa\":\"{}\",\"rows\":{rows},\"cols\":{cols},\"tokens\":{tokens},\"threads\":{threads},\"runs\":{runs},\"us_per_run\":{us:.2},\"gmac_s\":{gmacs:.3},\"weight_bytes\":{}}}",
+        d.name(),
+        sluice_kernels::cpu::isa().name(),
+        w.len()
+    );
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some("matmul") {
+        time_one_matmul(&args);
+        return;
+    }
     let quick = args.iter().any(|a| a == "--quick");
     let json = args.iter().any(|a| a == "--json");
     let isas = Isa::supported();
@@ -215,11 +302,9 @@ fn main() {
     // `--shape 1024x2048` times a model's own matrix size (an OLMoE expert's gate, say).
     let shape = args.iter().position(|a| a == "--shape").map(|i| {
         let given = args.get(i + 1).map(String::as_str).unwrap_or("");
-        let parsed =
-            given.split_once('x').and_then(|(r, c)| Some((r.parse::<usize>().ok()?, c.parse::<usize>().ok()?)));
-        match parsed {
-            Some((r, c)) if r > 0 && c > 0 => (r, c),
-            _ => {
+        match parse_shape(given) {
+            Some(rc) => rc,
+            None => {
                 eprintln!("--shape wants ROWSxCOLS with both above zero (e.g. 1024x2048), not '{given}'");
                 std::process::exit(2);
             }
@@ -599,7 +684,17 @@ fn serde_like(d: DType, threads: usize, rows: usize, cols: usize, gbs: f64, boun
 
 #[cfg(test)]
 mod tests {
-    use super::{cache_size, relative_error};
+    use super::{cache_size, parse_shape, relative_error};
+
+    #[test]
+    fn shapes_parse_only_with_both_sides_above_zero() {
+        assert_eq!(parse_shape("4096x14336"), Some((4096, 14336)));
+        assert_eq!(parse_shape("0x256"), None);
+        assert_eq!(parse_shape("256x0"), None);
+        assert_eq!(parse_shape("256"), None);
+        assert_eq!(parse_shape("ax256"), None);
+        assert_eq!(parse_shape("256x-1"), None);
+    }
 
     #[test]
     fn sysfs_cache_sizes_parse() {
