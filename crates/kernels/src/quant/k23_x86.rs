@@ -47,7 +47,7 @@ const fn block_bytes(q3: bool) -> usize {
 ///
 /// `s` is valid for reading 12 bytes; the CPU has AVX2 (checked by `cpu::isa()`).
 #[inline(always)]
-unsafe fn q3_scales(s: *const u8) -> __m128i {
+pub(crate) unsafe fn q3_scales(s: *const u8) -> __m128i {
     let a = (s as *const u32).read_unaligned();
     let b = (s.add(4) as *const u32).read_unaligned();
     let h = (s.add(8) as *const u32).read_unaligned();

@@ -19,6 +19,10 @@ mod k23_x86;
 #[cfg(target_arch = "x86_64")]
 mod mxfp4_x86;
 #[cfg(target_arch = "x86_64")]
+mod panel;
+#[cfg(target_arch = "x86_64")]
+mod tiled_avx2;
+#[cfg(target_arch = "x86_64")]
 mod x86;
 #[cfg(target_arch = "x86_64")]
 mod x86_512;
@@ -87,8 +91,8 @@ pub(crate) fn matmul_quant_isa(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, x: &[
     let act = QuantAct::new(kind, x, n, w.cols);
     let o = SendPtr(out.as_mut_ptr());
     #[cfg(target_arch = "x86_64")]
-    if isa.uses_vnni() && n >= gemm_min_tokens(w.dtype) && gemm_supports(w.dtype) {
-        return gemm_tiled(pool, w, &act, n, o);
+    if let Some(kernel) = Tiled::choose(isa, w.dtype, n) {
+        return gemm_tiled(kernel, pool, w, &act, n, o);
     }
     // IQ formats: their own AVX2 kernels (decode and small batches at the AVX-512 level too,
     // and prefill where the tiled kernel above does not run).
@@ -109,7 +113,7 @@ pub(crate) fn matmul_quant_isa(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, x: &[
         if n == 1 {
             return decode_k(pool, w, &act, o);
         }
-        if n > 1 && n <= batch_k_max_tokens(isa) {
+        if n > 1 && n <= SMALL_BATCH {
             return batch_k(isa, pool, w, &act, n, o);
         }
     }
@@ -224,27 +228,6 @@ fn decode_k(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, o: SendPtr) {
             }
         }
     });
-}
-
-/// Most tokens for which `batch_k` beats one row against the tokens (`x86::rowk_tokens`,
-/// which unpack a block once for up to 32 tokens but pay two horizontal sums and a
-/// scalar accumulation per token and block). Measured with the kernel lab, old against new
-/// interleaved (2 threads, 8192×4096 from memory, time over one token): with 512-bit vectors
-/// Q6_K 1.84× → 1.12× at 2, 1.85× → 1.53× at 5, Q4_K 2.24× → 1.92× at 5, even at 8 (where
-/// the VNNI tiled kernel takes over). With 256-bit vectors (kernel lab, 2048×2048, 2
-/// threads, AVX-512 Xeon forced to AVX2), the limit raised from 4 to 16 tokens: Q4_K 2.92×
-/// → 1.78× at 5, 3.90× → 2.58× at 8, 6.03× → 4.95× at 16; Q5_K 3.10× → 1.40× at 5; Q6_K
-/// 4.88× → 3.42× at 16; Q2_K 6.11× → 5.18× at 8. Past 16 the one-row kernels win again (64
-/// tokens: Q4_K 70.9 against 56.9 GMAC/s, Q6_K 72.3 against 60.0). On an AVX-512 EPYC forced
-/// to AVX2 the same change measures smaller and noisier, two runs each: Q6_K 8.9× → 5.4–6.3× at
-/// 16, 3.7–4.3× → 2.4–2.9× at 8; Q4_K 9.3–10.3× → 7.4–12.3× at 16.
-#[cfg(target_arch = "x86_64")]
-fn batch_k_max_tokens(isa: Isa) -> usize {
-    if isa == Isa::Avx512 {
-        SMALL_BATCH
-    } else {
-        2 * SMALL_BATCH
-    }
 }
 
 /// Most tokens the small-batch kernels take at once (`x86::rowsk_batch`,
@@ -387,10 +370,48 @@ fn gemm_supports(dtype: DType) -> bool {
     ) || iq::is_iq(dtype)
 }
 
-/// The tiled AVX-512 VNNI path: panels of 16 tokens, rows in blocks that stay in L2.
+/// The tiled prefill kernels (tokens in lanes, panels of 16 tokens; see `panel`).
 #[cfg(target_arch = "x86_64")]
-fn gemm_tiled(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, n: usize, o: SendPtr) {
-    use x86_512::{Panel, ROWS, TILE};
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Tiled {
+    /// `x86_512`: one `vpdpbusd` per 4 values × 16 tokens.
+    Vnni,
+    /// `tiled_avx2`: `vpmaddubsw` + `vpmaddwd` per 4 values × 8 tokens.
+    Avx2,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Tiled {
+    /// The tiled kernel for `n` tokens of `dtype` at `isa`, where one beats the row kernels.
+    fn choose(isa: Isa, dtype: DType, n: usize) -> Option<Tiled> {
+        if isa.uses_vnni() {
+            (n >= gemm_min_tokens(dtype) && gemm_supports(dtype)).then_some(Tiled::Vnni)
+        } else if isa >= Isa::Avx2 {
+            (n >= AVX2_TILED_MIN_TOKENS && tiled_avx2::supports(dtype)).then_some(Tiled::Avx2)
+        } else {
+            None
+        }
+    }
+}
+
+/// Fewest tokens for which the AVX2 tiled kernel takes over from the AVX2 small-batch kernels:
+/// past their largest batch. Its cost is nearly flat up to 8 tokens (one half panel: 3–4.5×
+/// one token's time for every format) and 16 (5–6.5×), so it loses to the small-batch kernels
+/// below about 8 and wins above. Measured with the kernel lab's small-batch timings (2048×2048,
+/// 2 threads, AMD EPYC Zen 3 with AVX2 only, tiled forced from 2 tokens against the previous
+/// kernels), time over one token at 8 | 12 | 16 tokens, tiled against before: Q4_0 3.6 | 5.2 |
+/// 5.4 against 5.2 | 7.2 | 8.6; Q5_0 4.0 | 5.6 | 5.6 against 3.7 | 6.4 | 8.5; MXFP4 4.6 | 6.3 | 6.4
+/// against 4.3 | 7.6 | 11.5; Q3_K 3.9 | 6.3 | 6.1 against 3.4 | 5.7 | 9.4; Q6_K 2.9 | 4.5 | 5.1
+/// against 3.7 | 5.3 | 6.6 (that machine's runs scatter by a fifth). At 128 tokens (2048×4096,
+/// one thread) it is 1.3–2.5× the row kernels: Q4_K 33 → 82 GMAC/s, Q6_K 32 → 58, Q4_0 27 → 57,
+/// Q5_0 26 → 51, MXFP4 26 → 55, Q3_K 35 → 62.
+#[cfg(target_arch = "x86_64")]
+const AVX2_TILED_MIN_TOKENS: usize = ROW_KERNEL_MIN_TOKENS;
+
+/// A tiled prefill: panels of 16 tokens, rows in blocks that stay in L2.
+#[cfg(target_arch = "x86_64")]
+fn gemm_tiled(kernel: Tiled, pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, n: usize, o: SendPtr) {
+    use panel::{Panel, ROWS, TILE};
     let panels: Vec<Panel> = (0..n).step_by(TILE).map(|t0| Panel::new(act, t0, (n - t0).min(TILE))).collect();
     let rb = w.row_bytes();
     const BLOCK_ROWS: usize = 64;
@@ -404,14 +425,23 @@ fn gemm_tiled(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, n: usize, o: Sen
                 while r < b1 {
                     let k = (b1 - r).min(ROWS);
                     let wr = &w.data[r * rb..(r + k) * rb];
-                    // SAFETY: AVX-512 VNNI was detected; `wr` holds k whole rows; the panel
-                    // covers this matrix's reduction dimension.
+                    macro_rules! go {
+                        ($m:ident) => {
+                            match k {
+                                4 => $m::gemm::<4>(w.dtype, wr, rb, p, &mut vals),
+                                3 => $m::gemm::<3>(w.dtype, wr, rb, p, &mut vals),
+                                2 => $m::gemm::<2>(w.dtype, wr, rb, p, &mut vals),
+                                _ => $m::gemm::<1>(w.dtype, wr, rb, p, &mut vals),
+                            }
+                        };
+                    }
+                    // SAFETY: `Tiled::choose` picked a kernel whose instruction set was detected
+                    // and which takes this format; `wr` holds k whole rows; the panel covers this
+                    // matrix's reduction dimension with the activations the format pairs with.
                     unsafe {
-                        match k {
-                            4 => x86_512::gemm::<4>(w.dtype, wr, rb, p, &mut vals),
-                            3 => x86_512::gemm::<3>(w.dtype, wr, rb, p, &mut vals),
-                            2 => x86_512::gemm::<2>(w.dtype, wr, rb, p, &mut vals),
-                            _ => x86_512::gemm::<1>(w.dtype, wr, rb, p, &mut vals),
+                        match kernel {
+                            Tiled::Vnni => go!(x86_512),
+                            Tiled::Avx2 => go!(tiled_avx2),
                         }
                     }
                     for (i, row_vals) in vals.iter().enumerate().take(k) {
@@ -534,14 +564,25 @@ mod tests {
     #[test]
     fn every_isa_matches_the_reference_bit_for_bit() {
         let pool = ThreadPool::new(2);
-        // Batches (the small-batch kernels at 3 and 6 tokens, and at 13 with 256-bit vectors:
-        // a full chunk and a partial one; the tiled kernels at 13 with 512-bit ones: a partial
-        // panel; the row kernels at 17 with 256-bit vectors) and single tokens (the decode
-        // kernels), with rows left over after groups of four and blocks left over after groups
-        // of eight.
+        // Single tokens (the decode kernels), small batches (3 and 6 tokens) and the tiled
+        // kernels (from 9 tokens at AVX2, from 8 or 12 with VNNI): one half panel of 256-bit
+        // lanes (9), both halves (13, 16), a second, partial panel (17) and three panels (33);
+        // rows left over after groups of four (four, three, two or one at a time) and blocks
+        // left over after groups of eight.
         for (dtype, (rows, cols, n)) in TYPES.iter().flat_map(|d| {
-            [(9, 512, 3), (9, 512, 6), (9, 512, 13), (9, 512, 17), (9, 512, 1), (7, 2560, 1), (6, 2560, 3)]
-                .map(|s| (*d, s))
+            [
+                (9, 512, 3),
+                (9, 512, 6),
+                (9, 512, 13),
+                (9, 512, 17),
+                (9, 512, 1),
+                (7, 2560, 1),
+                (6, 2560, 3),
+                (7, 512, 9),
+                (6, 256, 16),
+                (5, 768, 33),
+            ]
+            .map(|s| (*d, s))
         }) {
             let w: Vec<u8> = (0..rows).flat_map(|r| random_row(dtype, cols, 100 + r as u64)).collect();
             let m = MatRef::new(dtype, rows, cols, &w).unwrap();
@@ -552,6 +593,59 @@ mod tests {
                 let got = matmul_with_isa(isa, &pool, m, &x, n);
                 for (i, (a, b)) in got.iter().zip(&want).enumerate() {
                     assert_eq!(a.to_bits(), b.to_bits(), "{dtype} {isa:?} element {i}: {a} vs {b}");
+                }
+            }
+        }
+    }
+
+    /// The integer kernels sum products in 16-bit lanes as far as the largest codes allow (see
+    /// `tiled_avx2`): rows whose every code is the format's largest (bytes 0xFF; MXFP4's 0x77,
+    /// its largest value) against activations that quantize to ±127 everywhere are the worst
+    /// case for those bounds, and must still give the reference's bits.
+    #[test]
+    fn largest_codes_against_largest_activations_match_the_reference() {
+        let pool = ThreadPool::new(2);
+        for dtype in TYPES {
+            let cols = 512;
+            let fill = if dtype == DType::MXFP4 { 0x77 } else { 0xFF };
+            let mut w = Vec::new();
+            for r in 0..6 {
+                let mut row = random_row(dtype, cols, 7 + r);
+                let bb = dtype.block_bytes();
+                // Every byte at `fill` except the float scales random_row made sane.
+                let keep: std::ops::Range<usize> = match dtype {
+                    DType::Q4_0 | DType::Q5_0 | DType::Q8_0 => 0..2,
+                    DType::Q4_1 | DType::Q5_1 | DType::Q4_K | DType::Q5_K => 0..4,
+                    DType::Q2_K => 80..84,
+                    DType::Q3_K => 108..110,
+                    DType::Q6_K => 208..210,
+                    _ => 0..1,
+                };
+                for b in row.chunks_exact_mut(bb) {
+                    for (i, v) in b.iter_mut().enumerate() {
+                        if !keep.contains(&i) {
+                            *v = fill;
+                        }
+                    }
+                }
+                w.extend(row);
+            }
+            let m = MatRef::new(dtype, 6, cols, &w).unwrap();
+            for sign in [1.0f32, -1.0] {
+                for n in [1, 5, 9, 16, 20] {
+                    let x = vec![sign; n * cols];
+                    let mut want = vec![0f32; n * 6];
+                    crate::matmul_ref(m, &x, n, &mut want);
+                    for isa in Isa::supported() {
+                        let got = matmul_with_isa(isa, &pool, m, &x, n);
+                        for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                            assert_eq!(
+                                a.to_bits(),
+                                b.to_bits(),
+                                "{dtype} {isa:?} n={n} x={sign} element {i}: {a} vs {b}"
+                            );
+                        }
+                    }
                 }
             }
         }

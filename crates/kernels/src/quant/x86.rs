@@ -501,7 +501,7 @@ unsafe fn batch_body<const R: usize, const K: u32, const Z: bool>(
 /// `blk` points to a whole block (at least 16 bytes); the CPU has AVX2 (checked by
 /// `cpu::isa()`).
 #[inline(always)]
-unsafe fn k4_scale_bytes(blk: *const u8) -> __m256i {
+pub(crate) unsafe fn k4_scale_bytes(blk: *const u8) -> __m256i {
     // Block bytes 4..7 = a (low scales), 8..11 = b (low mins), 12..15 = c (high nibbles).
     let v = _mm_loadu_si128(blk as *const __m128i);
     let acbc = _mm_shuffle_epi8(v, _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15));
