@@ -1,7 +1,6 @@
-//! AVX2 kernels of Q2_K and Q3_K weights against Q8_K activations: how a block unpacks (which
-//! the decode and small-batch kernels of `x86` use too) and prefill (one row against a range of
-//! tokens, each block unpacked once for all of them). They run at the AVX2 and the AVX-512
-//! levels alike.
+//! How a Q2_K or Q3_K block unpacks for the AVX2 kernels: the decode and small-batch kernels of
+//! `x86` take the unpacked form, and the tiled prefill kernels (`tiled_avx2`, `x86_512`) its
+//! codes.
 //!
 //! Both formats keep 2-bit codes in `qs[64]`: code vector k (elements 32k..32k + 32, k = 4n + j)
 //! is bits 2j..2j + 2 of bytes 32n..32n + 32, and its low 16 lanes belong to 16-value group 2k,
@@ -18,26 +17,7 @@
 // Index loops over blocks, rows and tokens read most plainly in kernel code.
 #![allow(clippy::needless_range_loop)]
 
-use super::act::QuantAct;
-use super::x86::{dot_unpacked, reduce8x8};
-use crate::dtype::DType;
-use crate::matmul::{MatRef, SendPtr};
-use crate::pool::ThreadPool;
 use std::arch::x86_64::*;
-
-/// Q2_K: scales[16] (low nibble scale, high nibble min), qs[64], d, dmin.
-const Q2_BB: usize = 84;
-/// Q3_K: hmask[32], qs[64], scales[12], d.
-const Q3_BB: usize = 110;
-
-/// Block bytes of the format (`Q3` false: Q2_K).
-const fn block_bytes(q3: bool) -> usize {
-    if q3 {
-        Q3_BB
-    } else {
-        Q2_BB
-    }
-}
 
 /// The sixteen signed scales of a Q3_K block (6-bit, minus 32) as bytes, in group order, from
 /// its 12 scale bytes at `s`: group j's low four bits are a nibble of bytes 0..7 (low nibbles for
@@ -152,114 +132,6 @@ pub(crate) unsafe fn unpack<const Q3: bool>(blk: *const u8) -> Unpacked {
     code!(6, _mm256_srli_epi16, 4);
     code!(7, _mm256_srli_epi16, 5);
     Unpacked { u, sv: scale_vectors(sc16), s16 }
-}
-
-/// The f16 at byte `o` of the block at `blk`, as bits.
-///
-/// # Safety
-///
-/// `blk + o` is valid for reading two bytes.
-#[inline(always)]
-unsafe fn f16_bits_at(blk: *const u8, o: usize) -> u16 {
-    (blk.add(o) as *const u16).read_unaligned()
-}
-
-/// One row against tokens `t0..t0 + out.len()` of `act` (prefill): each block unpacked once,
-/// then eight tokens at a time their sums reduced together, their scale products formed
-/// together, and their additions — `accumulate`'s, block after block — in the lanes of one
-/// vector (absent tokens' lanes computed on zeros and dropped).
-///
-/// # Safety
-///
-/// The CPU has AVX2, FMA and F16C (checked by `cpu::isa()`); `row` is one whole row of the
-/// format (Q3 false: Q2_K) for `act`'s width; tokens `t0..t0 + out.len()` are rows of `act`.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn row_tokens<const Q3: bool>(row: &[u8], act: &QuantAct, t0: usize, out: &mut [f32]) {
-    let bb = block_bytes(Q3);
-    let nb = act.blocks_per_row();
-    debug_assert!(row.len() == nb * bb && t0 + out.len() <= act.rows);
-    let (d_at, m_at) = if Q3 { (108, 0) } else { (80, 82) };
-    out.fill(0.0);
-    for b in 0..nb {
-        let blk = row.as_ptr().add(b * bb);
-        let ub = unpack::<Q3>(blk);
-        let dw = _mm256_set1_ps(super::x86::f16_to_f32(f16_bits_at(blk, d_at)));
-        let mw = if Q3 { _mm256_setzero_ps() } else { _mm256_set1_ps(super::x86::f16_to_f32(f16_bits_at(blk, m_at))) };
-        let mut t = 0;
-        while t < out.len() {
-            let k = (out.len() - t).min(8);
-            let mut a = [_mm256_setzero_si256(); 8];
-            let mut mn = [_mm256_setzero_si256(); 8];
-            let mut dx = [0f32; 8];
-            let mut o = [0f32; 8];
-            for i in 0..k {
-                let xi = act.idx(t0 + t + i, b);
-                let bs = _mm256_loadu_si256(act.bsums.as_ptr().add(xi * 16) as *const __m256i);
-                (a[i], mn[i]) = dot_unpacked(
-                    if Q3 { Some(2) } else { None },
-                    &ub.u,
-                    &ub.sv,
-                    ub.s16,
-                    act.qs.as_ptr().add(xi * 256),
-                    bs,
-                );
-                dx[i] = *act.d.get_unchecked(xi);
-                o[i] = out[t + i];
-            }
-            let dx = _mm256_loadu_ps(dx.as_ptr());
-            // accumulate(): fma(d·dx, isum, acc), then for Q2_K fma(−(dmin·dx), mins, acc).
-            let mut acc = _mm256_loadu_ps(o.as_ptr());
-            acc = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(reduce8x8(&a)), acc);
-            if !Q3 {
-                let neg = _mm256_xor_ps(_mm256_mul_ps(mw, dx), _mm256_set1_ps(-0.0));
-                acc = _mm256_fmadd_ps(neg, _mm256_cvtepi32_ps(reduce8x8(&mn)), acc);
-            }
-            _mm256_storeu_ps(o.as_mut_ptr(), acc);
-            out[t..t + k].copy_from_slice(&o[..k]);
-            t += k;
-        }
-    }
-}
-
-/// `out = x · Wᵀ` for Q2_K or Q3_K weights with AVX2 (prefill: decode and small batches run in
-/// `x86`): the caller checked the CPU (`isa() ≥ Avx2`), and `act` holds `n` tokens quantized
-/// for `w` (Q8_K); `o` is `n × w.rows`.
-pub(crate) fn matmul(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, n: usize, o: SendPtr) {
-    assert!(matches!(w.dtype, DType::Q2_K | DType::Q3_K) && act.rows == n && act.cols == w.cols);
-    let q3 = w.dtype == DType::Q3_K;
-    // Prefill: rows in blocks of ROWS, tokens in chunks of TOKENS, so a block of weight rows
-    // and a chunk of activations stay in cache while every pair is computed.
-    const ROWS: usize = 16;
-    const TOKENS: usize = 32;
-    pool.for_ranges(w.rows, 4, &|rows| {
-        let mut vals = [0f32; TOKENS];
-        let mut r0 = rows.start;
-        while r0 < rows.end {
-            let r1 = (r0 + ROWS).min(rows.end);
-            let mut t0 = 0;
-            while t0 < n {
-                let t1 = (t0 + TOKENS).min(n);
-                for r in r0..r1 {
-                    let v = &mut vals[..t1 - t0];
-                    // SAFETY: AVX2/FMA/F16C were detected (the caller's contract); the row is
-                    // whole (MatRef::new) and tokens t0..t1 are rows of `act`.
-                    unsafe {
-                        if q3 {
-                            row_tokens::<true>(w.row(r), act, t0, v)
-                        } else {
-                            row_tokens::<false>(w.row(r), act, t0, v)
-                        }
-                    };
-                    for (i, v) in vals[..t1 - t0].iter().enumerate() {
-                        // SAFETY: this thread owns row r's column of the n × rows output.
-                        unsafe { *o.get().add((t0 + i) * w.rows + r) = *v };
-                    }
-                }
-                t0 = t1;
-            }
-            r0 = r1;
-        }
-    });
 }
 
 #[cfg(test)]

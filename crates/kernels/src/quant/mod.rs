@@ -117,12 +117,6 @@ pub(crate) fn matmul_quant_isa(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, x: &[
             return batch_k(isa, pool, w, &act, n, o);
         }
     }
-    // Q2_K and Q3_K prefill: their own AVX2 kernels (where the tiled kernel above does not
-    // apply).
-    #[cfg(target_arch = "x86_64")]
-    if isa >= Isa::Avx2 && matches!(w.dtype, DType::Q2_K | DType::Q3_K) {
-        return k23_x86::matmul(pool, w, &act, n, o);
-    }
     // The 32-element block formats: their own AVX2 kernels (which serve the AVX-512 level too,
     // where the tiled kernel above does not apply).
     #[cfg(target_arch = "x86_64")]
@@ -142,7 +136,7 @@ pub(crate) fn matmul_quant_isa(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, x: &[
             while t0 < n {
                 let t1 = (t0 + TOKENS).min(n);
                 for r in r0..r1 {
-                    row_tokens(isa, w.dtype, w.row(r), &act, t0..t1, &mut vals);
+                    row_tokens(w.dtype, w.row(r), &act, t0..t1, &mut vals);
                     for (i, v) in vals[..t1 - t0].iter().enumerate() {
                         // SAFETY: this thread owns row r's column of the n × rows output.
                         unsafe { *o.get().add((t0 + i) * w.rows + r) = *v };
@@ -236,9 +230,10 @@ fn decode_k(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, o: SendPtr) {
 /// 86 GMAC/s) — the scratch no longer sits in L1 beside the weights and activations.
 pub(crate) const SMALL_BATCH: usize = 8;
 
-/// Tokens from which the one-row kernels of the 32-value block formats, MXFP4 and the IQ
-/// formats (`row_tokens`: eight blocks unpacked once for up to 32 tokens) take over from their
-/// small-batch kernels (four rows against up to `SMALL_BATCH`, `rows_batch`).
+/// Tokens from which the one-row kernels of the 32-value block formats and the IQ formats
+/// (`row_tokens`: eight blocks unpacked once for up to 32 tokens), or the AVX2 tiled kernel
+/// where it takes the format, take over from their small-batch kernels (four rows against up
+/// to `SMALL_BATCH`, `rows_batch`).
 /// Measured with the kernel lab's small-batch timings (2 threads, AVX2 kernels), time over one
 /// token before → after: Q5_0 n=2 2.48× → 1.26×, n=5 3.01× → 2.23×; Q8_0 n=2 2.11× → 1.34×,
 /// n=8 3.09× → 3.05×, n=16 5.20× → 6.03× (so the rows-batch kernel stops below 8). Decode
@@ -458,22 +453,9 @@ fn gemm_tiled(kernel: Tiled, pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, n
     });
 }
 
-/// One weight row against tokens `toks` of `act`, into `out` (one value per token).
-fn row_tokens(isa: Isa, dtype: DType, row: &[u8], act: &QuantAct, toks: std::ops::Range<usize>, out: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if isa >= Isa::Avx2 {
-        // SAFETY: AVX2/FMA/F16C were detected; rows and activation blocks have their formats'
-        // full sizes (checked by MatRef::new and QuantAct::new).
-        unsafe {
-            match dtype {
-                DType::Q4_K => return x86::rowk_tokens::<12>(row, act, toks, out),
-                DType::Q5_K => return x86::rowk_tokens::<13>(row, act, toks, out),
-                DType::Q6_K => return x86::rowk_tokens::<14>(row, act, toks, out),
-                _ => {}
-            }
-        }
-    }
-    let _ = isa;
+/// One weight row against tokens `toks` of `act`, into `out` (one value per token): the scalar
+/// reference (the SIMD levels send every format to their own kernels before this).
+fn row_tokens(dtype: DType, row: &[u8], act: &QuantAct, toks: std::ops::Range<usize>, out: &mut [f32]) {
     for (o, t) in out.iter_mut().zip(toks) {
         *o = dot_ref::row_dot(dtype, row, act, t);
     }

@@ -1,8 +1,8 @@
 //! AVX2 kernels of MXFP4 weights against Q8_0 activations: decode (one token, several rows at
-//! once), small batches (several rows against a few tokens) and prefill (one row against a
-//! range of tokens), each group of eight blocks unpacked once for all the tokens. They run at
-//! the AVX2 and the AVX-512 levels alike, except prefill where the CPU has VNNI: there the
-//! tiled kernel of `x86_512` takes the codes this file unpacks (`codes`).
+//! once) and small batches (several rows against a few tokens), each group of eight blocks
+//! unpacked once for all the tokens. They run at the AVX2 and the AVX-512 levels alike; larger
+//! batches go to the tiled kernels (`tiled_avx2`, `x86_512`), which take the codes this file
+//! unpacks (`codes`).
 //!
 //! A block is an E8M0 exponent and 32 four-bit codes indexing the doubled FP4 table
 //! (`MXFP4_VALUES`, −12..12). The codes are looked up with `vpshufb` in that table plus 12, so
@@ -473,72 +473,6 @@ pub unsafe fn rows_batch<const R: usize>(
     }
 }
 
-/// One row against tokens `t0..t0 + out.len()` of `act` (prefill): eight blocks unpacked once,
-/// then for every token their sums reduced together and their scale products formed together,
-/// and four tokens' additions, block after block as `accumulate` makes them, in the lanes of one
-/// vector.
-///
-/// # Safety
-///
-/// The CPU has AVX2 and FMA (checked by `cpu::isa()`); `row` is one whole MXFP4 row for
-/// `act`'s width; tokens `t0..t0 + out.len()` are rows of `act`.
-#[target_feature(enable = "avx2,fma")]
-pub unsafe fn row_tokens(row: &[u8], act: &QuantAct, t0: usize, out: &mut [f32]) {
-    let nb = act.blocks_per_row();
-    debug_assert!(row.len() == nb * BB && t0 + out.len() <= act.rows);
-    let t = table();
-    out.fill(0.0);
-    /// # Safety
-    ///
-    /// As `row_tokens`'s, for the eight blocks from `b0` (`m` of them inside the row).
-    #[inline(always)]
-    unsafe fn group(row: &[u8], act: &QuantAct, t: __m256i, t0: usize, out: &mut [f32], b0: usize, m: usize) {
-        // Blocks past the row's end stay zero (their activations are zero padding).
-        let mut u = [_mm256_setzero_si256(); 8];
-        let mut e = _mm_setzero_si128();
-        blocks8!(m, J, {
-            let blk = row.as_ptr().add((b0 + J) * BB);
-            u[J] = codes(t, blk);
-            e = with_exponent::<{ J as i32 }>(e, blk);
-        });
-        let dw = scales8(e);
-        // Four tokens at a time in the lanes of `accumulate4` (absent ones left zero).
-        /// # Safety
-        ///
-        /// As `row_tokens`'s; tokens `t..t + o.len()` (at most four) are rows of `act`.
-        #[inline(always)]
-        unsafe fn tokens(act: &QuantAct, u: &[__m256i; 8], dw: __m256, t: usize, b0: usize, m: usize, o: &mut [f32]) {
-            let mut ddx = [_mm256_setzero_ps(); 4];
-            let mut isf = [_mm256_setzero_ps(); 4];
-            for i in 0..o.len() {
-                let i0 = act.idx(t + i, b0);
-                let xq = act.qs.as_ptr().add(i0 * 32);
-                let mut h = [_mm256_setzero_si256(); 4];
-                for k in 0..4 {
-                    h[k] = _mm256_hadd_epi16(pairs(u[2 * k], xq.add(64 * k)), pairs(u[2 * k + 1], xq.add(64 * k + 32)));
-                }
-                isf[i] = _mm256_cvtepi32_ps(_mm256_sub_epi32(reduce8(&h), offset_sums(act, i0)));
-                ddx[i] = _mm256_mul_ps(dw, _mm256_loadu_ps(act.d.as_ptr().add(i0)));
-            }
-            let mut v = [0f32; 4];
-            v[..o.len()].copy_from_slice(o);
-            _mm_storeu_ps(v.as_mut_ptr(), accumulate4(_mm_loadu_ps(v.as_ptr()), &ddx, &isf, m));
-            o.copy_from_slice(&v[..o.len()]);
-        }
-        let mut chunks = out.chunks_exact_mut(4);
-        let mut t = t0;
-        for o in &mut chunks {
-            tokens(act, &u, dw, t, b0, m, o);
-            t += 4;
-        }
-        let rest = chunks.into_remainder();
-        if !rest.is_empty() {
-            tokens(act, &u, dw, t, b0, m, rest);
-        }
-    }
-    by_groups!(nb, |b0, m| group(row, act, t, t0, out, b0, m));
-}
-
 /// `out = x · Wᵀ` for MXFP4 weights with AVX2: the caller checked the CPU (`isa() ≥ Avx2`), and
 /// `act` holds `n` tokens quantized for `w` (Q8_0); `o` is `n × w.rows`.
 pub(crate) fn matmul(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, n: usize, o: SendPtr) {
@@ -565,44 +499,18 @@ pub(crate) fn matmul(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct,
             unsafe { kernels[k.clamp(1, 4) - 1](wr, rb, act, &xp, vals) }
         });
     }
-    if n < super::ROW_KERNEL_MIN_TOKENS {
-        return super::small_batches(pool, w, n, o, |wr, k, t0, nt, vals| {
-            // SAFETY: AVX2/FMA were detected (the caller's contract); `wr` holds k whole rows;
-            // tokens t0..t0 + nt are rows of `act`, padded by QuantAct.
-            unsafe {
-                match k {
-                    4 => rows_batch::<4>(wr, rb, act, t0, nt, vals),
-                    3 => rows_batch::<3>(wr, rb, act, t0, nt, vals),
-                    2 => rows_batch::<2>(wr, rb, act, t0, nt, vals),
-                    _ => rows_batch::<1>(wr, rb, act, t0, nt, vals),
-                }
+    // Batches of more tokens go to the tiled kernels (`tiled_avx2`, `x86_512`).
+    debug_assert!(n < super::ROW_KERNEL_MIN_TOKENS);
+    super::small_batches(pool, w, n, o, |wr, k, t0, nt, vals| {
+        // SAFETY: AVX2/FMA were detected (the caller's contract); `wr` holds k whole rows;
+        // tokens t0..t0 + nt are rows of `act`, padded by QuantAct.
+        unsafe {
+            match k {
+                4 => rows_batch::<4>(wr, rb, act, t0, nt, vals),
+                3 => rows_batch::<3>(wr, rb, act, t0, nt, vals),
+                2 => rows_batch::<2>(wr, rb, act, t0, nt, vals),
+                _ => rows_batch::<1>(wr, rb, act, t0, nt, vals),
             }
-        });
-    }
-    // Prefill: rows in blocks of ROWS, tokens in chunks of TOKENS, so a block of weight rows
-    // and a chunk of activations stay in cache while every pair is computed.
-    const ROWS: usize = 16;
-    const TOKENS: usize = 32;
-    pool.for_ranges(w.rows, 4, &|rows| {
-        let mut vals = [0f32; TOKENS];
-        let mut r0 = rows.start;
-        while r0 < rows.end {
-            let r1 = (r0 + ROWS).min(rows.end);
-            let mut t0 = 0;
-            while t0 < n {
-                let t1 = (t0 + TOKENS).min(n);
-                for r in r0..r1 {
-                    // SAFETY: AVX2/FMA were detected (the caller's contract); the row is whole
-                    // (MatRef::new) and tokens t0..t1 are rows of `act`.
-                    unsafe { row_tokens(w.row(r), act, t0, &mut vals[..t1 - t0]) };
-                    for (i, v) in vals[..t1 - t0].iter().enumerate() {
-                        // SAFETY: this thread owns row r's column of the n × rows output.
-                        unsafe { *o.get().add((t0 + i) * w.rows + r) = *v };
-                    }
-                }
-                t0 = t1;
-            }
-            r0 = r1;
         }
     });
 }

@@ -1,9 +1,8 @@
-//! AVX2 kernels of Q4_K, Q5_K and Q6_K: decode (one token over several rows), small batches
-//! (several rows against up to `SMALL_BATCH` tokens) and prefill (one row against a range of
-//! tokens), each block unpacked once for all the tokens; and the helpers other x86 kernels
-//! share. Decode and small batches run here on every x86-64 CPU with AVX2; prefill runs here on
-//! CPUs without AVX-512 VNNI (see `x86_512` for the tiled kernel). The 32-element block formats
-//! have their own kernels (`block32_x86`).
+//! AVX2 kernels of the K-quants: decode (one token over several rows) and small batches
+//! (several rows against up to `SMALL_BATCH` tokens), each block unpacked once for all the
+//! tokens; and the helpers other x86 kernels share. They run on every x86-64 CPU with AVX2;
+//! larger batches go to the tiled kernels (`tiled_avx2`, `x86_512`). The 32-element block
+//! formats have their own kernels (`block32_x86`).
 //!
 //! Integer sums are exact; the float side is `dot_ref::accumulate`, block after block, so
 //! results equal the scalar reference to the bit.
@@ -12,7 +11,6 @@
 #![allow(clippy::needless_range_loop)]
 
 use super::act::QuantAct;
-use super::dot_ref::{accumulate, BlockInts, BlockScales};
 use super::{BatchOut, SMALL_BATCH};
 use crate::DType;
 use std::arch::x86_64::*;
@@ -62,17 +60,6 @@ pub(crate) unsafe fn reduce8x8(a: &[__m256i; 8]) -> __m256i {
     let g1 = _mm256_hadd_epi32(h1, h2);
     let g2 = _mm256_hadd_epi32(h3, h4);
     _mm256_add_epi32(_mm256_permute2x128_si256(g1, g2, 0x20), _mm256_permute2x128_si256(g1, g2, 0x31))
-}
-
-/// # Safety
-///
-/// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
-#[inline(always)]
-unsafe fn hsum8(v: __m256i) -> i32 {
-    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-    _mm_cvtsi128_si32(s)
 }
 
 /// Asks for the blocks that a kernel walking R rows together, group by group, reads after the
@@ -232,39 +219,6 @@ pub(crate) unsafe fn codes_q6k(w: &[u8]) -> [__m256i; 8] {
 #[inline(always)]
 unsafe fn dp_scaled(acc: __m256i, u: __m256i, x: __m256i, scale16: __m256i) -> __m256i {
     _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), scale16))
-}
-
-/// One K-quant row (ids as in `KFormat`; the dispatcher uses it for Q4_K, Q5_K and Q6_K)
-/// against tokens `toks`: each block unpacked once (`unpack`) for all the tokens, then per
-/// token the block's dot (`dot_unpacked`), its two horizontal sums and `accumulate`.
-///
-/// # Safety
-///
-/// The CPU supports the features named in `target_feature` (AVX2; the dispatcher checks
-/// `cpu::isa()` first), and the slices hold what the format implies: whole blocks per row
-/// (`MatRef::new` checked the sizes), activations and outputs for every token in range.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn rowk_tokens<const K: u32>(row: &[u8], act: &QuantAct, toks: std::ops::Range<usize>, out: &mut [f32]) {
-    let f = const { KFormat::of(K) };
-    let (t0, n) = (toks.start, toks.len());
-    let bb = f.dtype.block_bytes();
-    out[..n].fill(0.0);
-    for b in 0..act.blocks_per_row() {
-        let w = &row[b * bb..(b + 1) * bb];
-        let scales = BlockScales {
-            d: f16_to_f32(f16_bits(w, f.d_at)),
-            m: f.m_at.map_or(0.0, |m_at| f16_to_f32(f16_bits(w, m_at))),
-        };
-        let (u, sv, sums16) = unpack::<K>(w.as_ptr());
-        for t in 0..n {
-            let xi = act.idx(t0 + t, b);
-            let xq = act.qs.as_ptr().add(xi * 256);
-            let bs = _mm256_loadu_si256(act.bsums.as_ptr().add(xi * 16) as *const __m256i);
-            let (a, mn) = dot_unpacked(f.offset_shift, &u, &sv, sums16, xq, bs);
-            let ints = BlockInts { isum: hsum8(a), mins: hsum8(mn) };
-            out[t] = accumulate(f.dtype, out[t], scales, ints, *act.d.get_unchecked(xi), 0.0);
-        }
-    }
 }
 
 /// Decode (one token) over R rows of a K-quant (ids as in `KFormat`) at once. Each block's integer sums stay in vector lanes until eight blocks are reduced
