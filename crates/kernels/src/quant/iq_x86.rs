@@ -1,6 +1,7 @@
-//! AVX2 kernels of the IQ formats: decode (one token, several rows at once), small batches
-//! (several rows against a few tokens) and prefill (one row against a range of tokens), each
-//! block unpacked once for all the tokens. They run at the AVX2 and the AVX-512 levels alike.
+//! AVX2 kernels of the IQ formats: decode (one token, several rows at once) and small batches
+//! (several rows against a few tokens), each block unpacked once for all the tokens. They run
+//! at the AVX2 and the AVX-512 levels alike; larger batches go to the tiled kernels
+//! (`tiled_avx2`, `x86_512`), which unpack blocks through `for_groups`.
 //!
 //! Each format unpacks a 32-value group into byte magnitudes, a sign source and sixteen i16
 //! scales (`for_groups`); a group's contribution is then `vpmaddubsw` of the magnitudes with the
@@ -597,17 +598,6 @@ unsafe fn reduce8x8(a: &[__m256i; 8]) -> __m256i {
     _mm256_add_epi32(_mm256_permute2x128_si256(g1, g2, 0x20), _mm256_permute2x128_si256(g1, g2, 0x31))
 }
 
-/// # Safety
-///
-/// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
-#[inline(always)]
-unsafe fn hsum8(v: __m256i) -> i32 {
-    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-    _mm_cvtsi128_si32(s)
-}
-
 /// Decode (one token) over R rows at once, eight blocks at a time: each block's integer sums
 /// stay in vector lanes until the eight are reduced together, the scale products are formed
 /// eight at a time, and the R rows' per-block float additions are R independent chains — the
@@ -756,113 +746,6 @@ pub unsafe fn rows_batch<const R: usize, const DT: u32>(
     }
 }
 
-/// One row against tokens `toks` of `act` (prefill): each block unpacked once, then every
-/// token's sums from the unpacked groups.
-///
-/// # Safety
-///
-/// The CPU has AVX2, FMA and F16C (checked by `cpu::isa()`); `row` is one whole row of the
-/// format for `act`'s width; `toks` lie within `act`'s rows; `out` holds `toks.len()` values.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn row_tokens<const DT: u32>(row: &[u8], act: &QuantAct, toks: std::ops::Range<usize>, out: &mut [f32]) {
-    let dt = const { dtype_const(DT) };
-    let (bb, bl, ng) = (dt.block_bytes(), dt.block_elems(), groups(dt));
-    let nb = act.blocks_per_row();
-    debug_assert!(row.len() == nb * bb && toks.end <= act.rows && out.len() >= toks.len());
-    let (t0, n) = (toks.start, toks.len());
-    out[..n].fill(0.0);
-    if dt == DType::IQ4_NL {
-        return row_tokens_nl(row, act, t0, &mut out[..n]);
-    }
-    let mut mag = [_mm256_setzero_si256(); 8];
-    let mut sgn = [_mm256_setzero_si256(); 8];
-    let mut scl = [_mm256_setzero_si256(); 8];
-    for b in 0..nb {
-        let blk = row.as_ptr().add(b * bb);
-        for_groups::<DT>(blk, |k, m, s, c| {
-            mag[k] = m;
-            sgn[k] = s;
-            scl[k] = c;
-        });
-        let sc16 = if signed(dt) { _mm256_setzero_si256() } else { iq1_scales16::<DT>(blk) };
-        let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(d_bits::<DT>(blk) as i32))) * scale_factor(dt);
-        // Four tokens at a time share each group's loads of the unpacked block.
-        let mut t = 0;
-        while t < n {
-            let tn = (n - t).min(4);
-            let mut xi = [0usize; 4];
-            for (i, v) in xi.iter_mut().enumerate() {
-                *v = act.idx(t0 + t + i.min(tn - 1), b);
-            }
-            let xq = |i: usize| act.qs.as_ptr().add(xi[i] * bl);
-            let mut acc = [_mm256_setzero_si256(); 4];
-            for k in 0..ng {
-                for i in 0..4 {
-                    acc[i] = _mm256_add_epi32(acc[i], group_dot::<DT>(mag[k], sgn[k], scl[k], xq(i).add(32 * k)));
-                }
-            }
-            for i in 0..tn {
-                let mut a = acc[i];
-                if !signed(dt) {
-                    a = _mm256_sub_epi32(a, offset_sums(sc16, act.bsums.as_ptr().add(xi[i] * 16)));
-                }
-                out[t + i] = (d * *act.d.get_unchecked(xi[i])).mul_add(hsum8(a) as f32, out[t + i]);
-            }
-            t += tn;
-        }
-    }
-}
-
-/// IQ4_NL prefill: blocks of 32 values, eight at a time, their sums reduced together and their
-/// scale products formed together, then added block after block as `accumulate` does.
-///
-/// # Safety
-///
-/// As `row_tokens` (AVX2, FMA and F16C; a whole IQ4_NL row; tokens `t0..t0 + out.len()`).
-#[inline(always)]
-unsafe fn row_tokens_nl(row: &[u8], act: &QuantAct, t0: usize, out: &mut [f32]) {
-    const DT: u32 = 20;
-    let bb = DType::IQ4_NL.block_bytes();
-    let nb = act.blocks_per_row();
-    let ones = _mm256_set1_epi16(1);
-    let mut b0 = 0;
-    while b0 < nb {
-        let m = (nb - b0).min(8);
-        // Blocks past the row's end stay zero (their activations are zero padding).
-        let mut mag = [_mm256_setzero_si256(); 8];
-        let mut sgn = [_mm256_setzero_si256(); 8];
-        let mut dbits = [0u16; 8];
-        for j in 0..m {
-            let blk = row.as_ptr().add((b0 + j) * bb);
-            for_groups::<DT>(blk, |_, mg, sg, _| {
-                mag[j] = mg;
-                sgn[j] = sg;
-            });
-            dbits[j] = rd_u16(blk) as u16;
-        }
-        let dw = _mm256_cvtph_ps(_mm_loadu_si128(dbits.as_ptr() as *const __m128i));
-        for (t, o) in out.iter_mut().enumerate() {
-            let i0 = act.idx(t0 + t, b0);
-            let xq = act.qs.as_ptr().add(i0 * 32);
-            let mut a = [_mm256_setzero_si256(); 8];
-            for j in 0..8 {
-                let x = _mm256_loadu_si256(xq.add(32 * j) as *const __m256i);
-                a[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(mag[j], _mm256_sign_epi8(x, sgn[j])), ones);
-            }
-            let mut isf = [0f32; 8];
-            let mut ddx = [0f32; 8];
-            _mm256_storeu_ps(isf.as_mut_ptr(), _mm256_cvtepi32_ps(reduce8x8(&a)));
-            _mm256_storeu_ps(ddx.as_mut_ptr(), _mm256_mul_ps(dw, _mm256_loadu_ps(act.d.as_ptr().add(i0))));
-            let mut acc = *o;
-            for j in 0..m {
-                acc = ddx[j].mul_add(isf[j], acc);
-            }
-            *o = acc;
-        }
-        b0 += m;
-    }
-}
-
 macro_rules! by_dtype {
     ($dtype:expr, $go:ident) => {
         match $dtype {
@@ -915,53 +798,22 @@ pub(crate) fn matmul(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, n: usize,
         });
         return;
     }
-    if n < super::ROW_KERNEL_MIN_TOKENS {
-        return super::small_batches(pool, w, n, o, |wr, k, t0, nt, vals| {
-            macro_rules! go {
-                ($dt:literal) => {
-                    match k {
-                        4 => rows_batch::<4, $dt>(wr, rb, act, t0, nt, vals),
-                        3 => rows_batch::<3, $dt>(wr, rb, act, t0, nt, vals),
-                        2 => rows_batch::<2, $dt>(wr, rb, act, t0, nt, vals),
-                        _ => rows_batch::<1, $dt>(wr, rb, act, t0, nt, vals),
-                    }
-                };
-            }
-            // SAFETY: AVX2/FMA/F16C were detected (the caller's contract); `wr` holds k whole
-            // rows; tokens t0..t0 + nt are rows of `act`, padded by QuantAct.
-            unsafe { by_dtype!(w.dtype, go) };
-        });
-    }
-    // Prefill: rows in blocks of ROWS, tokens in chunks of TOKENS, so a block of weight rows
-    // and a chunk of activations stay in cache while every pair is computed.
-    const ROWS: usize = 16;
-    const TOKENS: usize = 32;
-    pool.for_ranges(w.rows, 4, &|rows| {
-        let mut vals = [0f32; TOKENS];
-        let mut r0 = rows.start;
-        while r0 < rows.end {
-            let r1 = (r0 + ROWS).min(rows.end);
-            let mut t0 = 0;
-            while t0 < n {
-                let t1 = (t0 + TOKENS).min(n);
-                for r in r0..r1 {
-                    macro_rules! go {
-                        ($dt:literal) => {
-                            row_tokens::<$dt>(w.row(r), act, t0..t1, &mut vals)
-                        };
-                    }
-                    // SAFETY: AVX2/FMA/F16C were detected (the caller's contract); the row is
-                    // whole (MatRef::new) and tokens t0..t1 are rows of `act`.
-                    unsafe { by_dtype!(w.dtype, go) };
-                    for (i, v) in vals[..t1 - t0].iter().enumerate() {
-                        // SAFETY: this thread owns row r's column of the n × rows output.
-                        unsafe { *o.get().add((t0 + i) * w.rows + r) = *v };
-                    }
+    // Batches of more tokens go to the tiled kernels (`tiled_avx2`, `x86_512`).
+    debug_assert!(n < super::ROW_KERNEL_MIN_TOKENS);
+    super::small_batches(pool, w, n, o, |wr, k, t0, nt, vals| {
+        macro_rules! go {
+            ($dt:literal) => {
+                match k {
+                    4 => rows_batch::<4, $dt>(wr, rb, act, t0, nt, vals),
+                    3 => rows_batch::<3, $dt>(wr, rb, act, t0, nt, vals),
+                    2 => rows_batch::<2, $dt>(wr, rb, act, t0, nt, vals),
+                    _ => rows_batch::<1, $dt>(wr, rb, act, t0, nt, vals),
                 }
-                t0 = t1;
-            }
-            r0 = r1;
+            };
         }
+        // SAFETY: AVX2/FMA/F16C were detected (the caller's contract); `wr` holds k whole
+        // rows; tokens t0..t0 + nt are rows of `act`, padded by QuantAct.
+        unsafe { by_dtype!(w.dtype, go) };
     });
 }
 

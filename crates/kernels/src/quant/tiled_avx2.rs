@@ -27,14 +27,21 @@
 //! and each lane applies `dot_ref::accumulate`'s float operations for its (row, token) pair,
 //! block after block, so results equal the scalar reference to the bit, whatever the panel.
 //!
-//! Formats: Q4_0, Q4_1, Q5_0, Q5_1, MXFP4, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K. Q8_0 (16-bit
-//! activations) and the IQ formats (signed codes up to 127, whose pairs would saturate) keep
-//! their row kernels.
+//! The IQ formats unpack as the AVX2 IQ kernels unpack them (`iq_x86::for_groups`): byte
+//! magnitudes, whose signs go onto the activations with `vpsignb` (the broadcast sign bytes of
+//! the same four values), and a scale per 16 values; IQ1's codes come offset by 9 instead, and
+//! 9 · Σ scale · (16-value activation sum) comes off after. Their magnitudes bound the sums too
+//! (`iq_pairs`): IQ4's levels reach 127 (one pair per `vpmaddwd`), IQ3_XXS's 62 and the IQ2
+//! grids' 43 (two), IQ3_S's 15 and IQ1's offset codes 18 (four).
+//!
+//! Formats: Q4_0, Q4_1, Q5_0, Q5_1, MXFP4, the K-quants and the IQ formats. Q8_0 (16-bit
+//! activations) keeps its row kernels.
 
 // Index loops over lanes, rows and blocks read most plainly in kernel code.
 #![allow(clippy::needless_range_loop)]
 
 use super::blocks::e8m0_half;
+use super::iq_x86::{d_bits, dtype_const, for_groups, signed};
 use super::panel::{Panel, ROWS, TILE};
 use super::x86::{codes32, codes_q4k, codes_q6k, f16_bits, f16_to_f32};
 use crate::DType;
@@ -57,7 +64,18 @@ pub fn supports(dtype: DType) -> bool {
             | DType::Q4_K
             | DType::Q5_K
             | DType::Q6_K
-    )
+    ) || super::iq::is_iq(dtype)
+}
+
+/// How many 4-value groups of an IQ format's products `vpmaddubsw` may leave to be summed in
+/// i16 before `vpmaddwd` (a pair of products is at most 2 · 127 · the largest magnitude; the
+/// test `iq_pair_bounds_hold` checks these against the grids).
+const fn iq_pairs(dt: DType) -> usize {
+    match dt {
+        DType::IQ4_NL | DType::IQ4_XS => 1,
+        DType::IQ3_XXS | DType::IQ2_XXS | DType::IQ2_XS | DType::IQ2_S => 2,
+        _ => 4,
+    }
 }
 
 /// # Safety
@@ -168,10 +186,19 @@ unsafe fn pair_sums<const R: usize, const H: usize>(
 /// of the rows' width.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn gemm<const R: usize>(dtype: DType, w: &[u8], row_bytes: usize, p: &Panel, out: &mut [[f32; TILE]; ROWS]) {
-    // Q6_K, Q2_K and Q3_K walk the halves one after the other (see `halves`); the others take
+    // The IQ formats, Q6_K, Q2_K and Q3_K walk the halves one after the other (see `halves`); the others take
     // both halves at once when the panel has tokens in the second (each broadcast weight group
     // then serves 16 tokens).
     match dtype {
+        DType::IQ2_XXS => return gemm_iq::<R, 16>(w, row_bytes, p, out),
+        DType::IQ2_XS => return gemm_iq::<R, 17>(w, row_bytes, p, out),
+        DType::IQ3_XXS => return gemm_iq::<R, 18>(w, row_bytes, p, out),
+        DType::IQ1_S => return gemm_iq::<R, 19>(w, row_bytes, p, out),
+        DType::IQ4_NL => return gemm_iq::<R, 20>(w, row_bytes, p, out),
+        DType::IQ3_S => return gemm_iq::<R, 21>(w, row_bytes, p, out),
+        DType::IQ2_S => return gemm_iq::<R, 22>(w, row_bytes, p, out),
+        DType::IQ4_XS => return gemm_iq::<R, 23>(w, row_bytes, p, out),
+        DType::IQ1_M => return gemm_iq::<R, 29>(w, row_bytes, p, out),
         DType::Q6_K => return gemm_q6k::<R>(w, row_bytes, p, out),
         DType::Q2_K => return gemm_k23::<R, false>(w, row_bytes, p, out),
         DType::Q3_K => return gemm_k23::<R, true>(w, row_bytes, p, out),
@@ -495,4 +522,114 @@ unsafe fn gemm_k23<const R: usize, const Q3: bool>(
         }
     }
     store(&accf, out);
+}
+
+/// The IQ formats (IQ4_NL's 32-value blocks against Q8_0 activations, the others' 256-value
+/// blocks against Q8_K): per 16-value group, magnitudes times the activations with the group's
+/// signs, summed as `iq_pairs` allows, times the group's scale; IQ1's offset of 9 taken off
+/// with the activations' 16-value sums. The integer sum is `iq::block_isum`'s, the float step
+/// `accumulate`'s (`D` = the stored f16 times the format's power of two, exact).
+///
+/// # Safety
+///
+/// As `gemm`.
+#[inline(always)]
+unsafe fn gemm_iq<const R: usize, const DT: u32>(w: &[u8], row_bytes: usize, p: &Panel, out: &mut [[f32; TILE]; ROWS]) {
+    let dt = const { dtype_const(DT) };
+    let n_pairs = const { iq_pairs(dtype_const(DT)) };
+    let sgnd = const { signed(dtype_const(DT)) };
+    let bb = dt.block_bytes();
+    // 16-value groups per block: 2 (IQ4_NL) or 16.
+    let ng = dt.block_elems() / 16;
+    let factor = super::iq::scale_factor(dt);
+    let mut accf = [[_mm256_setzero_ps(); 2]; R];
+    let mut mag = [[0u8; 256]; R];
+    let mut sgn = [[0u8; 256]; R];
+    let mut sc = [[0i32; 16]; R];
+    let mut sp = [[0i32; 8]; R];
+    let mut d = [0f32; R];
+    for b in 0..p.nb {
+        for r in 0..R {
+            let blk = w.as_ptr().add(r * row_bytes + b * bb);
+            let (m, sg, c) = (&mut mag[r], &mut sgn[r], &mut sc[r]);
+            for_groups::<DT>(blk, |k, g_mag, g_sgn, scl| {
+                _mm256_storeu_si256(m.as_mut_ptr().add(32 * k) as *mut __m256i, g_mag);
+                _mm256_storeu_si256(sg.as_mut_ptr().add(32 * k) as *mut __m256i, g_sgn);
+                // Lanes 0..8 hold the scale of values 0..16, lanes 8..16 that of 16..32.
+                c[2 * k] = _mm256_extract_epi16::<0>(scl) as i16 as i32;
+                c[2 * k + 1] = _mm256_extract_epi16::<8>(scl) as i16 as i32;
+            });
+            if !sgnd {
+                for j in 0..8 {
+                    sp[r][j] = (sc[r][2 * j] & 0xFFFF) | (sc[r][2 * j + 1] << 16);
+                }
+            }
+            d[r] = f16_to_f32(d_bits::<DT>(blk)) * factor;
+        }
+        for h in 0..halves(p) {
+            let xc = p.codes.as_ptr().add(b * ng * 4 * TILE + HALF * h);
+            let mut s1 = [_mm256_setzero_si256(); R];
+            for gi in 0..ng {
+                let mut part = [_mm256_setzero_si256(); R];
+                for g in 0..4 {
+                    let xv = ld(xc.add((4 * gi + g) * TILE));
+                    let o = 16 * gi + 4 * g;
+                    for r in 0..R {
+                        let x = if sgnd { _mm256_sign_epi8(xv, bcast(sgn[r].as_ptr().add(o))) } else { xv };
+                        part[r] = _mm256_add_epi16(part[r], _mm256_maddubs_epi16(bcast(mag[r].as_ptr().add(o)), x));
+                    }
+                    if (g + 1) % n_pairs == 0 {
+                        for r in 0..R {
+                            let prod = _mm256_madd_epi16(part[r], _mm256_set1_epi16(sc[r][gi] as i16));
+                            s1[r] = _mm256_add_epi32(s1[r], prod);
+                            part[r] = _mm256_setzero_si256();
+                        }
+                    }
+                }
+            }
+            if !sgnd {
+                let corr = pair_sums::<R, 1>(p, b, h, &sp);
+                for r in 0..R {
+                    s1[r] = _mm256_sub_epi32(s1[r], _mm256_mullo_epi32(corr[r][0], _mm256_set1_epi32(9)));
+                }
+            }
+            let dx = ldf(p.dx.as_ptr().add(b * TILE + HALF * h));
+            for r in 0..R {
+                let ddx = _mm256_mul_ps(_mm256_set1_ps(d[r]), dx);
+                accf[r][h] = _mm256_fmadd_ps(ddx, _mm256_cvtepi32_ps(s1[r]), accf[r][h]);
+            }
+        }
+    }
+    store(&accf, out);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::iq_tables::*;
+
+    /// `iq_pairs` keeps every i16 sum of products within range: `iq_pairs` pairs of products,
+    /// each at most 2 · 127 · the largest magnitude the format's grid (or level table) holds.
+    #[test]
+    fn iq_pair_bounds_hold() {
+        let bytes64 = |t: &[u64]| t.iter().flat_map(|v| v.to_le_bytes()).max().unwrap() as i32;
+        let bytes32 = |t: &[u32]| t.iter().flat_map(|v| v.to_le_bytes()).max().unwrap() as i32;
+        let largest = [
+            (DType::IQ4_NL, IQ4NL_VALUES.iter().map(|v| (*v as i32).abs()).max().unwrap()),
+            (DType::IQ4_XS, IQ4NL_VALUES.iter().map(|v| (*v as i32).abs()).max().unwrap()),
+            (DType::IQ2_XXS, bytes64(&IQ2XXS_GRID)),
+            (DType::IQ2_XS, bytes64(&IQ2XS_GRID)),
+            (DType::IQ2_S, bytes64(&IQ2S_GRID)),
+            (DType::IQ3_XXS, bytes32(&IQ3XXS_GRID)),
+            (DType::IQ3_S, bytes32(&IQ3S_GRID)),
+            // Offset codes: the grid plus 2 where the delta is +1.
+            (DType::IQ1_S, bytes64(&IQ1S_GRID8) + 2),
+            (DType::IQ1_M, bytes64(&IQ1S_GRID8) + 2),
+        ];
+        for (dt, m) in largest {
+            let worst = iq_pairs(dt) as i32 * 2 * 127 * m;
+            assert!(worst <= i16::MAX as i32, "{dt}: {} pairs of magnitudes up to {m} reach {worst}", iq_pairs(dt));
+            assert!(4 % iq_pairs(dt) == 0, "{dt}: pairs must divide a 16-value group's four");
+        }
+    }
 }
