@@ -403,46 +403,65 @@ impl Tiled {
 #[cfg(target_arch = "x86_64")]
 const AVX2_TILED_MIN_TOKENS: usize = ROW_KERNEL_MIN_TOKENS;
 
-/// A tiled prefill: panels of 16 tokens, rows in blocks that stay in L2.
+/// A tiled prefill: panels of 16 tokens, rows in blocks that stay in L2. The AVX2 kernel takes
+/// up to `tiled_avx2::PANELS` panels a call (each block of weights unpacked once for them all),
+/// the VNNI kernel one.
 #[cfg(target_arch = "x86_64")]
 fn gemm_tiled(kernel: Tiled, pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, n: usize, o: SendPtr) {
     use panel::{Panel, ROWS, TILE};
     let panels: Vec<Panel> = (0..n).step_by(TILE).map(|t0| Panel::new(act, t0, (n - t0).min(TILE))).collect();
+    let per_call = match kernel {
+        Tiled::Vnni => 1,
+        Tiled::Avx2 => tiled_avx2::PANELS,
+    };
     let rb = w.row_bytes();
     const BLOCK_ROWS: usize = 64;
     pool.for_ranges(w.rows, ROWS, &|rows| {
-        let mut vals = [[0f32; TILE]; ROWS];
+        let mut vals = [[[0f32; TILE]; ROWS]; tiled_avx2::PANELS];
         let mut b0 = rows.start;
         while b0 < rows.end {
             let b1 = (b0 + BLOCK_ROWS).min(rows.end);
-            for (pi, p) in panels.iter().enumerate() {
+            for (ci, ps) in panels.chunks(per_call).enumerate() {
                 let mut r = b0;
                 while r < b1 {
                     let k = (b1 - r).min(ROWS);
                     let wr = &w.data[r * rb..(r + k) * rb];
                     macro_rules! go {
-                        ($m:ident) => {
+                        ($call:ident) => {
                             match k {
-                                4 => $m::gemm::<4>(w.dtype, wr, rb, p, &mut vals),
-                                3 => $m::gemm::<3>(w.dtype, wr, rb, p, &mut vals),
-                                2 => $m::gemm::<2>(w.dtype, wr, rb, p, &mut vals),
-                                _ => $m::gemm::<1>(w.dtype, wr, rb, p, &mut vals),
+                                4 => $call!(4),
+                                3 => $call!(3),
+                                2 => $call!(2),
+                                _ => $call!(1),
                             }
                         };
                     }
+                    macro_rules! vnni {
+                        ($r:literal) => {
+                            x86_512::gemm::<$r>(w.dtype, wr, rb, &ps[0], &mut vals[0])
+                        };
+                    }
+                    macro_rules! avx2 {
+                        ($r:literal) => {
+                            tiled_avx2::gemm::<$r>(w.dtype, wr, rb, ps, &mut vals)
+                        };
+                    }
                     // SAFETY: `Tiled::choose` picked a kernel whose instruction set was detected
-                    // and which takes this format; `wr` holds k whole rows; the panel covers this
+                    // and which takes this format; `wr` holds k whole rows; the panels cover this
                     // matrix's reduction dimension with the activations the format pairs with.
                     unsafe {
                         match kernel {
-                            Tiled::Vnni => go!(x86_512),
-                            Tiled::Avx2 => go!(tiled_avx2),
+                            Tiled::Vnni => go!(vnni),
+                            Tiled::Avx2 => go!(avx2),
                         }
                     }
-                    for (i, row_vals) in vals.iter().enumerate().take(k) {
-                        for (c, v) in row_vals.iter().enumerate().take(p.n) {
-                            // SAFETY: this thread owns rows b0..b1 of every token's output.
-                            unsafe { *o.get().add((pi * TILE + c) * w.rows + r + i) = *v };
+                    for (pj, p) in ps.iter().enumerate() {
+                        let t0 = (ci * per_call + pj) * TILE;
+                        for (i, row_vals) in vals[pj].iter().enumerate().take(k) {
+                            for (c, v) in row_vals.iter().enumerate().take(p.n) {
+                                // SAFETY: this thread owns rows b0..b1 of every token's output.
+                                unsafe { *o.get().add((t0 + c) * w.rows + r + i) = *v };
+                            }
                         }
                     }
                     r += k;
@@ -548,9 +567,9 @@ mod tests {
         let pool = ThreadPool::new(2);
         // Single tokens (the decode kernels), small batches (3 and 6 tokens) and the tiled
         // kernels (from 9 tokens at AVX2, from 8 or 12 with VNNI): one half panel of 256-bit
-        // lanes (9), both halves (13, 16), a second, partial panel (17) and three panels (33);
-        // rows left over after groups of four (four, three, two or one at a time) and blocks
-        // left over after groups of eight.
+        // lanes (9), both halves (13, 16), a second, partial panel (17), three panels (33) and
+        // five (70: two calls of the AVX2 kernel, which takes four); rows left over after groups
+        // of four (four, three, two or one at a time) and blocks left over after groups of eight.
         for (dtype, (rows, cols, n)) in TYPES.iter().flat_map(|d| {
             [
                 (9, 512, 3),
@@ -563,6 +582,7 @@ mod tests {
                 (7, 512, 9),
                 (6, 256, 16),
                 (5, 768, 33),
+                (5, 512, 70),
             ]
             .map(|s| (*d, s))
         }) {

@@ -176,79 +176,69 @@ unsafe fn pair_sums<const R: usize, const H: usize>(
     s2
 }
 
-/// Rows `w` (R of them, `row_bytes` apart) against a panel; `out[r][c]` receives the dot
-/// product of row r with panel token c (tokens past `p.n` are left unspecified).
+/// Most panels one call takes: each block of the R rows is unpacked once for all of them (the
+/// IQ formats' codebook lookups cost as much as a panel's products).
+pub const PANELS: usize = 4;
+
+/// One call's results: `[panel][row][token]`.
+pub type Out = [[[f32; TILE]; ROWS]; PANELS];
+
+/// Rows `w` (R of them, `row_bytes` apart) against panels `ps` (1 to `PANELS`, of the same
+/// width); `out[i][r][c]` receives the dot product of row r with token c of panel i (tokens past
+/// a panel's `n` are left unspecified).
 ///
 /// # Safety
 ///
 /// The CPU has AVX2, FMA and F16C (the dispatcher checks `cpu::isa()`); `supports(dtype)`;
-/// `w` holds R whole rows of the format; the panel holds the activations the format pairs with,
+/// `w` holds R whole rows of the format; the panels hold the activations the format pairs with,
 /// of the rows' width.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn gemm<const R: usize>(dtype: DType, w: &[u8], row_bytes: usize, p: &Panel, out: &mut [[f32; TILE]; ROWS]) {
-    // The IQ formats, Q6_K, Q2_K and Q3_K walk the halves one after the other (see `halves`); the others take
-    // both halves at once when the panel has tokens in the second (each broadcast weight group
-    // then serves 16 tokens).
+pub unsafe fn gemm<const R: usize>(dtype: DType, w: &[u8], row_bytes: usize, ps: &[Panel], out: &mut Out) {
+    debug_assert!((1..=PANELS).contains(&ps.len()));
     match dtype {
-        DType::IQ2_XXS => return gemm_iq::<R, 16>(w, row_bytes, p, out),
-        DType::IQ2_XS => return gemm_iq::<R, 17>(w, row_bytes, p, out),
-        DType::IQ3_XXS => return gemm_iq::<R, 18>(w, row_bytes, p, out),
-        DType::IQ1_S => return gemm_iq::<R, 19>(w, row_bytes, p, out),
-        DType::IQ4_NL => return gemm_iq::<R, 20>(w, row_bytes, p, out),
-        DType::IQ3_S => return gemm_iq::<R, 21>(w, row_bytes, p, out),
-        DType::IQ2_S => return gemm_iq::<R, 22>(w, row_bytes, p, out),
-        DType::IQ4_XS => return gemm_iq::<R, 23>(w, row_bytes, p, out),
-        DType::IQ1_M => return gemm_iq::<R, 29>(w, row_bytes, p, out),
-        DType::Q6_K => return gemm_q6k::<R>(w, row_bytes, p, out),
-        DType::Q2_K => return gemm_k23::<R, false>(w, row_bytes, p, out),
-        DType::Q3_K => return gemm_k23::<R, true>(w, row_bytes, p, out),
-        _ => {}
-    }
-    if p.n > HALF {
-        gemm_h::<R, 2>(dtype, w, row_bytes, p, out)
-    } else {
-        gemm_h::<R, 1>(dtype, w, row_bytes, p, out)
+        DType::IQ2_XXS => gemm_iq::<R, 16>(w, row_bytes, ps, out),
+        DType::IQ2_XS => gemm_iq::<R, 17>(w, row_bytes, ps, out),
+        DType::IQ3_XXS => gemm_iq::<R, 18>(w, row_bytes, ps, out),
+        DType::IQ1_S => gemm_iq::<R, 19>(w, row_bytes, ps, out),
+        DType::IQ4_NL => gemm_iq::<R, 20>(w, row_bytes, ps, out),
+        DType::IQ3_S => gemm_iq::<R, 21>(w, row_bytes, ps, out),
+        DType::IQ2_S => gemm_iq::<R, 22>(w, row_bytes, ps, out),
+        DType::IQ4_XS => gemm_iq::<R, 23>(w, row_bytes, ps, out),
+        DType::IQ1_M => gemm_iq::<R, 29>(w, row_bytes, ps, out),
+        DType::Q6_K => gemm_q6k::<R>(w, row_bytes, ps, out),
+        DType::Q2_K => gemm_k23::<R, false>(w, row_bytes, ps, out),
+        DType::Q3_K => gemm_k23::<R, true>(w, row_bytes, ps, out),
+        DType::Q4_K => gemm_q4k::<R, false>(w, row_bytes, ps, out),
+        DType::Q5_K => gemm_q4k::<R, true>(w, row_bytes, ps, out),
+        _ => gemm32::<R>(dtype, w, row_bytes, ps, out),
     }
 }
 
 /// The half panels holding the panel's tokens, for the kernels that walk them one after the
-/// other: a bound the compiler cannot unroll, since two copies of a long per-half body spill
-/// more (Q2_K's 128-token rate fell by a sixth with the loop's bound known to be at most 2).
+/// other (the IQ formats, Q6_K, Q2_K, Q3_K): a bound the compiler cannot unroll, since two
+/// copies of a long per-half body spill more (Q2_K's 128-token rate fell by a sixth with the
+/// loop's bound known to be at most 2). The others take both halves at once when the panel has
+/// tokens in the second (each broadcast weight group then serves 16 tokens).
 #[inline(always)]
 fn halves(p: &Panel) -> usize {
     p.n.div_ceil(HALF)
 }
 
-/// `gemm` on the first H half panels.
-///
-/// # Safety
-///
-/// As `gemm`.
-#[inline(always)]
-unsafe fn gemm_h<const R: usize, const H: usize>(
-    dtype: DType,
-    w: &[u8],
-    row_bytes: usize,
-    p: &Panel,
-    out: &mut [[f32; TILE]; ROWS],
-) {
-    match dtype {
-        DType::Q4_K => gemm_q4k::<R, H, false>(w, row_bytes, p, out),
-        DType::Q5_K => gemm_q4k::<R, H, true>(w, row_bytes, p, out),
-        _ => gemm32::<R, H>(dtype, w, row_bytes, p, out),
-    }
-}
+/// Float accumulators of R rows × both halves of each panel.
+type Acc<const R: usize> = [[[__m256; 2]; R]; PANELS];
 
-/// Stores R rows × H halves of float accumulators into `out`.
+/// Stores the accumulators of the `n` panels into `out`.
 ///
 /// # Safety
 ///
 /// Needs only AVX2, which the caller checked.
 #[inline(always)]
-unsafe fn store<const R: usize, const H: usize>(accf: &[[__m256; H]; R], out: &mut [[f32; TILE]; ROWS]) {
-    for r in 0..R {
-        for h in 0..H {
-            _mm256_storeu_ps(out[r].as_mut_ptr().add(HALF * h), accf[r][h]);
+unsafe fn store<const R: usize>(accf: &Acc<R>, n: usize, out: &mut Out) {
+    for (pi, o) in out.iter_mut().enumerate().take(n) {
+        for r in 0..R {
+            for h in 0..2 {
+                _mm256_storeu_ps(o[r].as_mut_ptr().add(HALF * h), accf[pi][r][h]);
+            }
         }
     }
 }
@@ -259,14 +249,51 @@ unsafe fn store<const R: usize, const H: usize>(accf: &[[__m256; H]; R], out: &m
 ///
 /// As `gemm`.
 #[inline(always)]
-unsafe fn gemm32<const R: usize, const H: usize>(
-    dtype: DType,
-    w: &[u8],
-    row_bytes: usize,
-    p: &Panel,
-    out: &mut [[f32; TILE]; ROWS],
-) {
+unsafe fn gemm32<const R: usize>(dtype: DType, w: &[u8], row_bytes: usize, ps: &[Panel], out: &mut Out) {
     let bb = dtype.block_bytes();
+    let mxfp4 = super::mxfp4_x86::table();
+    let mut accf: Acc<R> = [[[_mm256_setzero_ps(); 2]; R]; PANELS];
+    let mut codes = [[0u8; 32]; R];
+    let mut d = [0f32; R];
+    let mut m = [0f32; R];
+    for b in 0..ps[0].nb {
+        for r in 0..R {
+            let blk = w.as_ptr().add(r * row_bytes + b * bb);
+            let u = if dtype == DType::MXFP4 { super::mxfp4_x86::codes(mxfp4, blk) } else { codes32(dtype, blk) };
+            _mm256_storeu_si256(codes[r].as_mut_ptr() as *mut __m256i, u);
+            let wb = std::slice::from_raw_parts(blk, bb);
+            d[r] = if dtype == DType::MXFP4 { e8m0_half(wb[0]) } else { f16_to_f32(f16_bits(wb, 0)) };
+            if matches!(dtype, DType::Q4_1 | DType::Q5_1) {
+                m[r] = f16_to_f32(f16_bits(wb, 2));
+            }
+        }
+        for (pi, p) in ps.iter().enumerate() {
+            if p.n > HALF {
+                step32::<R, 2>(dtype, &codes, &d, &m, p, b, &mut accf[pi]);
+            } else {
+                step32::<R, 1>(dtype, &codes, &d, &m, p, b, &mut accf[pi]);
+            }
+        }
+    }
+    store(&accf, ps.len(), out);
+}
+
+/// Block `b` of R unpacked rows of a 32-value block format (`codes`, `d` and Q4_1's or Q5_1's
+/// `m`) against the first H halves of a panel, into the panel's accumulators.
+///
+/// # Safety
+///
+/// As `gemm`, with `b < p.nb`.
+#[inline(always)]
+unsafe fn step32<const R: usize, const H: usize>(
+    dtype: DType,
+    codes: &[[u8; 32]; R],
+    d: &[f32; R],
+    m: &[f32; R],
+    p: &Panel,
+    b: usize,
+    accf: &mut [[__m256; 2]; R],
+) {
     let has_m = matches!(dtype, DType::Q4_1 | DType::Q5_1);
     // Q4's codes are four bits: eight groups summed in i16; five bits and MXFP4's: four.
     let four_bits = matches!(dtype, DType::Q4_0 | DType::Q4_1);
@@ -276,48 +303,30 @@ unsafe fn gemm32<const R: usize, const H: usize>(
         DType::MXFP4 => super::mxfp4_x86::OFFSET,
         _ => 0,
     };
-    let mxfp4 = super::mxfp4_x86::table();
     let ones = [1i32; R];
-    let mut accf = [[_mm256_setzero_ps(); H]; R];
-    let mut codes = [[0u8; 32]; R];
-    let mut d = [0f32; R];
-    let mut m = [0f32; R];
-    for b in 0..p.nb {
+    let cp: [*const u8; R] = std::array::from_fn(|r| codes[r].as_ptr());
+    let cp16: [*const u8; R] = std::array::from_fn(|r| codes[r].as_ptr().add(16));
+    let xc = p.codes.as_ptr().add(b * 8 * TILE);
+    let mut isum = [[_mm256_setzero_si256(); H]; R];
+    if four_bits {
+        add_scaled(&mut isum, pairs::<R, H, 8>(&cp, xc), ones);
+    } else {
+        add_scaled(&mut isum, pairs::<R, H, 4>(&cp, xc), ones);
+        add_scaled(&mut isum, pairs::<R, H, 4>(&cp16, xc.add(4 * TILE)), ones);
+    }
+    for h in 0..H {
+        let at = b * TILE + HALF * h;
+        let dx = ldf(p.dx.as_ptr().add(at));
+        let xs = _mm256_mullo_epi32(ld(p.xsum.as_ptr().add(at) as *const u32), _mm256_set1_epi32(bias));
         for r in 0..R {
-            let blk = w.as_ptr().add(r * row_bytes + b * bb);
-            let u = if dtype == DType::MXFP4 { super::mxfp4_x86::codes(mxfp4, blk) } else { codes32(dtype, blk) };
-            _mm256_storeu_si256(codes[r].as_mut_ptr() as *mut __m256i, u);
-            let wb = std::slice::from_raw_parts(blk, bb);
-            d[r] = if dtype == DType::MXFP4 { e8m0_half(wb[0]) } else { f16_to_f32(f16_bits(wb, 0)) };
+            let is = if bias != 0 { _mm256_sub_epi32(isum[r][h], xs) } else { isum[r][h] };
+            let ddx = _mm256_mul_ps(_mm256_set1_ps(d[r]), dx);
+            accf[r][h] = _mm256_fmadd_ps(ddx, _mm256_cvtepi32_ps(is), accf[r][h]);
             if has_m {
-                m[r] = f16_to_f32(f16_bits(wb, 2));
-            }
-        }
-        let cp: [*const u8; R] = std::array::from_fn(|r| codes[r].as_ptr());
-        let cp16: [*const u8; R] = std::array::from_fn(|r| codes[r].as_ptr().add(16));
-        let xc = p.codes.as_ptr().add(b * 8 * TILE);
-        let mut isum = [[_mm256_setzero_si256(); H]; R];
-        if four_bits {
-            add_scaled(&mut isum, pairs::<R, H, 8>(&cp, xc), ones);
-        } else {
-            add_scaled(&mut isum, pairs::<R, H, 4>(&cp, xc), ones);
-            add_scaled(&mut isum, pairs::<R, H, 4>(&cp16, xc.add(4 * TILE)), ones);
-        }
-        for h in 0..H {
-            let at = b * TILE + HALF * h;
-            let dx = ldf(p.dx.as_ptr().add(at));
-            let xs = _mm256_mullo_epi32(ld(p.xsum.as_ptr().add(at) as *const u32), _mm256_set1_epi32(bias));
-            for r in 0..R {
-                let is = if bias != 0 { _mm256_sub_epi32(isum[r][h], xs) } else { isum[r][h] };
-                let ddx = _mm256_mul_ps(_mm256_set1_ps(d[r]), dx);
-                accf[r][h] = _mm256_fmadd_ps(ddx, _mm256_cvtepi32_ps(is), accf[r][h]);
-                if has_m {
-                    accf[r][h] = _mm256_fmadd_ps(_mm256_set1_ps(m[r]), ldf(p.sx.as_ptr().add(at)), accf[r][h]);
-                }
+                accf[r][h] = _mm256_fmadd_ps(_mm256_set1_ps(m[r]), ldf(p.sx.as_ptr().add(at)), accf[r][h]);
             }
         }
     }
-    store(&accf, out);
 }
 
 /// Q4_K and Q5_K (`Q5`): eight 32-value sub-blocks with a scale and a min each.
@@ -326,63 +335,90 @@ unsafe fn gemm32<const R: usize, const H: usize>(
 ///
 /// As `gemm`.
 #[inline(always)]
-unsafe fn gemm_q4k<const R: usize, const H: usize, const Q5: bool>(
-    w: &[u8],
-    row_bytes: usize,
-    p: &Panel,
-    out: &mut [[f32; TILE]; ROWS],
-) {
+unsafe fn gemm_q4k<const R: usize, const Q5: bool>(w: &[u8], row_bytes: usize, ps: &[Panel], out: &mut Out) {
     let dtype = if Q5 { DType::Q5_K } else { DType::Q4_K };
     let bb = dtype.block_bytes();
-    let mut accf = [[_mm256_setzero_ps(); H]; R];
-    let mut codes = [[0u8; 256]; R];
-    let mut sc = [[0i32; 8]; R];
-    let mut mp = [[0i32; 8]; R];
-    let mut d = [0f32; R];
-    let mut dmin = [0f32; R];
-    for b in 0..p.nb {
+    let mut accf: Acc<R> = [[[_mm256_setzero_ps(); 2]; R]; PANELS];
+    let mut u =
+        K4Rows::<R> { codes: [[0u8; 256]; R], sc: [[0i32; 8]; R], mp: [[0i32; 8]; R], d: [0f32; R], dmin: [0f32; R] };
+    for b in 0..ps[0].nb {
         for r in 0..R {
             let blk = std::slice::from_raw_parts(w.as_ptr().add(r * row_bytes + b * bb), bb);
             for c in 0..4 {
                 let (lo, hi) = codes_q4k(Q5, blk, c);
-                _mm256_storeu_si256(codes[r].as_mut_ptr().add(64 * c) as *mut __m256i, lo);
-                _mm256_storeu_si256(codes[r].as_mut_ptr().add(64 * c + 32) as *mut __m256i, hi);
+                _mm256_storeu_si256(u.codes[r].as_mut_ptr().add(64 * c) as *mut __m256i, lo);
+                _mm256_storeu_si256(u.codes[r].as_mut_ptr().add(64 * c + 32) as *mut __m256i, hi);
             }
             // Scales s0..s7 then mins m0..m7, as bytes; each min against the pair (Σ of values
             // 32j..32j+16, Σ of 32j+16..32j+32), so twice in one i32.
             let sm = _mm256_castsi256_si128(super::x86::k4_scale_bytes(blk.as_ptr()));
-            _mm256_storeu_si256(sc[r].as_mut_ptr() as *mut __m256i, _mm256_cvtepu8_epi32(sm));
+            _mm256_storeu_si256(u.sc[r].as_mut_ptr() as *mut __m256i, _mm256_cvtepu8_epi32(sm));
             let mins = _mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8));
-            _mm256_storeu_si256(mp[r].as_mut_ptr() as *mut __m256i, _mm256_or_si256(mins, _mm256_slli_epi32(mins, 16)));
-            d[r] = f16_to_f32(f16_bits(blk, 0));
-            dmin[r] = f16_to_f32(f16_bits(blk, 2));
+            _mm256_storeu_si256(
+                u.mp[r].as_mut_ptr() as *mut __m256i,
+                _mm256_or_si256(mins, _mm256_slli_epi32(mins, 16)),
+            );
+            u.d[r] = f16_to_f32(f16_bits(blk, 0));
+            u.dmin[r] = f16_to_f32(f16_bits(blk, 2));
         }
-        let xc = p.codes.as_ptr().add(b * 64 * TILE);
-        let mut s1 = [[_mm256_setzero_si256(); H]; R];
-        for j in 0..8 {
-            let scale: [i32; R] = std::array::from_fn(|r| sc[r][j]);
-            let cp: [*const u8; R] = std::array::from_fn(|r| codes[r].as_ptr().add(32 * j));
-            let xj = xc.add(8 * j * TILE);
-            if Q5 {
-                let cp16: [*const u8; R] = std::array::from_fn(|r| cp[r].add(16));
-                add_scaled(&mut s1, pairs::<R, H, 4>(&cp, xj), scale);
-                add_scaled(&mut s1, pairs::<R, H, 4>(&cp16, xj.add(4 * TILE)), scale);
+        for (pi, p) in ps.iter().enumerate() {
+            if p.n > HALF {
+                step_q4k::<R, 2, Q5>(&u, p, b, &mut accf[pi]);
             } else {
-                add_scaled(&mut s1, pairs::<R, H, 8>(&cp, xj), scale);
-            }
-        }
-        let s2 = pair_sums::<R, H>(p, b, 0, &mp);
-        for h in 0..H {
-            let dx = ldf(p.dx.as_ptr().add(b * TILE + HALF * h));
-            for r in 0..R {
-                let ddx = _mm256_mul_ps(_mm256_set1_ps(d[r]), dx);
-                accf[r][h] = _mm256_fmadd_ps(ddx, _mm256_cvtepi32_ps(s1[r][h]), accf[r][h]);
-                let mdx = _mm256_mul_ps(_mm256_set1_ps(dmin[r]), dx);
-                accf[r][h] = _mm256_fnmadd_ps(mdx, _mm256_cvtepi32_ps(s2[r][h]), accf[r][h]);
+                step_q4k::<R, 1, Q5>(&u, p, b, &mut accf[pi]);
             }
         }
     }
-    store(&accf, out);
+    store(&accf, ps.len(), out);
+}
+
+/// One block of R Q4_K/Q5_K rows, unpacked: codes (0..31), sub-block scales, each min as a
+/// pair of i16, and the float scales.
+struct K4Rows<const R: usize> {
+    codes: [[u8; 256]; R],
+    sc: [[i32; 8]; R],
+    mp: [[i32; 8]; R],
+    d: [f32; R],
+    dmin: [f32; R],
+}
+
+/// Block `b` of R unpacked Q4_K/Q5_K rows against the first H halves of a panel, into the
+/// panel's accumulators.
+///
+/// # Safety
+///
+/// As `gemm`, with `b < p.nb`.
+#[inline(always)]
+unsafe fn step_q4k<const R: usize, const H: usize, const Q5: bool>(
+    u: &K4Rows<R>,
+    p: &Panel,
+    b: usize,
+    accf: &mut [[__m256; 2]; R],
+) {
+    let xc = p.codes.as_ptr().add(b * 64 * TILE);
+    let mut s1 = [[_mm256_setzero_si256(); H]; R];
+    for j in 0..8 {
+        let scale: [i32; R] = std::array::from_fn(|r| u.sc[r][j]);
+        let cp: [*const u8; R] = std::array::from_fn(|r| u.codes[r].as_ptr().add(32 * j));
+        let xj = xc.add(8 * j * TILE);
+        if Q5 {
+            let cp16: [*const u8; R] = std::array::from_fn(|r| cp[r].add(16));
+            add_scaled(&mut s1, pairs::<R, H, 4>(&cp, xj), scale);
+            add_scaled(&mut s1, pairs::<R, H, 4>(&cp16, xj.add(4 * TILE)), scale);
+        } else {
+            add_scaled(&mut s1, pairs::<R, H, 8>(&cp, xj), scale);
+        }
+    }
+    let s2 = pair_sums::<R, H>(p, b, 0, &u.mp);
+    for h in 0..H {
+        let dx = ldf(p.dx.as_ptr().add(b * TILE + HALF * h));
+        for r in 0..R {
+            let ddx = _mm256_mul_ps(_mm256_set1_ps(u.d[r]), dx);
+            accf[r][h] = _mm256_fmadd_ps(ddx, _mm256_cvtepi32_ps(s1[r][h]), accf[r][h]);
+            let mdx = _mm256_mul_ps(_mm256_set1_ps(u.dmin[r]), dx);
+            accf[r][h] = _mm256_fnmadd_ps(mdx, _mm256_cvtepi32_ps(s2[r][h]), accf[r][h]);
+        }
+    }
 }
 
 /// Q6_K: codes q + 32 (0..63) with a signed scale per 16 values; the 32 comes off as
@@ -392,14 +428,14 @@ unsafe fn gemm_q4k<const R: usize, const H: usize, const Q5: bool>(
 ///
 /// As `gemm`.
 #[inline(always)]
-unsafe fn gemm_q6k<const R: usize>(w: &[u8], row_bytes: usize, p: &Panel, out: &mut [[f32; TILE]; ROWS]) {
+unsafe fn gemm_q6k<const R: usize>(w: &[u8], row_bytes: usize, ps: &[Panel], out: &mut Out) {
     let bb = DType::Q6_K.block_bytes();
-    let mut accf = [[_mm256_setzero_ps(); 2]; R];
+    let mut accf: Acc<R> = [[[_mm256_setzero_ps(); 2]; R]; PANELS];
     let mut codes = [[0u8; 256]; R];
     let mut sc = [[0i32; 16]; R];
     let mut sp = [[0i32; 8]; R];
     let mut d = [0f32; R];
-    for b in 0..p.nb {
+    for b in 0..ps[0].nb {
         for r in 0..R {
             let blk = std::slice::from_raw_parts(w.as_ptr().add(r * row_bytes + b * bb), bb);
             for (j, v) in codes_q6k(blk).iter().enumerate() {
@@ -416,25 +452,27 @@ unsafe fn gemm_q6k<const R: usize>(w: &[u8], row_bytes: usize, p: &Panel, out: &
         // The halves one after the other: both at once (as the other formats) keep more i32
         // sums live than there are registers here (twice as many steps as Q4_K's), and
         // spilling them halved the rate.
-        for h in 0..halves(p) {
-            let xc = p.codes.as_ptr().add(b * 64 * TILE + HALF * h);
-            let mut s1 = [[_mm256_setzero_si256(); 1]; R];
-            // Two groups of four values at a time (the i16 bound for codes up to 63).
-            for k in 0..32 {
-                let scale: [i32; R] = std::array::from_fn(|r| sc[r][k / 2]);
-                let cp: [*const u8; R] = std::array::from_fn(|r| codes[r].as_ptr().add(8 * k));
-                add_scaled(&mut s1, pairs::<R, 1, 2>(&cp, xc.add(2 * k * TILE)), scale);
-            }
-            let corr = pair_sums::<R, 1>(p, b, h, &sp);
-            let dx = ldf(p.dx.as_ptr().add(b * TILE + HALF * h));
-            for r in 0..R {
-                let isum = _mm256_sub_epi32(s1[r][0], _mm256_slli_epi32(corr[r][0], 5));
-                let ddx = _mm256_mul_ps(_mm256_set1_ps(d[r]), dx);
-                accf[r][h] = _mm256_fmadd_ps(ddx, _mm256_cvtepi32_ps(isum), accf[r][h]);
+        for (pi, p) in ps.iter().enumerate() {
+            for h in 0..halves(p) {
+                let xc = p.codes.as_ptr().add(b * 64 * TILE + HALF * h);
+                let mut s1 = [[_mm256_setzero_si256(); 1]; R];
+                // Two groups of four values at a time (the i16 bound for codes up to 63).
+                for k in 0..32 {
+                    let scale: [i32; R] = std::array::from_fn(|r| sc[r][k / 2]);
+                    let cp: [*const u8; R] = std::array::from_fn(|r| codes[r].as_ptr().add(8 * k));
+                    add_scaled(&mut s1, pairs::<R, 1, 2>(&cp, xc.add(2 * k * TILE)), scale);
+                }
+                let corr = pair_sums::<R, 1>(p, b, h, &sp);
+                let dx = ldf(p.dx.as_ptr().add(b * TILE + HALF * h));
+                for r in 0..R {
+                    let isum = _mm256_sub_epi32(s1[r][0], _mm256_slli_epi32(corr[r][0], 5));
+                    let ddx = _mm256_mul_ps(_mm256_set1_ps(d[r]), dx);
+                    accf[pi][r][h] = _mm256_fmadd_ps(ddx, _mm256_cvtepi32_ps(isum), accf[pi][r][h]);
+                }
             }
         }
     }
-    store(&accf, out);
+    store(&accf, ps.len(), out);
 }
 
 /// Q2_K and Q3_K (`Q3`): sixteen 16-value groups with a scale each. Q2_K's codes are 0..3 with
@@ -446,22 +484,17 @@ unsafe fn gemm_q6k<const R: usize>(w: &[u8], row_bytes: usize, p: &Panel, out: &
 ///
 /// As `gemm`.
 #[inline(always)]
-unsafe fn gemm_k23<const R: usize, const Q3: bool>(
-    w: &[u8],
-    row_bytes: usize,
-    p: &Panel,
-    out: &mut [[f32; TILE]; ROWS],
-) {
+unsafe fn gemm_k23<const R: usize, const Q3: bool>(w: &[u8], row_bytes: usize, ps: &[Panel], out: &mut Out) {
     let dtype = if Q3 { DType::Q3_K } else { DType::Q2_K };
     let bb = dtype.block_bytes();
-    let mut accf = [[_mm256_setzero_ps(); 2]; R];
+    let mut accf: Acc<R> = [[[_mm256_setzero_ps(); 2]; R]; PANELS];
     let mut codes = [[0u8; 256]; R];
     let mut sc = [[0i32; 16]; R];
     // Pairs of i16 against the panel's pairs of 16-value sums: Q2_K's mins, Q3_K's scales.
     let mut pair = [[0i32; 8]; R];
     let mut d = [0f32; R];
     let mut dmin = [0f32; R];
-    for b in 0..p.nb {
+    for b in 0..ps[0].nb {
         for r in 0..R {
             let blk = w.as_ptr().add(r * row_bytes + b * bb);
             let up = super::k23_x86::unpack::<Q3>(blk);
@@ -498,30 +531,32 @@ unsafe fn gemm_k23<const R: usize, const Q3: bool>(
             }
         }
         // The halves one after the other, as Q6_K's (sixteen scaled steps a block).
-        for h in 0..halves(p) {
-            let xc = p.codes.as_ptr().add(b * 64 * TILE + HALF * h);
-            let mut s1 = [[_mm256_setzero_si256(); 1]; R];
-            for g in 0..16 {
-                let scale: [i32; R] = std::array::from_fn(|r| sc[r][g]);
-                let cp: [*const u8; R] = std::array::from_fn(|r| codes[r].as_ptr().add(16 * g));
-                add_scaled(&mut s1, pairs::<R, 1, 4>(&cp, xc.add(4 * g * TILE)), scale);
-            }
-            let s2 = pair_sums::<R, 1>(p, b, h, &pair);
-            let dx = ldf(p.dx.as_ptr().add(b * TILE + HALF * h));
-            for r in 0..R {
-                let ddx = _mm256_mul_ps(_mm256_set1_ps(d[r]), dx);
-                if Q3 {
-                    let isum = _mm256_sub_epi32(s1[r][0], _mm256_slli_epi32(s2[r][0], 2));
-                    accf[r][h] = _mm256_fmadd_ps(ddx, _mm256_cvtepi32_ps(isum), accf[r][h]);
-                } else {
-                    accf[r][h] = _mm256_fmadd_ps(ddx, _mm256_cvtepi32_ps(s1[r][0]), accf[r][h]);
-                    let mdx = _mm256_mul_ps(_mm256_set1_ps(dmin[r]), dx);
-                    accf[r][h] = _mm256_fnmadd_ps(mdx, _mm256_cvtepi32_ps(s2[r][0]), accf[r][h]);
+        for (pi, p) in ps.iter().enumerate() {
+            for h in 0..halves(p) {
+                let xc = p.codes.as_ptr().add(b * 64 * TILE + HALF * h);
+                let mut s1 = [[_mm256_setzero_si256(); 1]; R];
+                for g in 0..16 {
+                    let scale: [i32; R] = std::array::from_fn(|r| sc[r][g]);
+                    let cp: [*const u8; R] = std::array::from_fn(|r| codes[r].as_ptr().add(16 * g));
+                    add_scaled(&mut s1, pairs::<R, 1, 4>(&cp, xc.add(4 * g * TILE)), scale);
+                }
+                let s2 = pair_sums::<R, 1>(p, b, h, &pair);
+                let dx = ldf(p.dx.as_ptr().add(b * TILE + HALF * h));
+                for r in 0..R {
+                    let ddx = _mm256_mul_ps(_mm256_set1_ps(d[r]), dx);
+                    if Q3 {
+                        let isum = _mm256_sub_epi32(s1[r][0], _mm256_slli_epi32(s2[r][0], 2));
+                        accf[pi][r][h] = _mm256_fmadd_ps(ddx, _mm256_cvtepi32_ps(isum), accf[pi][r][h]);
+                    } else {
+                        accf[pi][r][h] = _mm256_fmadd_ps(ddx, _mm256_cvtepi32_ps(s1[r][0]), accf[pi][r][h]);
+                        let mdx = _mm256_mul_ps(_mm256_set1_ps(dmin[r]), dx);
+                        accf[pi][r][h] = _mm256_fnmadd_ps(mdx, _mm256_cvtepi32_ps(s2[r][0]), accf[pi][r][h]);
+                    }
                 }
             }
         }
     }
-    store(&accf, out);
+    store(&accf, ps.len(), out);
 }
 
 /// The IQ formats (IQ4_NL's 32-value blocks against Q8_0 activations, the others' 256-value
@@ -534,7 +569,7 @@ unsafe fn gemm_k23<const R: usize, const Q3: bool>(
 ///
 /// As `gemm`.
 #[inline(always)]
-unsafe fn gemm_iq<const R: usize, const DT: u32>(w: &[u8], row_bytes: usize, p: &Panel, out: &mut [[f32; TILE]; ROWS]) {
+unsafe fn gemm_iq<const R: usize, const DT: u32>(w: &[u8], row_bytes: usize, ps: &[Panel], out: &mut Out) {
     let dt = const { dtype_const(DT) };
     let n_pairs = const { iq_pairs(dtype_const(DT)) };
     let sgnd = const { signed(dtype_const(DT)) };
@@ -542,13 +577,13 @@ unsafe fn gemm_iq<const R: usize, const DT: u32>(w: &[u8], row_bytes: usize, p: 
     // 16-value groups per block: 2 (IQ4_NL) or 16.
     let ng = dt.block_elems() / 16;
     let factor = super::iq::scale_factor(dt);
-    let mut accf = [[_mm256_setzero_ps(); 2]; R];
+    let mut accf: Acc<R> = [[[_mm256_setzero_ps(); 2]; R]; PANELS];
     let mut mag = [[0u8; 256]; R];
     let mut sgn = [[0u8; 256]; R];
     let mut sc = [[0i32; 16]; R];
     let mut sp = [[0i32; 8]; R];
     let mut d = [0f32; R];
-    for b in 0..p.nb {
+    for b in 0..ps[0].nb {
         for r in 0..R {
             let blk = w.as_ptr().add(r * row_bytes + b * bb);
             let (m, sg, c) = (&mut mag[r], &mut sgn[r], &mut sc[r]);
@@ -566,41 +601,43 @@ unsafe fn gemm_iq<const R: usize, const DT: u32>(w: &[u8], row_bytes: usize, p: 
             }
             d[r] = f16_to_f32(d_bits::<DT>(blk)) * factor;
         }
-        for h in 0..halves(p) {
-            let xc = p.codes.as_ptr().add(b * ng * 4 * TILE + HALF * h);
-            let mut s1 = [_mm256_setzero_si256(); R];
-            for gi in 0..ng {
-                let mut part = [_mm256_setzero_si256(); R];
-                for g in 0..4 {
-                    let xv = ld(xc.add((4 * gi + g) * TILE));
-                    let o = 16 * gi + 4 * g;
-                    for r in 0..R {
-                        let x = if sgnd { _mm256_sign_epi8(xv, bcast(sgn[r].as_ptr().add(o))) } else { xv };
-                        part[r] = _mm256_add_epi16(part[r], _mm256_maddubs_epi16(bcast(mag[r].as_ptr().add(o)), x));
-                    }
-                    if (g + 1) % n_pairs == 0 {
+        for (pi, p) in ps.iter().enumerate() {
+            for h in 0..halves(p) {
+                let xc = p.codes.as_ptr().add(b * ng * 4 * TILE + HALF * h);
+                let mut s1 = [_mm256_setzero_si256(); R];
+                for gi in 0..ng {
+                    let mut part = [_mm256_setzero_si256(); R];
+                    for g in 0..4 {
+                        let xv = ld(xc.add((4 * gi + g) * TILE));
+                        let o = 16 * gi + 4 * g;
                         for r in 0..R {
-                            let prod = _mm256_madd_epi16(part[r], _mm256_set1_epi16(sc[r][gi] as i16));
-                            s1[r] = _mm256_add_epi32(s1[r], prod);
-                            part[r] = _mm256_setzero_si256();
+                            let x = if sgnd { _mm256_sign_epi8(xv, bcast(sgn[r].as_ptr().add(o))) } else { xv };
+                            part[r] = _mm256_add_epi16(part[r], _mm256_maddubs_epi16(bcast(mag[r].as_ptr().add(o)), x));
+                        }
+                        if (g + 1) % n_pairs == 0 {
+                            for r in 0..R {
+                                let prod = _mm256_madd_epi16(part[r], _mm256_set1_epi16(sc[r][gi] as i16));
+                                s1[r] = _mm256_add_epi32(s1[r], prod);
+                                part[r] = _mm256_setzero_si256();
+                            }
                         }
                     }
                 }
-            }
-            if !sgnd {
-                let corr = pair_sums::<R, 1>(p, b, h, &sp);
-                for r in 0..R {
-                    s1[r] = _mm256_sub_epi32(s1[r], _mm256_mullo_epi32(corr[r][0], _mm256_set1_epi32(9)));
+                if !sgnd {
+                    let corr = pair_sums::<R, 1>(p, b, h, &sp);
+                    for r in 0..R {
+                        s1[r] = _mm256_sub_epi32(s1[r], _mm256_mullo_epi32(corr[r][0], _mm256_set1_epi32(9)));
+                    }
                 }
-            }
-            let dx = ldf(p.dx.as_ptr().add(b * TILE + HALF * h));
-            for r in 0..R {
-                let ddx = _mm256_mul_ps(_mm256_set1_ps(d[r]), dx);
-                accf[r][h] = _mm256_fmadd_ps(ddx, _mm256_cvtepi32_ps(s1[r]), accf[r][h]);
+                let dx = ldf(p.dx.as_ptr().add(b * TILE + HALF * h));
+                for r in 0..R {
+                    let ddx = _mm256_mul_ps(_mm256_set1_ps(d[r]), dx);
+                    accf[pi][r][h] = _mm256_fmadd_ps(ddx, _mm256_cvtepi32_ps(s1[r]), accf[pi][r][h]);
+                }
             }
         }
     }
-    store(&accf, out);
+    store(&accf, ps.len(), out);
 }
 
 #[cfg(test)]
