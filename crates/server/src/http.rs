@@ -3,7 +3,7 @@
 
 use crate::api::{self, Params, Prompt};
 use crate::error::{ApiError, ErrorKind};
-use crate::scheduler::{Cmd, Done, Event, Finish, Job};
+use crate::scheduler::{Cmd, Done, Event, Finish, Job, Place};
 use crate::text::{Chunk, TokenInfo};
 use crate::{App, Ready, Status};
 use axum::body::Bytes;
@@ -404,6 +404,7 @@ fn make_job(
         reserve,
         events: tx,
         arrived,
+        place: None,
     };
     let _ = app;
     Ok((job, rx))
@@ -411,12 +412,9 @@ fn make_job(
 
 /// Queues the job, or says why not (429: the queue is full; 503: it is full of requests
 /// waiting for memory).
-fn submit(app: &App, ready: &Ready, job: Job) -> Result<(), ApiError> {
+fn submit(app: &App, ready: &Ready, mut job: Job) -> Result<(), ApiError> {
     let sh = &app.shared;
-    let free_slots = app.opts.parallel.saturating_sub(sh.active.load(Ordering::SeqCst));
-    let limit = app.opts.max_queue + free_slots;
-    if sh.queued.fetch_add(1, Ordering::SeqCst) >= limit {
-        sh.queued.fetch_sub(1, Ordering::SeqCst);
+    let Some(place) = Place::take(sh, app.opts.parallel + app.opts.max_queue) else {
         if sh.memory_blocked.load(Ordering::SeqCst) {
             app.metrics.rejected.with_label_values(&["memory"]).inc();
             return Err(ApiError::unavailable(
@@ -429,7 +427,9 @@ fn submit(app: &App, ready: &Ready, job: Job) -> Result<(), ApiError> {
             retry_after: Some(1),
             ..ApiError::new(ErrorKind::QueueFull, "the server is busy: the request queue is full; try again later")
         });
-    }
+    };
+    job.place = Some(place);
+    sh.queued.fetch_add(1, Ordering::SeqCst);
     if ready.tx.send(Cmd::Submit(job)).is_err() {
         sh.queued.fetch_sub(1, Ordering::SeqCst);
         return Err(ApiError::unavailable("the server is shutting down", 5));

@@ -45,6 +45,32 @@ pub struct Job {
     pub reserve: u64,
     pub events: UnboundedSender<Event>,
     pub arrived: Instant,
+    /// Its place in the server, taken when it was accepted (`None` only while the HTTP
+    /// side builds it); the place is given back when the job is dropped.
+    pub place: Option<Place>,
+}
+
+/// One accepted request's claim on a slot or a queue entry. Admission counts waiting and
+/// running requests in one counter, so there is no moment, between a job leaving the queue
+/// and its slot being published, when neither count includes it. Dropping the job (it
+/// finished, failed, was cancelled or refused at shutdown) gives the place back.
+pub struct Place(Arc<Shared>);
+
+impl Place {
+    /// Takes a place if fewer than `limit` are held.
+    pub fn take(shared: &Arc<Shared>, limit: usize) -> Option<Place> {
+        shared
+            .occupied
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| (n < limit).then_some(n + 1))
+            .ok()
+            .map(|_| Place(shared.clone()))
+    }
+}
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        self.0.occupied.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 #[derive(Debug)]
@@ -97,6 +123,8 @@ pub struct SchedulerConfig {
 /// Counters the HTTP side reads.
 #[derive(Default)]
 pub struct Shared {
+    /// Requests accepted and not yet gone, waiting or running (see [`Place`]).
+    pub occupied: AtomicUsize,
     /// Jobs sent and not yet admitted (the HTTP side counts them in).
     pub queued: AtomicUsize,
     pub active: AtomicUsize,
@@ -490,5 +518,23 @@ impl Scheduler {
         self.prefix.insert(tokens, state, prompt_end, checkpoints);
         let room = self.cfg.state_budget.saturating_sub(self.reserved());
         self.prefix.evict_to(room);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn places_are_counted_until_their_holders_go() {
+        let shared = Arc::new(Shared::default());
+        let a = Place::take(&shared, 2).expect("a first place");
+        let b = Place::take(&shared, 2).expect("a second place");
+        assert!(Place::take(&shared, 2).is_none(), "a third place beyond the limit");
+        drop(a);
+        let c = Place::take(&shared, 2).expect("the place given back");
+        assert!(Place::take(&shared, 2).is_none());
+        drop((b, c));
+        assert_eq!(shared.occupied.load(Ordering::SeqCst), 0);
     }
 }
