@@ -19,7 +19,7 @@
 #![allow(clippy::needless_range_loop)]
 
 use super::act::QuantAct;
-use super::x86::{prefetch_rows, reduce8x8};
+use super::x86::{half, prefetch_rows, reduce8x8, transpose4};
 use super::{BatchOut, SMALL_BATCH};
 use crate::dtype::DType;
 use crate::matmul::{MatRef, SendPtr};
@@ -253,38 +253,6 @@ macro_rules! by_groups {
             $group(b0, nb - b0);
         }
     }};
-}
-
-/// Lanes j and j + 4 of four vectors → (lane r: lane j of vector r, for j in 0..4; the high
-/// 128-bit lane likewise for j + 4).
-///
-/// # Safety
-///
-/// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
-#[inline(always)]
-unsafe fn transpose4(v: &[__m256; 4]) -> [__m256; 4] {
-    let (a, b) = (_mm256_unpacklo_ps(v[0], v[1]), _mm256_unpackhi_ps(v[0], v[1]));
-    let (c, e) = (_mm256_unpacklo_ps(v[2], v[3]), _mm256_unpackhi_ps(v[2], v[3]));
-    [
-        _mm256_shuffle_ps(a, c, 0x44),
-        _mm256_shuffle_ps(a, c, 0xEE),
-        _mm256_shuffle_ps(b, e, 0x44),
-        _mm256_shuffle_ps(b, e, 0xEE),
-    ]
-}
-
-/// Lanes 0..4 (`J < 4`) or 4..8 of `v`.
-///
-/// # Safety
-///
-/// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
-#[inline(always)]
-unsafe fn half<const J: usize>(v: __m256) -> __m128 {
-    if J < 4 {
-        _mm256_castps256_ps128(v)
-    } else {
-        _mm256_extractf128_ps(v, 1)
-    }
 }
 
 /// The block terms of four (row, token) pairs for `accumulate4`, eight blocks each (block j in

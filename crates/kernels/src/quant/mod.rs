@@ -569,7 +569,8 @@ mod tests {
         // kernels (from 9 tokens at AVX2, from 8 or 12 with VNNI): one half panel of 256-bit
         // lanes (9), both halves (13, 16), a second, partial panel (17), three panels (33) and
         // five (70: two calls of the AVX2 kernel, which takes four); rows left over after groups
-        // of four (four, three, two or one at a time) and blocks left over after groups of eight.
+        // of four (four, three, two or one at a time) and blocks left over after groups of eight;
+        // decode of rows short enough to pair up (four, three and two K-quant blocks).
         for (dtype, (rows, cols, n)) in TYPES.iter().flat_map(|d| {
             [
                 (9, 512, 3),
@@ -577,6 +578,8 @@ mod tests {
                 (9, 512, 13),
                 (9, 512, 17),
                 (9, 512, 1),
+                (7, 1024, 1),
+                (6, 768, 1),
                 (7, 2560, 1),
                 (6, 2560, 3),
                 (7, 512, 9),

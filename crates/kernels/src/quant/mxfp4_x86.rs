@@ -18,7 +18,7 @@
 
 use super::act::QuantAct;
 use super::blocks::MXFP4_VALUES;
-use super::x86::prefetch_rows;
+use super::x86::{half, prefetch_rows, transpose4};
 use super::{BatchOut, SMALL_BATCH};
 use crate::cpu::Isa;
 use crate::dtype::DType;
@@ -217,38 +217,6 @@ macro_rules! by_groups {
             $group(b0, nb - b0);
         }
     }};
-}
-
-/// Lanes j and j + 4 of four vectors → (lane r: lane j of vector r, for j in 0..4; the high
-/// 128-bit lane likewise for j + 4).
-///
-/// # Safety
-///
-/// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
-#[inline(always)]
-unsafe fn transpose4(v: &[__m256; 4]) -> [__m256; 4] {
-    let (a, b) = (_mm256_unpacklo_ps(v[0], v[1]), _mm256_unpackhi_ps(v[0], v[1]));
-    let (c, e) = (_mm256_unpacklo_ps(v[2], v[3]), _mm256_unpackhi_ps(v[2], v[3]));
-    [
-        _mm256_shuffle_ps(a, c, 0x44),
-        _mm256_shuffle_ps(a, c, 0xEE),
-        _mm256_shuffle_ps(b, e, 0x44),
-        _mm256_shuffle_ps(b, e, 0xEE),
-    ]
-}
-
-/// Lanes 0..4 (`J < 4`) or 4..8 of `v`.
-///
-/// # Safety
-///
-/// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
-#[inline(always)]
-unsafe fn half<const J: usize>(v: __m256) -> __m128 {
-    if J < 4 {
-        _mm256_castps256_ps128(v)
-    } else {
-        _mm256_extractf128_ps(v, 1)
-    }
 }
 
 /// `acc` (lane r: row r's sum) after the `m` blocks' fused steps of `accumulate`, block after

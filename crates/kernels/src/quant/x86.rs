@@ -221,9 +221,12 @@ unsafe fn dp_scaled(acc: __m256i, u: __m256i, x: __m256i, scale16: __m256i) -> _
     _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), scale16))
 }
 
-/// Decode (one token) over R rows of a K-quant (ids as in `KFormat`) at once. Each block's integer sums stay in vector lanes until eight blocks are reduced
-/// together, the scale products are formed eight blocks at a time, and the per-block float
-/// additions of the R rows are R independent chains — the same operations as `accumulate`.
+/// Decode (one token) over R ≤ 4 rows of a K-quant (ids as in `KFormat`) at once, eight blocks
+/// at a time. Each block's integer sums stay in vector lanes until eight are reduced together,
+/// the scale products are formed eight at a time, and the rows' per-block float additions —
+/// the operations of `accumulate`, block after block — run in the lanes of one vector. Rows of
+/// four blocks or fewer share their reductions two by two (row r's blocks in lanes 0..4, row
+/// r + 1's in lanes 4..8), so a short row does not pay for eight.
 ///
 /// # Safety
 ///
@@ -237,62 +240,221 @@ pub unsafe fn rowsk_decode<const R: usize, const K: u32>(
     act: &QuantAct,
     out: &mut [f32; 4],
 ) {
+    const { assert!(R >= 1 && R <= 4) };
     let f = const { KFormat::of(K) };
-    let dtype = f.dtype;
-    let bb = dtype.block_bytes();
+    let bb = f.dtype.block_bytes();
     let nb = act.blocks_per_row();
-    let mut acc = [0f32; R];
+    if nb <= 4 {
+        // One group: rows two by two; lanes of `acc` (see `accumulate_pairs`): 0 row 0, 1 row
+        // 2, 4 row 1, 5 row 3.
+        let dx = _mm256_loadu_ps(act.d.as_ptr().add(act.idx(0, 0)));
+        let dx = _mm256_permute2f128_ps(dx, dx, 0x00);
+        let mut t = KTerms::new();
+        for p in 0..R.div_ceil(2) {
+            let rows = (R - 2 * p).min(2);
+            let mut g = KGroup::new();
+            for h in 0..rows {
+                let base = w.as_ptr().add((2 * p + h) * row_bytes);
+                prefetch_rows(base.wrapping_add(R * row_bytes), row_bytes);
+                g.blocks::<K>(base, act, 0, nb, 4 * h);
+            }
+            g.terms(f, dx, &mut t, p);
+        }
+        let acc = if nb == 4 {
+            accumulate_pairs(f.m_at.is_some(), _mm256_setzero_ps(), &t, 4)
+        } else {
+            accumulate_pairs(f.m_at.is_some(), _mm256_setzero_ps(), &t, nb)
+        };
+        let mut v = [0f32; 8];
+        _mm256_storeu_ps(v.as_mut_ptr(), acc);
+        let lanes = [0, 4, 1, 5];
+        for r in 0..R {
+            out[r] = v[lanes[r]];
+        }
+        return;
+    }
+    let mut acc = _mm_setzero_ps();
     let mut b0 = 0;
     while b0 < nb {
         let m = (nb - b0).min(8);
         let i0 = act.idx(0, b0);
         // Activation rows are padded with zero blocks to whole groups of eight.
         let dx = _mm256_loadu_ps(act.d.as_ptr().add(i0));
-        let mut ddx = [[0f32; 8]; R];
-        let mut isf = [[0f32; 8]; R];
-        let mut mdx = [[0f32; 8]; R];
-        let mut minf = [[0f32; 8]; R];
+        let mut t = KTerms::new();
         for r in 0..R {
             let base = w.as_ptr().add(r * row_bytes + b0 * bb);
             prefetch_next(base, row_bytes, R, (b0, m, nb), bb);
-            let mut a = [_mm256_setzero_si256(); 8];
-            let mut mn = [_mm256_setzero_si256(); 8];
-            let mut dbits = [0u16; 8];
-            let mut mbits = [0u16; 8];
-            for j in 0..m {
-                let blk = base.add(j * bb);
-                let xi = i0 + j;
-                let xq = act.qs.as_ptr().add(xi * 256);
-                let bs = _mm256_loadu_si256(act.bsums.as_ptr().add(xi * 16) as *const __m256i);
-                let (u, sv, sums16) = unpack::<K>(blk);
-                (a[j], mn[j]) = dot_unpacked(f.offset_shift, &u, &sv, sums16, xq, bs);
-                dbits[j] = (blk.add(f.d_at) as *const u16).read_unaligned();
-                if let Some(m_at) = f.m_at {
-                    mbits[j] = (blk.add(m_at) as *const u16).read_unaligned();
-                }
-            }
-            let dw = _mm256_cvtph_ps(_mm_loadu_si128(dbits.as_ptr() as *const __m128i));
-            _mm256_storeu_ps(ddx[r].as_mut_ptr(), _mm256_mul_ps(dw, dx));
-            _mm256_storeu_ps(isf[r].as_mut_ptr(), _mm256_cvtepi32_ps(reduce8x8(&a)));
-            if f.m_at.is_some() {
-                let mw = _mm256_cvtph_ps(_mm_loadu_si128(mbits.as_ptr() as *const __m128i));
-                let neg = _mm256_xor_ps(_mm256_mul_ps(mw, dx), _mm256_set1_ps(-0.0));
-                _mm256_storeu_ps(mdx[r].as_mut_ptr(), neg);
-                _mm256_storeu_ps(minf[r].as_mut_ptr(), _mm256_cvtepi32_ps(reduce8x8(&mn)));
-            }
+            let mut g = KGroup::new();
+            g.blocks::<K>(base, act, b0, m, 0);
+            g.terms(f, dx, &mut t, r);
         }
-        for j in 0..m {
-            for r in 0..R {
-                // accumulate(): fma(d·dx, isum, acc), then fma(−(dmin·dx), mins, acc).
-                acc[r] = ddx[r][j].mul_add(isf[r][j], acc[r]);
-                if f.m_at.is_some() {
-                    acc[r] = mdx[r][j].mul_add(minf[r][j], acc[r]);
-                }
-            }
-        }
+        acc = if m == 8 {
+            accumulate_rows(f.m_at.is_some(), acc, &t, 8)
+        } else {
+            accumulate_rows(f.m_at.is_some(), acc, &t, m)
+        };
         b0 += m;
     }
-    out[..R].copy_from_slice(&acc);
+    let mut v = [0f32; 4];
+    _mm_storeu_ps(v.as_mut_ptr(), acc);
+    out[..R].copy_from_slice(&v[..R]);
+}
+
+/// The integer sums and scale bits of up to eight blocks (of one row, or of two rows' four),
+/// slot j for block j.
+struct KGroup {
+    a: [__m256i; 8],
+    mn: [__m256i; 8],
+    dbits: [u16; 8],
+    mbits: [u16; 8],
+}
+
+impl KGroup {
+    /// # Safety
+    ///
+    /// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
+    #[inline(always)]
+    unsafe fn new() -> KGroup {
+        KGroup { a: [_mm256_setzero_si256(); 8], mn: [_mm256_setzero_si256(); 8], dbits: [0; 8], mbits: [0; 8] }
+    }
+
+    /// Blocks `b0..b0 + m` of the row whose block `b0` is at `base`, into slots `slot..`.
+    ///
+    /// # Safety
+    ///
+    /// `base` holds the m blocks; `act` one token's activations for the row; `slot + m ≤ 8`; AVX2.
+    #[inline(always)]
+    unsafe fn blocks<const K: u32>(&mut self, base: *const u8, act: &QuantAct, b0: usize, m: usize, slot: usize) {
+        let f = const { KFormat::of(K) };
+        let bb = f.dtype.block_bytes();
+        let i0 = act.idx(0, b0);
+        for j in 0..m {
+            let blk = base.add(j * bb);
+            let xi = i0 + j;
+            let xq = act.qs.as_ptr().add(xi * 256);
+            let bs = _mm256_loadu_si256(act.bsums.as_ptr().add(xi * 16) as *const __m256i);
+            let (u, sv, sums16) = unpack::<K>(blk);
+            (self.a[slot + j], self.mn[slot + j]) = dot_unpacked(f.offset_shift, &u, &sv, sums16, xq, bs);
+            self.dbits[slot + j] = (blk.add(f.d_at) as *const u16).read_unaligned();
+            if let Some(m_at) = f.m_at {
+                self.mbits[slot + j] = (blk.add(m_at) as *const u16).read_unaligned();
+            }
+        }
+    }
+
+    /// The float terms of the eight slots into `t`'s vectors `i`: `d·dx` and the sums, and for
+    /// a format with minima `−(dmin·dx)` and the min sums.
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX2 and F16C (checked by `cpu::isa()`).
+    #[inline(always)]
+    unsafe fn terms(&self, f: KFormat, dx: __m256, t: &mut KTerms, i: usize) {
+        let dw = _mm256_cvtph_ps(_mm_loadu_si128(self.dbits.as_ptr() as *const __m128i));
+        t.ddx[i] = _mm256_mul_ps(dw, dx);
+        t.isf[i] = _mm256_cvtepi32_ps(reduce8x8(&self.a));
+        if f.m_at.is_some() {
+            let mw = _mm256_cvtph_ps(_mm_loadu_si128(self.mbits.as_ptr() as *const __m128i));
+            t.mdx[i] = _mm256_xor_ps(_mm256_mul_ps(mw, dx), _mm256_set1_ps(-0.0));
+            t.minf[i] = _mm256_cvtepi32_ps(reduce8x8(&self.mn));
+        }
+    }
+}
+
+/// Four vectors of eight block terms each (absent ones zero).
+struct KTerms {
+    ddx: [__m256; 4],
+    isf: [__m256; 4],
+    mdx: [__m256; 4],
+    minf: [__m256; 4],
+}
+
+impl KTerms {
+    /// # Safety
+    ///
+    /// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
+    #[inline(always)]
+    unsafe fn new() -> KTerms {
+        let z = [_mm256_setzero_ps(); 4];
+        KTerms { ddx: z, isf: z, mdx: z, minf: z }
+    }
+}
+
+/// `acc` (lane r: row r's sum) after `m` blocks' steps of `accumulate`, block after block:
+/// lane r of block j is `fma(ddx[r][j], isf[r][j], acc[r])`, then with minima
+/// `fma(mdx[r][j], minf[r][j], acc[r])`; the terms are transposed so that one `vfmadd` serves
+/// the four rows.
+///
+/// # Safety
+///
+/// The CPU has AVX2 and FMA (checked by `cpu::isa()`); `m ≤ 8`.
+#[inline(always)]
+unsafe fn accumulate_rows(mins: bool, acc: __m128, t: &KTerms, m: usize) -> __m128 {
+    let (dt, st) = (transpose4(&t.ddx), transpose4(&t.isf));
+    let (mt, xt) = if mins { (transpose4(&t.mdx), transpose4(&t.minf)) } else { (dt, st) };
+    let mut acc = acc;
+    for j in 0..m {
+        let (k, hi) = (j % 4, j >= 4);
+        let h = |v: __m256| if hi { _mm256_extractf128_ps(v, 1) } else { _mm256_castps256_ps128(v) };
+        acc = _mm_fmadd_ps(h(dt[k]), h(st[k]), acc);
+        if mins {
+            acc = _mm_fmadd_ps(h(mt[k]), h(xt[k]), acc);
+        }
+    }
+    acc
+}
+
+/// As `accumulate_rows` for rows of at most four blocks whose terms come two rows a vector
+/// (`t`'s vector p: row 2p in lanes 0..4, row 2p + 1 in lanes 4..8): the transposed terms of
+/// block j hold rows 0, 2 in lanes 0, 1 and rows 1, 3 in lanes 4, 5, and so does `acc`.
+///
+/// # Safety
+///
+/// The CPU has AVX2 and FMA (checked by `cpu::isa()`); `m ≤ 4`.
+#[inline(always)]
+unsafe fn accumulate_pairs(mins: bool, acc: __m256, t: &KTerms, m: usize) -> __m256 {
+    let (dt, st) = (transpose4(&t.ddx), transpose4(&t.isf));
+    let (mt, xt) = if mins { (transpose4(&t.mdx), transpose4(&t.minf)) } else { (dt, st) };
+    let mut acc = acc;
+    for j in 0..m {
+        acc = _mm256_fmadd_ps(dt[j], st[j], acc);
+        if mins {
+            acc = _mm256_fmadd_ps(mt[j], xt[j], acc);
+        }
+    }
+    acc
+}
+
+/// Lanes 0..4 (`J < 4`) or 4..8 of `v`.
+///
+/// # Safety
+///
+/// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
+#[inline(always)]
+pub(crate) unsafe fn half<const J: usize>(v: __m256) -> __m128 {
+    if J < 4 {
+        _mm256_castps256_ps128(v)
+    } else {
+        _mm256_extractf128_ps(v, 1)
+    }
+}
+
+/// Lanes j and j + 4 of four vectors → (lane r: lane j of vector r, for j in 0..4; the high
+/// 128-bit lane likewise for j + 4).
+///
+/// # Safety
+///
+/// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
+#[inline(always)]
+pub(crate) unsafe fn transpose4(v: &[__m256; 4]) -> [__m256; 4] {
+    let (a, b) = (_mm256_unpacklo_ps(v[0], v[1]), _mm256_unpackhi_ps(v[0], v[1]));
+    let (c, e) = (_mm256_unpacklo_ps(v[2], v[3]), _mm256_unpackhi_ps(v[2], v[3]));
+    [
+        _mm256_shuffle_ps(a, c, 0x44),
+        _mm256_shuffle_ps(a, c, 0xEE),
+        _mm256_shuffle_ps(b, e, 0x44),
+        _mm256_shuffle_ps(b, e, 0xEE),
+    ]
 }
 
 /// Tokens `t0..t0 + n` (n ≤ `SMALL_BATCH`) over R rows of a K-quant (ids as in `rowsk_decode`): each
