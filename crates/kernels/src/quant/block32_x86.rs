@@ -94,12 +94,8 @@ unsafe fn codes<const DT: u32>(b: *const u8) -> __m256i {
     if !five(DT) {
         return u;
     }
-    // Byte j takes byte j/8 of qh, then tests bit j%8.
-    let h = _mm256_set1_epi32((b.add(qh_at(DT)) as *const i32).read_unaligned());
-    let idx = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
-    let bit = _mm256_set1_epi64x(0x8040201008040201u64 as i64);
-    let hit = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(h, idx), bit), bit);
-    _mm256_or_si256(u, _mm256_and_si256(hit, _mm256_set1_epi8(16)))
+    let h = (b.add(qh_at(DT)) as *const u32).read_unaligned();
+    _mm256_or_si256(u, super::x86::fifth_bits(h))
 }
 
 /// Products of a block's codes with its 32 activation codes, summed in pairs (16 i16 lanes,

@@ -37,12 +37,13 @@ pub(crate) unsafe fn nibbles_split16(q: *const u8) -> __m256i {
 /// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
 #[inline(always)]
 pub(crate) unsafe fn fifth_bits(qh: u32) -> __m256i {
-    // Spread the 32 bits over 32 bytes: byte j takes byte j/8 of qh, then tests bit j%8.
+    // Spread the 32 bits over 32 bytes: byte j takes byte j/8 of qh, then every bit but bit
+    // j%8 is set, so the byte is all ones exactly where bit j is (one operation fewer than
+    // masking the bit and comparing with it).
     let v = _mm256_set1_epi32(qh as i32);
     let idx = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
-    let bytes = _mm256_shuffle_epi8(v, idx);
-    let bit = _mm256_set1_epi64x(0x8040201008040201u64 as i64);
-    let hit = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
+    let others = _mm256_set1_epi64x(0x7FBF_DFEF_F7FB_FDFEu64 as i64);
+    let hit = _mm256_cmpeq_epi8(_mm256_or_si256(_mm256_shuffle_epi8(v, idx), others), _mm256_set1_epi8(-1));
     _mm256_and_si256(hit, _mm256_set1_epi8(16))
 }
 
