@@ -348,7 +348,7 @@ fn gemm_min_tokens(dtype: DType) -> usize {
 }
 
 /// Formats the VNNI tiled kernel takes (Q8_0, paired with 16-bit activations, runs on the
-/// AVX2 kernels of `block32_x86`).
+/// row kernels of `block32_x86` there; at AVX2 the AVX2 tiled kernel takes it).
 fn gemm_supports(dtype: DType) -> bool {
     matches!(
         dtype,
@@ -605,14 +605,19 @@ mod tests {
 
     /// The integer kernels sum products in 16-bit lanes as far as the largest codes allow (see
     /// `tiled_avx2`): rows whose every code is the format's largest (bytes 0xFF; MXFP4's 0x77,
-    /// its largest value) against activations that quantize to ±127 everywhere are the worst
-    /// case for those bounds, and must still give the reference's bits.
+    /// its largest value; Q8_0's 0x80, −128) against activations that quantize to their
+    /// largest magnitude everywhere are the worst case for those bounds, and must still give
+    /// the reference's bits.
     #[test]
     fn largest_codes_against_largest_activations_match_the_reference() {
         let pool = ThreadPool::new(2);
         for dtype in TYPES {
             let cols = 512;
-            let fill = if dtype == DType::MXFP4 { 0x77 } else { 0xFF };
+            let fill = match dtype {
+                DType::MXFP4 => 0x77,
+                DType::Q8_0 => 0x80,
+                _ => 0xFF,
+            };
             let mut w = Vec::new();
             for r in 0..6 {
                 let mut row = random_row(dtype, cols, 7 + r);

@@ -17,7 +17,8 @@ pub struct Panel {
     /// Real tokens (the remaining lanes are zero).
     pub n: usize,
     pub nb: usize,
-    /// `[K/4][16]`: dword g (values 4g..4g+4) of each token.
+    /// `[K/4][16]`: dword g (values 4g..4g+4) of each token; for Q16 activations (16-bit)
+    /// `[K/2][16]`, dword g holding values 2g and 2g + 1.
     pub(super) codes: Vec<u32>,
     /// `[block][16]` activation scales.
     pub(super) dx: Vec<f32>,
@@ -34,7 +35,8 @@ impl Panel {
     pub fn new(act: &QuantAct, t0: usize, n: usize) -> Panel {
         assert!((1..=TILE).contains(&n));
         let (k, nb, bl) = (act.cols, act.blocks_per_row(), act.kind.block());
-        let mut codes = vec![0u32; k / 4 * TILE];
+        let wide = !act.qs16.is_empty();
+        let mut codes = vec![0u32; if wide { k / 2 } else { k / 4 } * TILE];
         let mut dx = vec![0f32; nb * TILE];
         let mut sx = vec![0f32; if act.s.is_empty() { 0 } else { nb * TILE }];
         let mut xsum = vec![0i32; nb * TILE];
@@ -42,9 +44,14 @@ impl Panel {
         for c in 0..n {
             let t = t0 + c;
             let base = act.idx(t, 0) * bl;
-            let row = &act.qs[base..base + k];
-            for (g, q) in row.chunks_exact(4).enumerate() {
-                codes[g * TILE + c] = u32::from_le_bytes([q[0] as u8, q[1] as u8, q[2] as u8, q[3] as u8]);
+            if wide {
+                for (g, q) in act.qs16[base..base + k].chunks_exact(2).enumerate() {
+                    codes[g * TILE + c] = q[0] as u16 as u32 | (q[1] as u16 as u32) << 16;
+                }
+            } else {
+                for (g, q) in act.qs[base..base + k].chunks_exact(4).enumerate() {
+                    codes[g * TILE + c] = u32::from_le_bytes([q[0] as u8, q[1] as u8, q[2] as u8, q[3] as u8]);
+                }
             }
             for b in 0..nb {
                 let i = act.idx(t, b);

@@ -34,8 +34,12 @@
 //! (`iq_pairs`): IQ4's levels reach 127 (one pair per `vpmaddwd`), IQ3_XXS's 62 and the IQ2
 //! grids' 43 (two), IQ3_S's 15 and IQ1's offset codes 18 (four).
 //!
-//! Formats: Q4_0, Q4_1, Q5_0, Q5_1, MXFP4, the K-quants and the IQ formats. Q8_0 (16-bit
-//! activations) keeps its row kernels.
+//! Q8_0 pairs with 16-bit activations (`act`'s Q16): its panel holds two i16 values of each
+//! token per dword, each block's codes are widened to i16 once, and `vpmaddwd` of a broadcast
+//! pair of weights against the panel leaves exact i32 sums (a block's 16 pairs reach at most
+//! 16 · 2 · 128 · 32767 < 2³¹, codes reaching −128).
+//!
+//! Formats: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4, the K-quants and the IQ formats.
 
 // Index loops over lanes, rows and blocks read most plainly in kernel code.
 #![allow(clippy::needless_range_loop)]
@@ -58,6 +62,7 @@ pub fn supports(dtype: DType) -> bool {
             | DType::Q4_1
             | DType::Q5_0
             | DType::Q5_1
+            | DType::Q8_0
             | DType::MXFP4
             | DType::Q2_K
             | DType::Q3_K
@@ -210,6 +215,7 @@ pub unsafe fn gemm<const R: usize>(dtype: DType, w: &[u8], row_bytes: usize, ps:
         DType::Q3_K => gemm_k23::<R, true>(w, row_bytes, ps, out),
         DType::Q4_K => gemm_q4k::<R, false>(w, row_bytes, ps, out),
         DType::Q5_K => gemm_q4k::<R, true>(w, row_bytes, ps, out),
+        DType::Q8_0 => gemm_q8::<R>(w, row_bytes, ps, out),
         _ => gemm32::<R>(dtype, w, row_bytes, ps, out),
     }
 }
@@ -276,6 +282,71 @@ unsafe fn gemm32<const R: usize>(dtype: DType, w: &[u8], row_bytes: usize, ps: &
         }
     }
     store(&accf, ps.len(), out);
+}
+
+/// Q8_0 against Q16 activations: each block's codes widened to i16 once for all the panels.
+///
+/// # Safety
+///
+/// As `gemm`, the panels built from Q16 activations.
+#[inline(always)]
+unsafe fn gemm_q8<const R: usize>(w: &[u8], row_bytes: usize, ps: &[Panel], out: &mut Out) {
+    let bb = DType::Q8_0.block_bytes();
+    let mut accf: Acc<R> = [[[_mm256_setzero_ps(); 2]; R]; PANELS];
+    let mut wide = [[0i16; 32]; R];
+    let mut d = [0f32; R];
+    for b in 0..ps[0].nb {
+        for r in 0..R {
+            let blk = w.as_ptr().add(r * row_bytes + b * bb);
+            let q = _mm256_loadu_si256(blk.add(2) as *const __m256i);
+            let at = wide[r].as_mut_ptr() as *mut __m256i;
+            _mm256_storeu_si256(at, _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q)));
+            _mm256_storeu_si256(at.add(1), _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1)));
+            d[r] = f16_to_f32(f16_bits(std::slice::from_raw_parts(blk, bb), 0));
+        }
+        for (pi, p) in ps.iter().enumerate() {
+            if p.n > HALF {
+                step_q8::<R, 2>(&wide, &d, p, b, &mut accf[pi]);
+            } else {
+                step_q8::<R, 1>(&wide, &d, p, b, &mut accf[pi]);
+            }
+        }
+    }
+    store(&accf, ps.len(), out);
+}
+
+/// Block `b` of R widened Q8_0 rows (`wide`, scales `d`) against the first H halves of a Q16
+/// panel, into the panel's accumulators: `dot_ref::accumulate`'s `fma(d·dx, isum, acc)`.
+///
+/// # Safety
+///
+/// As `gemm`, with `b < p.nb`.
+#[inline(always)]
+unsafe fn step_q8<const R: usize, const H: usize>(
+    wide: &[[i16; 32]; R],
+    d: &[f32; R],
+    p: &Panel,
+    b: usize,
+    accf: &mut [[__m256; 2]; R],
+) {
+    let xc = p.codes.as_ptr().add(b * 16 * TILE);
+    let mut isum = [[_mm256_setzero_si256(); H]; R];
+    for g in 0..16 {
+        let xv: [__m256i; H] = std::array::from_fn(|h| ld(xc.add(g * TILE + HALF * h)));
+        for r in 0..R {
+            let wv = bcast(wide[r].as_ptr().add(2 * g) as *const u8);
+            for h in 0..H {
+                isum[r][h] = _mm256_add_epi32(isum[r][h], _mm256_madd_epi16(wv, xv[h]));
+            }
+        }
+    }
+    for h in 0..H {
+        let dx = ldf(p.dx.as_ptr().add(b * TILE + HALF * h));
+        for r in 0..R {
+            let ddx = _mm256_mul_ps(_mm256_set1_ps(d[r]), dx);
+            accf[r][h] = _mm256_fmadd_ps(ddx, _mm256_cvtepi32_ps(isum[r][h]), accf[r][h]);
+        }
+    }
 }
 
 /// Block `b` of R unpacked rows of a 32-value block format (`codes`, `d` and Q4_1's or Q5_1's
