@@ -37,7 +37,8 @@
 //! Q8_0 pairs with 16-bit activations (`act`'s Q16): its panel holds two i16 values of each
 //! token per dword, each block's codes are widened to i16 once, and `vpmaddwd` of a broadcast
 //! pair of weights against the panel leaves exact i32 sums (a block's 16 pairs reach at most
-//! 16 · 2 · 128 · 32767 < 2³¹, codes reaching −128).
+//! 16 · 2 · 128 · 32767 < 2³¹, codes reaching −128). The VNNI kernel does not take Q8_0, so
+//! this one serves it on AVX-512 machines too.
 //!
 //! Formats: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4, the K-quants and the IQ formats.
 
