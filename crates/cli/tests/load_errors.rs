@@ -235,6 +235,36 @@ fn a_huge_vocabulary_in_the_embedding_shape_is_refused() {
     );
 }
 
+/// A GGUF header whose tensor `blk.0.attn_q.weight` is declared as `dtype` with `dims`, and
+/// no tensor data after it.
+fn header_only_with(dtype: sluice_kernels::DType, dims: Vec<u64>, tag: &str) -> PathBuf {
+    let src = sluice_formats::gguf::GgufFile::open(&golden("gguf").join("olmoe-bf16.gguf")).unwrap();
+    let mut w = sluice_formats::gguf::GgufWriter { alignment: src.alignment, ..Default::default() };
+    w.metadata = src.metadata.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+    w.tensors = src.tensors.iter().map(|t| (t.name.clone(), t.dims.clone(), t.dtype)).collect();
+    // First in the file, so that it is the first tensor the loader checks.
+    let i = w.tensors.iter().position(|t| t.0 == "blk.0.attn_q.weight").unwrap();
+    let mut t = w.tensors.remove(i);
+    (t.1, t.2) = (dims, dtype);
+    w.tensors.insert(0, t);
+    let p = std::env::temp_dir().join(format!("sluice-err-{tag}-{}.gguf", std::process::id()));
+    let mut f = std::fs::File::create(&p).unwrap();
+    // The writer refuses to finish a file without the data; its header is already out.
+    assert!(w.write(&mut f, |_, _| Ok(())).is_err());
+    p
+}
+
+#[test]
+fn an_iq_tensor_that_is_not_whole_blocks_or_not_in_the_file_is_named() {
+    use sluice_kernels::DType;
+    // Rows of 100 values are not whole 256-value blocks.
+    let e = fails(&header_only_with(DType::IQ2_XS, vec![100, 64], "iq-rows"));
+    assert!(e.contains("blk.0.attn_q.weight") && e.contains("not a whole number of IQ2_XS blocks"), "{e}");
+    // Whole blocks, but the file ends before the tensor's bytes.
+    let e = fails(&header_only_with(DType::IQ3_S, vec![256, 1 << 20], "iq-size"));
+    assert!(e.contains("blk.0.attn_q.weight") && e.contains("runs past the end"), "{e}");
+}
+
 #[test]
 fn inconsistent_deltanet_head_counts_are_named() {
     let d = copy_model("qwen3_next", "dn-heads");
