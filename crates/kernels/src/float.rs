@@ -435,6 +435,30 @@ mod tests {
         }
     }
 
+    /// The matrix product walks rows and tokens in tiles whose shape depends on the level and
+    /// the token count: rows and tokens left over after whole tiles, at every level, one thread
+    /// or two, give the reference's bits.
+    #[test]
+    fn products_of_any_shape_match_the_reference() {
+        use crate::matmul::{matmul_ref, matmul_with_isa, MatRef};
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            for (rows, k, n) in [(7, 40, 5), (10, 33, 7), (3, 16, 2), (17, 100, 1), (5, 17, 9)] {
+                let w: Vec<u8> = (0..rows).flat_map(|r| encode(dtype, &rand_vec(k, 7 + r as u64))).collect();
+                let m = MatRef::new(dtype, rows, k, &w).unwrap();
+                let x = rand_vec(n * k, 99);
+                let mut want = vec![0f32; n * rows];
+                matmul_ref(m, &x, n, &mut want);
+                for isa in Isa::supported() {
+                    let got = matmul_with_isa(isa, &crate::pool::ThreadPool::new(2), m, &x, n);
+                    assert!(crate::compare::same_bits(&got, &want), "{dtype} {isa:?} {rows}x{k} n={n}");
+                }
+                let mut two = vec![0f32; n * rows];
+                crate::matmul(&crate::pool::ThreadPool::new(2), m, &x, n, &mut two);
+                assert!(crate::compare::same_bits(&two, &want), "{dtype} two threads {rows}x{k} n={n}");
+            }
+        }
+    }
+
     #[test]
     fn axpy_and_dots_agree_with_scalar_definitions() {
         let x = rand_vec(37, 1);
