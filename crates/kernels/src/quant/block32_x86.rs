@@ -19,7 +19,7 @@
 #![allow(clippy::needless_range_loop)]
 
 use super::act::QuantAct;
-use super::x86::{half, prefetch_rows, reduce8x8, transpose4};
+use super::x86::{accumulate4, prefetch_rows, reduce8x8, Terms};
 use super::{BatchOut, SMALL_BATCH};
 use crate::dtype::DType;
 use crate::matmul::{MatRef, SendPtr};
@@ -251,53 +251,6 @@ macro_rules! by_groups {
     }};
 }
 
-/// The block terms of four (row, token) pairs for `accumulate4`, eight blocks each (block j in
-/// lane j; pairs past the fourth, and blocks past the row's end, zero).
-struct Terms {
-    /// `d·dx` of each pair.
-    ddx: [__m256; 4],
-    /// `isum` of each pair, as f32.
-    isf: [__m256; 4],
-    /// Q4_1/Q5_1: `m` of each pair.
-    m: [__m256; 4],
-    /// Q4_1/Q5_1: `sx` of each pair.
-    sx: [__m256; 4],
-}
-
-impl Terms {
-    /// # Safety
-    ///
-    /// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
-    #[inline(always)]
-    unsafe fn new() -> Terms {
-        let z = [_mm256_setzero_ps(); 4];
-        Terms { ddx: z, isf: z, m: z, sx: z }
-    }
-}
-
-/// `acc` (lane r: pair r's sum) after the `m` blocks' steps of `accumulate`, block after block:
-/// lane r of block j is `fma(ddx[r][j], isf[r][j], acc[r])`, then for a format with a minimum
-/// `fma(m[r][j], sx[r][j], acc[r])`. The terms are transposed so that one `vfmadd` serves the
-/// four pairs.
-///
-/// # Safety
-///
-/// The CPU has AVX2 and FMA (checked by `cpu::isa()`); `m ≤ 8`.
-#[inline(always)]
-unsafe fn accumulate4<const DT: u32>(acc: __m128, t: &Terms, m: usize) -> __m128 {
-    const { assert!(DT == Q8_0 || matches!(DT, Q4_0 | Q4_1 | Q5_0 | Q5_1)) };
-    let (dt, st) = (transpose4(&t.ddx), transpose4(&t.isf));
-    let (mt, xt) = if has_min(DT) { (transpose4(&t.m), transpose4(&t.sx)) } else { (dt, st) };
-    let mut acc = acc;
-    blocks8!(m, J, {
-        acc = _mm_fmadd_ps(half::<J>(dt[J % 4]), half::<J>(st[J % 4]), acc);
-        if has_min(DT) {
-            acc = _mm_fmadd_ps(half::<J>(mt[J % 4]), half::<J>(xt[J % 4]), acc);
-        }
-    });
-    acc
-}
-
 /// Decode (one token) over R ≤ 4 rows of Q4_0, Q4_1, Q5_0 or Q5_1 at once, eight blocks at a
 /// time: each block's integer sums stay in vector lanes until the eight are reduced together,
 /// the scale products are formed eight at a time, and the rows' per-block float additions run in
@@ -358,7 +311,7 @@ pub unsafe fn rows_decode<const R: usize, const DT: u32>(
             t.isf[r] = _mm256_cvtepi32_ps(_mm256_sub_epi32(reduce8(&h), xs));
             t.m[r] = mw;
         }
-        accumulate4::<DT>(acc, &t, m)
+        accumulate4(has_min(DT), acc, &t, m)
     }
     by_groups!(nb, |b0, m| acc = group::<R, DT>(w, row_bytes, act, b0, m, acc));
     let mut v = [0f32; 4];
@@ -426,7 +379,7 @@ pub unsafe fn row_tokens<const DT: u32>(row: &[u8], act: &QuantAct, t0: usize, o
             }
             let mut v = [0f32; 4];
             v[..o.len()].copy_from_slice(o);
-            let acc = accumulate4::<DT>(_mm_loadu_ps(v.as_ptr()), &tm, m);
+            let acc = accumulate4(has_min(DT), _mm_loadu_ps(v.as_ptr()), &tm, m);
             _mm_storeu_ps(v.as_mut_ptr(), acc);
             o.copy_from_slice(&v[..o.len()]);
         }
@@ -516,7 +469,7 @@ pub unsafe fn rows_decode_q8<const R: usize>(w: &[u8], row_bytes: usize, act: &Q
             t.ddx[r] = _mm256_mul_ps(sc.get().0, dx);
             t.isf[r] = _mm256_cvtepi32_ps(reduce8x8(&a));
         }
-        accumulate4::<Q8_0>(acc, &t, m)
+        accumulate4(false, acc, &t, m)
     }
     by_groups!(nb, |b0, m| acc = group::<R>(w, row_bytes, act, b0, m, acc));
     let mut v = [0f32; 4];
@@ -571,7 +524,7 @@ pub unsafe fn row_tokens_q8(row: &[u8], act: &QuantAct, t0: usize, out: &mut [f3
             }
             let mut v = [0f32; 4];
             v[..o.len()].copy_from_slice(o);
-            _mm_storeu_ps(v.as_mut_ptr(), accumulate4::<Q8_0>(_mm_loadu_ps(v.as_ptr()), &tm, m));
+            _mm_storeu_ps(v.as_mut_ptr(), accumulate4(false, _mm_loadu_ps(v.as_ptr()), &tm, m));
             o.copy_from_slice(&v[..o.len()]);
         }
         let mut chunks = out.chunks_exact_mut(4);
@@ -661,7 +614,7 @@ pub unsafe fn rows_batch<const R: usize, const DT: u32>(
             }
         }
         for t in 0..n {
-            acc[t] = accumulate4::<DT>(acc[t], &terms[t], m);
+            acc[t] = accumulate4(has_min(DT), acc[t], &terms[t], m);
         }
     }
     by_groups!(nb, |b0, m| group::<R, DT>(w, row_bytes, act, (t0, n), b0, m, &mut terms, &mut acc));
@@ -731,7 +684,7 @@ pub unsafe fn rows_batch_q8<const R: usize>(
             }
         }
         for t in 0..n {
-            acc[t] = accumulate4::<Q8_0>(acc[t], &terms[t], m);
+            acc[t] = accumulate4(false, acc[t], &terms[t], m);
         }
     }
     by_groups!(nb, |b0, m| group::<R>(w, row_bytes, act, (t0, n), b0, m, &mut terms, &mut acc));

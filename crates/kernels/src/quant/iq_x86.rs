@@ -746,6 +746,7 @@ pub unsafe fn rows_batch<const R: usize, const DT: u32>(
     }
 }
 
+/// `$go!(id)` with the GGML id of IQ format `$dtype` (a literal, for const generics).
 macro_rules! by_dtype {
     ($dtype:expr, $go:ident) => {
         match $dtype {
@@ -762,6 +763,7 @@ macro_rules! by_dtype {
         }
     };
 }
+pub(super) use by_dtype;
 
 /// `out = x · Wᵀ` for IQ weights with AVX2: the caller checked the CPU (`isa() ≥ Avx2`), and
 /// `act` holds `n` tokens quantized for `w` (`ActKind::for_weights`); `o` is `n × w.rows`.

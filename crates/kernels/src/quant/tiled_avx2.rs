@@ -46,7 +46,7 @@
 #![allow(clippy::needless_range_loop)]
 
 use super::blocks::e8m0_half;
-use super::iq_x86::{d_bits, dtype_const, for_groups, signed};
+use super::iq_x86::{by_dtype, d_bits, dtype_const, for_groups, signed};
 use super::panel::{Panel, ROWS, TILE};
 use super::x86::{codes32, codes_q4k, codes_q6k, f16_bits, f16_to_f32};
 use crate::DType;
@@ -201,16 +201,13 @@ pub type Out = [[[f32; TILE]; ROWS]; PANELS];
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn gemm<const R: usize>(dtype: DType, w: &[u8], row_bytes: usize, ps: &[Panel], out: &mut Out) {
     debug_assert!((1..=PANELS).contains(&ps.len()));
+    macro_rules! iq {
+        ($id:literal) => {
+            gemm_iq::<R, $id>(w, row_bytes, ps, out)
+        };
+    }
     match dtype {
-        DType::IQ2_XXS => gemm_iq::<R, 16>(w, row_bytes, ps, out),
-        DType::IQ2_XS => gemm_iq::<R, 17>(w, row_bytes, ps, out),
-        DType::IQ3_XXS => gemm_iq::<R, 18>(w, row_bytes, ps, out),
-        DType::IQ1_S => gemm_iq::<R, 19>(w, row_bytes, ps, out),
-        DType::IQ4_NL => gemm_iq::<R, 20>(w, row_bytes, ps, out),
-        DType::IQ3_S => gemm_iq::<R, 21>(w, row_bytes, ps, out),
-        DType::IQ2_S => gemm_iq::<R, 22>(w, row_bytes, ps, out),
-        DType::IQ4_XS => gemm_iq::<R, 23>(w, row_bytes, ps, out),
-        DType::IQ1_M => gemm_iq::<R, 29>(w, row_bytes, ps, out),
+        d if super::iq::is_iq(d) => by_dtype!(d, iq),
         DType::Q6_K => gemm_q6k::<R>(w, row_bytes, ps, out),
         DType::Q2_K => gemm_k23::<R, false>(w, row_bytes, ps, out),
         DType::Q3_K => gemm_k23::<R, true>(w, row_bytes, ps, out),
@@ -229,6 +226,24 @@ pub unsafe fn gemm<const R: usize>(dtype: DType, w: &[u8], row_bytes: usize, ps:
 #[inline(always)]
 fn halves(p: &Panel) -> usize {
     p.n.div_ceil(HALF)
+}
+
+/// Runs `$step` for each panel `$p` with its accumulators `$acc` and `$h` the half panels it
+/// takes at once: both (2) when the panel has tokens in the second half, else the first (1) —
+/// for the kernels whose per-half body is short enough to run on both halves together.
+macro_rules! by_halves {
+    ($ps:expr, $accf:expr, |$p:ident, $acc:ident, $h:ident| $step:expr) => {
+        for (pi, $p) in $ps.iter().enumerate() {
+            let $acc = &mut $accf[pi];
+            if $p.n > HALF {
+                const $h: usize = 2;
+                $step
+            } else {
+                const $h: usize = 1;
+                $step
+            }
+        }
+    };
 }
 
 /// Float accumulators of R rows × both halves of each panel.
@@ -274,13 +289,7 @@ unsafe fn gemm32<const R: usize>(dtype: DType, w: &[u8], row_bytes: usize, ps: &
                 m[r] = f16_to_f32(f16_bits(wb, 2));
             }
         }
-        for (pi, p) in ps.iter().enumerate() {
-            if p.n > HALF {
-                step32::<R, 2>(dtype, &codes, &d, &m, p, b, &mut accf[pi]);
-            } else {
-                step32::<R, 1>(dtype, &codes, &d, &m, p, b, &mut accf[pi]);
-            }
-        }
+        by_halves!(ps, accf, |p, acc, H| step32::<R, H>(dtype, &codes, &d, &m, p, b, acc));
     }
     store(&accf, ps.len(), out);
 }
@@ -305,13 +314,7 @@ unsafe fn gemm_q8<const R: usize>(w: &[u8], row_bytes: usize, ps: &[Panel], out:
             _mm256_storeu_si256(at.add(1), _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1)));
             d[r] = f16_to_f32(f16_bits(std::slice::from_raw_parts(blk, bb), 0));
         }
-        for (pi, p) in ps.iter().enumerate() {
-            if p.n > HALF {
-                step_q8::<R, 2>(&wide, &d, p, b, &mut accf[pi]);
-            } else {
-                step_q8::<R, 1>(&wide, &d, p, b, &mut accf[pi]);
-            }
-        }
+        by_halves!(ps, accf, |p, acc, H| step_q8::<R, H>(&wide, &d, p, b, acc));
     }
     store(&accf, ps.len(), out);
 }
@@ -433,13 +436,7 @@ unsafe fn gemm_q4k<const R: usize, const Q5: bool>(w: &[u8], row_bytes: usize, p
             u.d[r] = f16_to_f32(f16_bits(blk, 0));
             u.dmin[r] = f16_to_f32(f16_bits(blk, 2));
         }
-        for (pi, p) in ps.iter().enumerate() {
-            if p.n > HALF {
-                step_q4k::<R, 2, Q5>(&u, p, b, &mut accf[pi]);
-            } else {
-                step_q4k::<R, 1, Q5>(&u, p, b, &mut accf[pi]);
-            }
-        }
+        by_halves!(ps, accf, |p, acc, H| step_q4k::<R, H, Q5>(&u, p, b, acc));
     }
     store(&accf, ps.len(), out);
 }

@@ -250,7 +250,7 @@ pub unsafe fn rowsk_decode<const R: usize, const K: u32>(
         // 2, 4 row 1, 5 row 3.
         let dx = _mm256_loadu_ps(act.d.as_ptr().add(act.idx(0, 0)));
         let dx = _mm256_permute2f128_ps(dx, dx, 0x00);
-        let mut t = KTerms::new();
+        let mut t = Terms::new();
         for p in 0..R.div_ceil(2) {
             let rows = (R - 2 * p).min(2);
             let mut g = KGroup::new();
@@ -281,7 +281,7 @@ pub unsafe fn rowsk_decode<const R: usize, const K: u32>(
         let i0 = act.idx(0, b0);
         // Activation rows are padded with zero blocks to whole groups of eight.
         let dx = _mm256_loadu_ps(act.d.as_ptr().add(i0));
-        let mut t = KTerms::new();
+        let mut t = Terms::new();
         for r in 0..R {
             let base = w.as_ptr().add(r * row_bytes + b0 * bb);
             prefetch_next(base, row_bytes, R, (b0, m, nb), bb);
@@ -289,11 +289,8 @@ pub unsafe fn rowsk_decode<const R: usize, const K: u32>(
             g.blocks::<K>(base, act, b0, m, 0);
             g.terms(f, dx, &mut t, r);
         }
-        acc = if m == 8 {
-            accumulate_rows(f.m_at.is_some(), acc, &t, 8)
-        } else {
-            accumulate_rows(f.m_at.is_some(), acc, &t, m)
-        };
+        acc =
+            if m == 8 { accumulate4(f.m_at.is_some(), acc, &t, 8) } else { accumulate4(f.m_at.is_some(), acc, &t, m) };
         b0 += m;
     }
     let mut v = [0f32; 4];
@@ -350,62 +347,76 @@ impl KGroup {
     ///
     /// The CPU has AVX2 and F16C (checked by `cpu::isa()`).
     #[inline(always)]
-    unsafe fn terms(&self, f: KFormat, dx: __m256, t: &mut KTerms, i: usize) {
+    unsafe fn terms(&self, f: KFormat, dx: __m256, t: &mut Terms, i: usize) {
         let dw = _mm256_cvtph_ps(_mm_loadu_si128(self.dbits.as_ptr() as *const __m128i));
         t.ddx[i] = _mm256_mul_ps(dw, dx);
         t.isf[i] = _mm256_cvtepi32_ps(reduce8x8(&self.a));
         if f.m_at.is_some() {
             let mw = _mm256_cvtph_ps(_mm_loadu_si128(self.mbits.as_ptr() as *const __m128i));
-            t.mdx[i] = _mm256_xor_ps(_mm256_mul_ps(mw, dx), _mm256_set1_ps(-0.0));
-            t.minf[i] = _mm256_cvtepi32_ps(reduce8x8(&self.mn));
+            t.m[i] = _mm256_xor_ps(_mm256_mul_ps(mw, dx), _mm256_set1_ps(-0.0));
+            t.sx[i] = _mm256_cvtepi32_ps(reduce8x8(&self.mn));
         }
     }
 }
 
-/// Four vectors of eight block terms each (absent ones zero).
-struct KTerms {
-    ddx: [__m256; 4],
-    isf: [__m256; 4],
-    mdx: [__m256; 4],
-    minf: [__m256; 4],
+/// The float terms of four (row or (row, token)) pairs for `accumulate4`, eight blocks each
+/// (block j in lane j; absent pairs and blocks zero): a block's step is `fma(ddx, isf, acc)`,
+/// then for formats with a second term `fma(m, sx, acc)` (Q4_1/Q5_1: the block minimum and the
+/// activation sum; the K-quants with minima: `−(dmin·dx)` and the min sums).
+pub(crate) struct Terms {
+    pub(crate) ddx: [__m256; 4],
+    pub(crate) isf: [__m256; 4],
+    pub(crate) m: [__m256; 4],
+    pub(crate) sx: [__m256; 4],
 }
 
-impl KTerms {
+impl Terms {
     /// # Safety
     ///
     /// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
     #[inline(always)]
-    unsafe fn new() -> KTerms {
+    pub(crate) unsafe fn new() -> Terms {
         let z = [_mm256_setzero_ps(); 4];
-        KTerms { ddx: z, isf: z, mdx: z, minf: z }
+        Terms { ddx: z, isf: z, m: z, sx: z }
+    }
+
+    /// The four term vectors transposed (`transpose4`); the second pair only with `second`.
+    ///
+    /// # Safety
+    ///
+    /// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
+    #[inline(always)]
+    unsafe fn transposed(&self, second: bool) -> [[__m256; 4]; 4] {
+        let (dt, st) = (transpose4(&self.ddx), transpose4(&self.isf));
+        let (mt, xt) = if second { (transpose4(&self.m), transpose4(&self.sx)) } else { (dt, st) };
+        [dt, st, mt, xt]
     }
 }
 
-/// `acc` (lane r: row r's sum) after `m` blocks' steps of `accumulate`, block after block:
-/// lane r of block j is `fma(ddx[r][j], isf[r][j], acc[r])`, then with minima
-/// `fma(mdx[r][j], minf[r][j], acc[r])`; the terms are transposed so that one `vfmadd` serves
-/// the four rows.
+/// `acc` (lane r: pair r's sum) after `m` blocks' steps of `accumulate`, block after block:
+/// lane r of block j is `fma(ddx[r][j], isf[r][j], acc[r])`, then with `second`
+/// `fma(m[r][j], sx[r][j], acc[r])`; the terms are transposed so that one `vfmadd` serves the
+/// four pairs.
 ///
 /// # Safety
 ///
 /// The CPU has AVX2 and FMA (checked by `cpu::isa()`); `m ≤ 8`.
 #[inline(always)]
-unsafe fn accumulate_rows(mins: bool, acc: __m128, t: &KTerms, m: usize) -> __m128 {
-    let (dt, st) = (transpose4(&t.ddx), transpose4(&t.isf));
-    let (mt, xt) = if mins { (transpose4(&t.mdx), transpose4(&t.minf)) } else { (dt, st) };
+pub(crate) unsafe fn accumulate4(second: bool, acc: __m128, t: &Terms, m: usize) -> __m128 {
+    let [dt, st, mt, xt] = t.transposed(second);
     let mut acc = acc;
     for j in 0..m {
         let (k, hi) = (j % 4, j >= 4);
         let h = |v: __m256| if hi { _mm256_extractf128_ps(v, 1) } else { _mm256_castps256_ps128(v) };
         acc = _mm_fmadd_ps(h(dt[k]), h(st[k]), acc);
-        if mins {
+        if second {
             acc = _mm_fmadd_ps(h(mt[k]), h(xt[k]), acc);
         }
     }
     acc
 }
 
-/// As `accumulate_rows` for rows of at most four blocks whose terms come two rows a vector
+/// As `accumulate4` for rows of at most four blocks whose terms come two rows a vector
 /// (`t`'s vector p: row 2p in lanes 0..4, row 2p + 1 in lanes 4..8): the transposed terms of
 /// block j hold rows 0, 2 in lanes 0, 1 and rows 1, 3 in lanes 4, 5, and so does `acc`.
 ///
@@ -413,13 +424,12 @@ unsafe fn accumulate_rows(mins: bool, acc: __m128, t: &KTerms, m: usize) -> __m1
 ///
 /// The CPU has AVX2 and FMA (checked by `cpu::isa()`); `m ≤ 4`.
 #[inline(always)]
-unsafe fn accumulate_pairs(mins: bool, acc: __m256, t: &KTerms, m: usize) -> __m256 {
-    let (dt, st) = (transpose4(&t.ddx), transpose4(&t.isf));
-    let (mt, xt) = if mins { (transpose4(&t.mdx), transpose4(&t.minf)) } else { (dt, st) };
+unsafe fn accumulate_pairs(second: bool, acc: __m256, t: &Terms, m: usize) -> __m256 {
+    let [dt, st, mt, xt] = t.transposed(second);
     let mut acc = acc;
     for j in 0..m {
         acc = _mm256_fmadd_ps(dt[j], st[j], acc);
-        if mins {
+        if second {
             acc = _mm256_fmadd_ps(mt[j], xt[j], acc);
         }
     }
