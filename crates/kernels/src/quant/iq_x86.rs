@@ -10,6 +10,11 @@
 //! `dot_ref::accumulate`'s `fma(D·dx, isum, acc)` block after block, so every result equals
 //! the scalar reference to the bit, whatever the batch or the thread count.
 //!
+//! Decode of these formats is bound by vector operations, not by memory: a block's sign bytes
+//! and scales stay in registers (one vector per four groups) and each group takes its own with
+//! one shuffle (`group_signs`, `pick_scale`), rather than through lane extractions and
+//! broadcasts; codebook indices are read with scalar loads where the format allows.
+//!
 //! Magnitudes stay where `vpmaddubsw` cannot saturate: a pair of products is at most
 //! 2·127·127 = 32258 (IQ4's levels), 2·62·127 (IQ3_XXS), less for the others. IQ1_S/IQ1_M codes
 //! `8·grid ± 1` go in offset by 9 (0..18, no signs needed) and `9·Σ s·(16-value sums)` comes off.
@@ -73,29 +78,6 @@ unsafe fn rd_u32(p: *const u8) -> u32 {
     (p as *const u32).read_unaligned()
 }
 
-/// Byte j of the result is 0xFF where bit j of `m` is set, 0 elsewhere.
-///
-/// # Safety
-///
-/// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
-#[inline(always)]
-unsafe fn expand_bits(m: u32) -> __m256i {
-    let v = _mm256_set1_epi32(m as i32);
-    let idx = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
-    let bit = _mm256_set1_epi64x(0x8040201008040201u64 as i64);
-    _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(v, idx), bit), bit)
-}
-
-/// ±1 bytes: −1 where bit j of `m` is set (a `vpsignb` source).
-///
-/// # Safety
-///
-/// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
-#[inline(always)]
-unsafe fn signs(m: u32) -> __m256i {
-    _mm256_or_si256(expand_bits(m), _mm256_set1_epi8(1))
-}
-
 /// Eight words of four 7-bit sign fields each (bits 0..28; the rest ignored) → eight words of
 /// 32 sign bits: each field widened to a byte whose bit 7 is the parity of its low seven (the
 /// eighth sign, which makes the count of minus signs even).
@@ -150,18 +132,86 @@ unsafe fn halves(v: __m256i) -> [u16; 16] {
     a
 }
 
-/// Sixteen odd scales `2·nibble + 1` of 8 bytes at `p` (low nibble first), as i16.
+/// Sixteen odd scales `2·nibble + 1` of 8 bytes at `p` (low nibble first), as bytes, the same
+/// sixteen in both 128-bit lanes (a `vpshufb` table for `pick_scales`).
 ///
 /// # Safety
 ///
 /// `p` is valid for reading 8 bytes; the CPU has AVX2 (checked by `cpu::isa()`).
 #[inline(always)]
-unsafe fn odd_scales16(p: *const u8) -> [u16; 16] {
+unsafe fn odd_scale_bytes(p: *const u8) -> __m256i {
     let v = _mm_loadl_epi64(p as *const __m128i);
     let m = _mm_set1_epi8(0x0f);
     let n = _mm_unpacklo_epi8(_mm_and_si128(v, m), _mm_and_si128(_mm_srli_epi16(v, 4), m));
-    let s = _mm256_cvtepu8_epi16(n);
-    halves(_mm256_add_epi16(_mm256_add_epi16(s, s), _mm256_set1_epi16(1)))
+    let s = _mm_add_epi8(_mm_add_epi8(n, n), _mm_set1_epi8(1));
+    _mm256_set_m128i(s, s)
+}
+
+/// Eight odd scales `2·nibble + 1` of the u32 `w` (low nibble first), as bytes 0..8 of both
+/// 128-bit lanes (a `vpshufb` table for `pick_scale`).
+///
+/// # Safety
+///
+/// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
+#[inline(always)]
+unsafe fn odd_scale_bytes4(w: u32) -> __m256i {
+    let v = _mm_cvtsi32_si128(w as i32);
+    let m = _mm_set1_epi8(0x0f);
+    let n = _mm_unpacklo_epi8(_mm_and_si128(v, m), _mm_and_si128(_mm_srli_epi16(v, 4), m));
+    let s = _mm_add_epi8(_mm_add_epi8(n, n), _mm_set1_epi8(1));
+    _mm256_set_m128i(s, s)
+}
+
+/// Byte B of each 128-bit lane of `bytes` as sixteen i16 lanes (one shuffle).
+///
+/// # Safety
+///
+/// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
+#[inline(always)]
+unsafe fn pick_scale<const B: usize>(bytes: __m256i) -> __m256i {
+    _mm256_shuffle_epi8(bytes, _mm256_set1_epi16(B as i16 | (0x80 << 8)))
+}
+
+/// Each 128-bit half of `v` in both halves: `[low, low]`, `[high, high]` (the shuffles of
+/// `group_signs` and `pick_scale` stay inside a half).
+///
+/// # Safety
+///
+/// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
+#[inline(always)]
+unsafe fn halves_twice(v: __m256i) -> [__m256i; 2] {
+    [_mm256_permute2x128_si256(v, v, 0x00), _mm256_permute2x128_si256(v, v, 0x11)]
+}
+
+/// Group K's i16 scales from `odd_scale_bytes`: byte 2K in lanes 0..8, byte 2K + 1 in lanes
+/// 8..16 — one shuffle.
+///
+/// # Safety
+///
+/// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
+#[inline(always)]
+unsafe fn pick_scales<const K: usize>(bytes: __m256i) -> __m256i {
+    let (a, c) = (2 * K as i16, 2 * K as i16 + 1);
+    // Each i16 lane's low byte takes the scale, its high byte zero (index with bit 7 set).
+    let lo = a | (0x80 << 8);
+    let hi = c | (0x80 << 8);
+    _mm256_shuffle_epi8(bytes, _mm256_setr_epi16(lo, lo, lo, lo, lo, lo, lo, lo, hi, hi, hi, hi, hi, hi, hi, hi))
+}
+
+/// ±1 bytes of group K from a vector holding the sign bytes of groups 4⌊K/4⌋..4⌊K/4⌋+4 (four
+/// per group, 32 bits) in both 128-bit lanes: bit j of byte l of the group's word → byte
+/// 8l + j, −1 where set — a shuffle and three logic operations, in registers.
+///
+/// # Safety
+///
+/// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
+#[inline(always)]
+unsafe fn group_signs<const K: usize>(lane: __m256i) -> __m256i {
+    let o = (4 * (K % 4)) as i64 * 0x0101010101010101;
+    let spread = _mm256_set_epi64x(o + 0x0303030303030303, o + 0x0202020202020202, o + 0x0101010101010101, o);
+    let bit = _mm256_set1_epi64x(0x8040201008040201u64 as i64);
+    let m = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(lane, spread), bit), bit);
+    _mm256_or_si256(m, _mm256_set1_epi8(1))
 }
 
 /// Entry `i` of a codebook whose index was assembled from as many bits as the book has
@@ -331,31 +381,30 @@ pub(super) unsafe fn for_groups<const DT: u32>(b: *const u8, mut f: impl FnMut(u
             let v1 = _mm256_loadu_si256(b.add(34) as *const __m256i);
             let odd = _mm256_castps_si256(_mm256_shuffle_ps(_mm256_castsi256_ps(v0), _mm256_castsi256_ps(v1), 0xDD));
             let aux = _mm256_permute4x64_epi64(odd, 0xD8);
-            let sg = words(sign_words(aux));
-            let ls = words(_mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(aux, 28), 1), _mm256_set1_epi32(1)));
+            let sg = halves_twice(sign_words(aux));
+            // Group K's scale in byte 0 of u32 lane K.
+            let ls =
+                halves_twice(_mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(aux, 28), 1), _mm256_set1_epi32(1)));
             unroll8!(K, {
                 let g = b.add(2 + 8 * K);
                 let i = |l: usize| *g.add(l) as usize;
                 let mag = grid4(&IQ2XXS_GRID, i(0), i(1), i(2), i(3));
-                f(K, mag, signs(sg[K]), _mm256_set1_epi16(ls[K] as i16));
+                f(K, mag, group_signs::<K>(sg[K / 4]), pick_scale::<{ 4 * (K % 4) }>(ls[K / 4]));
             });
         }
         DType::IQ2_XS => {
-            // u16 per sub-block: 9-bit index, 7-bit sign field.
+            // u16 per sub-block: 9-bit index, 7-bit sign field. The indices are read as scalars
+            // (a load and a mask each, on the integer ports) rather than extracted from a vector.
             let v0 = _mm256_loadu_si256(b.add(2) as *const __m256i);
             let v1 = _mm256_loadu_si256(b.add(34) as *const __m256i);
-            let m9 = _mm256_set1_epi16(511);
-            let mut idx = [0u16; 32];
-            _mm256_storeu_si256(idx.as_mut_ptr() as *mut __m256i, _mm256_and_si256(v0, m9));
-            _mm256_storeu_si256(idx.as_mut_ptr().add(16) as *mut __m256i, _mm256_and_si256(v1, m9));
             // Sign fields as bytes, groups in order (packus interleaves the 128-bit halves).
             let s7 = _mm256_packus_epi16(_mm256_srli_epi16(v0, 9), _mm256_srli_epi16(v1, 9));
-            let sg = words(with_parity(_mm256_permute4x64_epi64(s7, 0xD8)));
-            let sc = odd_scales16(b.add(66));
+            let sg = halves_twice(with_parity(_mm256_permute4x64_epi64(s7, 0xD8)));
+            let sc = odd_scale_bytes(b.add(66));
             unroll8!(K, {
-                let i = |l: usize| idx[4 * K + l] as usize;
+                let i = |l: usize| (rd_u16(b.add(2 + 8 * K + 2 * l)) & 511) as usize;
                 let mag = grid4(&IQ2XS_GRID, i(0), i(1), i(2), i(3));
-                f(K, mag, signs(sg[K]), scales2(sc[2 * K], sc[2 * K + 1]));
+                f(K, mag, group_signs::<K>(sg[K / 4]), pick_scales::<K>(sc));
             });
         }
         DType::IQ2_S => {
@@ -378,22 +427,25 @@ pub(super) unsafe fn for_groups<const DT: u32>(b: *const u8, mut f: impl FnMut(u
             let mut idx = [0u16; 32];
             _mm256_storeu_si256(idx.as_mut_ptr() as *mut __m256i, _mm256_or_si256(lo0, hi(pick(0))));
             _mm256_storeu_si256(idx.as_mut_ptr().add(16) as *mut __m256i, _mm256_or_si256(lo1, hi(pick(4))));
-            let sc = odd_scales16(b.add(74));
+            let sg = halves_twice(_mm256_loadu_si256(b.add(34) as *const __m256i));
+            let sc = odd_scale_bytes(b.add(74));
             unroll8!(K, {
                 let i = |l: usize| idx[4 * K + l] as usize;
                 let mag = grid4(&IQ2S_GRID, i(0), i(1), i(2), i(3));
-                f(K, mag, signs(rd_u32(b.add(34 + 4 * K))), scales2(sc[2 * K], sc[2 * K + 1]));
+                f(K, mag, group_signs::<K>(sg[K / 4]), pick_scales::<K>(sc));
             });
         }
         DType::IQ3_XXS => {
             let aux = _mm256_loadu_si256(b.add(66) as *const __m256i);
-            let sg = words(sign_words(aux));
-            let ls = words(_mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(aux, 28), 1), _mm256_set1_epi32(1)));
+            let sg = halves_twice(sign_words(aux));
+            // Group K's scale in byte 0 of u32 lane K.
+            let ls =
+                halves_twice(_mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(aux, 28), 1), _mm256_set1_epi32(1)));
             unroll8!(K, {
                 // Eight 8-bit indices into a table of 256 entries.
                 let q = b.add(2 + 8 * K);
                 let mag = grid8(&IQ3XXS_GRID, |j| *q.add(j) as usize);
-                f(K, mag, signs(sg[K]), _mm256_set1_epi16(ls[K] as i16));
+                f(K, mag, group_signs::<K>(sg[K / 4]), pick_scale::<{ 4 * (K % 4) }>(ls[K / 4]));
             });
         }
         DType::IQ3_S => {
@@ -415,11 +467,11 @@ pub(super) unsafe fn for_groups<const DT: u32>(b: *const u8, mut f: impl FnMut(u
                 let hi = _mm256_and_si256(_mm256_mullo_epi16(_mm256_shuffle_epi8(qh, pick(2 * p as i8)), mul), m1);
                 _mm256_storeu_si256(idx.as_mut_ptr().add(16 * p) as *mut __m256i, _mm256_or_si256(lo, hi));
             }
-            let sc = rd_u32(b.add(106));
+            let sg = halves_twice(_mm256_loadu_si256(b.add(74) as *const __m256i));
+            let sc = odd_scale_bytes4(rd_u32(b.add(106)));
             unroll8!(K, {
                 let mag = grid8(&IQ3S_GRID, |j| idx[8 * K + j] as usize);
-                let ls = ((sc >> (4 * K)) & 0xf) * 2 + 1;
-                f(K, mag, signs(rd_u32(b.add(74 + 4 * K))), _mm256_set1_epi16(ls as i16));
+                f(K, mag, group_signs::<K>(sg[K / 4]), pick_scale::<K>(sc));
             });
         }
         DType::IQ1_S => {
