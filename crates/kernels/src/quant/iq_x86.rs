@@ -25,7 +25,7 @@
 use super::act::QuantAct;
 use super::iq::scale_factor;
 use super::iq_tables::*;
-use super::x86::prefetch_rows;
+use super::x86::{accumulate4, prefetch_rows, reduce8x8, Terms};
 use super::{BatchOut, SMALL_BATCH};
 use crate::dtype::DType;
 use crate::matmul::{MatRef, SendPtr};
@@ -634,26 +634,10 @@ unsafe fn block_dot<const DT: u32>(b: *const u8, xq: *const i8, bs: *const i16) 
     acc
 }
 
-/// Eight vectors of 8 partial sums → one vector of their 8 totals, in order.
-///
-/// # Safety
-///
-/// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
-#[inline(always)]
-unsafe fn reduce8x8(a: &[__m256i; 8]) -> __m256i {
-    let h1 = _mm256_hadd_epi32(a[0], a[1]);
-    let h2 = _mm256_hadd_epi32(a[2], a[3]);
-    let h3 = _mm256_hadd_epi32(a[4], a[5]);
-    let h4 = _mm256_hadd_epi32(a[6], a[7]);
-    let g1 = _mm256_hadd_epi32(h1, h2);
-    let g2 = _mm256_hadd_epi32(h3, h4);
-    _mm256_add_epi32(_mm256_permute2x128_si256(g1, g2, 0x20), _mm256_permute2x128_si256(g1, g2, 0x31))
-}
-
 /// Decode (one token) over R rows at once, eight blocks at a time: each block's integer sums
 /// stay in vector lanes until the eight are reduced together, the scale products are formed
-/// eight at a time, and the R rows' per-block float additions are R independent chains — the
-/// operations of `accumulate`, in its order.
+/// eight at a time, and the R rows' per-block float additions run in the lanes of one vector
+/// (`accumulate4`) — the operations of `accumulate`, in its order, for each row.
 ///
 /// # Safety
 ///
@@ -669,43 +653,61 @@ pub unsafe fn rows_decode<const R: usize, const DT: u32>(
 ) {
     let dt = const { dtype_const(DT) };
     let (bb, bl) = (dt.block_bytes(), dt.block_elems());
-    let factor = _mm256_set1_ps(scale_factor(dt));
     let nb = act.blocks_per_row();
-    debug_assert!(w.len() >= R * row_bytes && act.cols == row_bytes / bb * bl);
-    let mut acc = [0f32; R];
-    let mut b0 = 0;
-    while b0 < nb {
-        let m = (nb - b0).min(8);
+    debug_assert!(R <= 4 && w.len() >= R * row_bytes && act.cols == row_bytes / bb * bl);
+    let mut acc = _mm_setzero_ps();
+    /// # Safety
+    ///
+    /// As `rows_decode`'s, for the eight blocks from `b0` (`m` of them inside the row).
+    #[inline(always)]
+    unsafe fn group<const R: usize, const DT: u32>(
+        w: &[u8],
+        row_bytes: usize,
+        act: &QuantAct,
+        b0: usize,
+        m: usize,
+        acc: __m128,
+    ) -> __m128 {
+        let dt = const { dtype_const(DT) };
+        let (bb, bl) = (dt.block_bytes(), dt.block_elems());
         let i0 = act.idx(0, b0);
         let dx = _mm256_loadu_ps(act.d.as_ptr().add(i0));
-        let mut ddx = [[0f32; 8]; R];
-        let mut isf = [[0f32; 8]; R];
+        // Rows past R stay zero, and so do their lanes of `acc`.
+        let mut t = Terms::new();
         for r in 0..R {
             let base = w.as_ptr().add(r * row_bytes + b0 * bb);
             // The same blocks of the row R rows further down: the next pass reads them.
             prefetch_rows(base.wrapping_add(R * row_bytes), m * bb);
             let mut a = [_mm256_setzero_si256(); 8];
-            let mut dbits = [0u16; 8];
+            // The eight f16 scales, four to a u64 (16-bit stores read back as one vector would
+            // stall store forwarding).
+            let mut dbits = [0u64; 2];
             for j in 0..m {
                 let blk = base.add(j * bb);
                 let xi = i0 + j;
                 let bs = if signed(dt) { std::ptr::null() } else { act.bsums.as_ptr().add(xi * 16) };
                 a[j] = block_dot::<DT>(blk, act.qs.as_ptr().add(xi * bl), bs);
-                dbits[j] = d_bits::<DT>(blk);
+                dbits[j / 4] |= (d_bits::<DT>(blk) as u64) << (16 * (j % 4));
             }
             // D = f16 · 2^-k (exact), then D·dx rounded once, as `accumulate` forms it.
-            let dw = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(dbits.as_ptr() as *const __m128i)), factor);
-            _mm256_storeu_ps(ddx[r].as_mut_ptr(), _mm256_mul_ps(dw, dx));
-            _mm256_storeu_ps(isf[r].as_mut_ptr(), _mm256_cvtepi32_ps(reduce8x8(&a)));
+            let dw = _mm256_cvtph_ps(_mm_set_epi64x(dbits[1] as i64, dbits[0] as i64));
+            let dw = if scale_factor(dt) == 1.0 { dw } else { _mm256_mul_ps(dw, _mm256_set1_ps(scale_factor(dt))) };
+            t.ddx[r] = _mm256_mul_ps(dw, dx);
+            t.isf[r] = _mm256_cvtepi32_ps(reduce8x8(&a));
         }
-        for j in 0..m {
-            for r in 0..R {
-                acc[r] = ddx[r][j].mul_add(isf[r][j], acc[r]);
-            }
-        }
-        b0 += m;
+        accumulate4(false, acc, &t, m)
     }
-    out[..R].copy_from_slice(&acc);
+    let mut b0 = 0;
+    while b0 + 8 <= nb {
+        acc = group::<R, DT>(w, row_bytes, act, b0, 8, acc);
+        b0 += 8;
+    }
+    if b0 < nb {
+        acc = group::<R, DT>(w, row_bytes, act, b0, nb - b0, acc);
+    }
+    let mut v = [0f32; 4];
+    _mm_storeu_ps(v.as_mut_ptr(), acc);
+    out[..R].copy_from_slice(&v[..R]);
 }
 
 /// Tokens `t0..t0 + n` (n ≤ `SMALL_BATCH`) over R rows at once (small batches): each block's
