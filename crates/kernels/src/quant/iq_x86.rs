@@ -120,18 +120,6 @@ unsafe fn words(v: __m256i) -> [u32; 8] {
     a
 }
 
-/// A vector's sixteen u16 lanes.
-///
-/// # Safety
-///
-/// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
-#[inline(always)]
-unsafe fn halves(v: __m256i) -> [u16; 16] {
-    let mut a = [0u16; 16];
-    _mm256_storeu_si256(a.as_mut_ptr() as *mut __m256i, v);
-    a
-}
-
 /// Sixteen odd scales `2·nibble + 1` of 8 bytes at `p` (low nibble first), as bytes, the same
 /// sixteen in both 128-bit lanes (a `vpshufb` table for `pick_scales`).
 ///
@@ -207,10 +195,8 @@ unsafe fn pick_scales<const K: usize>(bytes: __m256i) -> __m256i {
 /// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
 #[inline(always)]
 unsafe fn group_signs<const K: usize>(lane: __m256i) -> __m256i {
-    let o = (4 * (K % 4)) as i64 * 0x0101010101010101;
-    let spread = _mm256_set_epi64x(o + 0x0303030303030303, o + 0x0202020202020202, o + 0x0101010101010101, o);
     let bit = _mm256_set1_epi64x(0x8040201008040201u64 as i64);
-    let m = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(lane, spread), bit), bit);
+    let m = _mm256_cmpeq_epi8(_mm256_and_si256(spread4::<K>(lane), bit), bit);
     _mm256_or_si256(m, _mm256_set1_epi8(1))
 }
 
@@ -250,16 +236,6 @@ unsafe fn grid8<const N: usize>(t: &[u32; N], i: impl Fn(usize) -> usize) -> __m
     _mm256_set_m128i(_mm_set_epi32(e(7), e(6), e(5), e(4)), _mm_set_epi32(e(3), e(2), e(1), e(0)))
 }
 
-/// Two i16 scales: lanes 0..8 (values 0..16 of a group) `lo`, lanes 8..16 `hi`.
-///
-/// # Safety
-///
-/// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
-#[inline(always)]
-unsafe fn scales2(lo: u16, hi: u16) -> __m256i {
-    _mm256_set_m128i(_mm_set1_epi16(hi as i16), _mm_set1_epi16(lo as i16))
-}
-
 /// 32 four-bit codes of 16 bytes at `q`: low nibbles (values 0..16), then high nibbles.
 ///
 /// # Safety
@@ -283,15 +259,17 @@ unsafe fn iq4_table() -> __m256i {
     _mm256_set_m128i(t, t)
 }
 
-/// Byte l of `d4` repeated over bytes 8l..8l+8.
+/// Byte l of group K's word (u32 lane K % 4 of `lane`, which holds its 128-bit half in both
+/// halves) repeated over bytes 8l..8l+8.
 ///
 /// # Safety
 ///
 /// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
 #[inline(always)]
-unsafe fn spread4(d4: u32) -> __m256i {
-    let spread = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
-    _mm256_shuffle_epi8(_mm256_set1_epi32(d4 as i32), spread)
+unsafe fn spread4<const K: usize>(lane: __m256i) -> __m256i {
+    let o = (4 * (K % 4)) as i64 * 0x0101010101010101;
+    let spread = _mm256_set_epi64x(o + 0x0303030303030303, o + 0x0202020202020202, o + 0x0101010101010101, o);
+    _mm256_shuffle_epi8(lane, spread)
 }
 
 /// Runs `$body` eight times with `$k` the constants 0..8.
@@ -493,15 +471,17 @@ pub(super) unsafe fn for_groups<const DT: u32>(b: *const u8, mut f: impl FnMut(u
             // 0 where −1 (lanes 8..16).
             let qh = _mm_loadu_si128(b.add(34) as *const __m128i);
             let dpos = _mm_cmpgt_epi16(qh, _mm_set1_epi16(-1));
-            let dl = halves(_mm256_set_m128i(
-                _mm_and_si128(dpos, _mm_set1_epi16(2)),
+            // As bytes, in both 128-bit lanes: the scales are bytes 0..8, the deltas 8..16.
+            let dl = _mm_packus_epi16(
                 _mm_or_si128(_mm_and_si128(_mm_srli_epi16(qh, 11), _mm_set1_epi16(0xe)), _mm_set1_epi16(1)),
-            ));
+                _mm_and_si128(dpos, _mm_set1_epi16(2)),
+            );
+            let dl = _mm256_set_m128i(dl, dl);
             unroll8!(K, {
                 let i = |l: usize| idx[4 * K + l] as usize;
                 let g = grid4(&IQ1S_GRID8, i(0), i(1), i(2), i(3));
-                let u = _mm256_add_epi8(g, _mm256_set1_epi8(dl[8 + K] as i8));
-                f(K, u, one, _mm256_set1_epi16(dl[K] as i16));
+                let u = _mm256_add_epi8(g, _mm256_shuffle_epi8(dl, _mm256_set1_epi8(8 + K as i8)));
+                f(K, u, one, pick_scale::<K>(dl));
             });
         }
         DType::IQ1_M => {
@@ -522,13 +502,14 @@ pub(super) unsafe fn for_groups<const DT: u32>(b: *const u8, mut f: impl FnMut(u
             _mm256_storeu_si256(idx.as_mut_ptr().add(16) as *mut __m256i, i1);
             // 2 where the delta is +1 (its sign bit clear), 0 where −1: a byte per sub-block.
             let dbit = _mm256_and_si256(dup, _mm256_set1_epi16(0x8008u16 as i16));
-            let dsub = words(_mm256_and_si256(_mm256_cmpeq_epi8(dbit, _mm256_setzero_si256()), _mm256_set1_epi8(2)));
-            let sc = iq1m_scales(b);
+            let dsub =
+                halves_twice(_mm256_and_si256(_mm256_cmpeq_epi8(dbit, _mm256_setzero_si256()), _mm256_set1_epi8(2)));
+            let sc = scale_bytes16(iq1m_scales(b));
             unroll8!(K, {
                 let i = |l: usize| idx[4 * K + l] as usize;
                 let g = grid4(&IQ1S_GRID8, i(0), i(1), i(2), i(3));
-                let u = _mm256_add_epi8(g, spread4(dsub[K]));
-                f(K, u, one, scales2(sc[2 * K], sc[2 * K + 1]));
+                let u = _mm256_add_epi8(g, spread4::<K>(dsub[K / 4]));
+                f(K, u, one, pick_scales::<K>(sc));
             });
         }
         _ => unreachable!(),
@@ -541,7 +522,7 @@ pub(super) unsafe fn for_groups<const DT: u32>(b: *const u8, mut f: impl FnMut(u
 ///
 /// `b` points to one whole IQ1_M block; the CPU has AVX2 (checked by `cpu::isa()`).
 #[inline(always)]
-unsafe fn iq1m_scales(b: *const u8) -> [u16; 16] {
+unsafe fn iq1m_scales(b: *const u8) -> __m256i {
     // Word w to lanes 4w..4w+4, then field j of lane 4w+j to bits 12..15 through a multiply by
     // 2^(12 − 3j), and down by 12.
     let w = _mm_loadl_epi64(b.add(48) as *const __m128i);
@@ -552,7 +533,18 @@ unsafe fn iq1m_scales(b: *const u8) -> [u16; 16] {
     let mul = _mm256_setr_epi16(4096, 512, 64, 8, 4096, 512, 64, 8, 4096, 512, 64, 8, 4096, 512, 64, 8);
     let f = _mm256_and_si256(_mm256_mullo_epi16(_mm256_shuffle_epi8(w, sel), mul), _mm256_set1_epi16(0x7000));
     let s = _mm256_srli_epi16(f, 12);
-    halves(_mm256_add_epi16(_mm256_add_epi16(s, s), _mm256_set1_epi16(1)))
+    _mm256_add_epi16(_mm256_add_epi16(s, s), _mm256_set1_epi16(1))
+}
+
+/// Sixteen i16 lanes (each below 256) as bytes 0..16 of both 128-bit lanes (for `pick_scales`).
+///
+/// # Safety
+///
+/// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
+#[inline(always)]
+unsafe fn scale_bytes16(v: __m256i) -> __m256i {
+    let b = _mm_packus_epi16(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    _mm256_set_m128i(b, b)
 }
 
 /// IQ1_S/IQ1_M: the sixteen scales (one per 16 values) as i16 lanes, to take the offset off.
@@ -562,22 +554,15 @@ unsafe fn iq1m_scales(b: *const u8) -> [u16; 16] {
 /// `b` points to one whole block of the format; the CPU has AVX2 (checked by `cpu::isa()`).
 #[inline(always)]
 unsafe fn iq1_scales16<const DT: u32>(b: *const u8) -> __m256i {
-    let mut s = [0i16; 16];
     if const { dtype_const(DT) } == DType::IQ1_S {
-        for k in 0..8 {
-            let v = (2 * ((rd_u16(b.add(34 + 2 * k)) >> 12) & 7) + 1) as i16;
-            s[2 * k] = v;
-            s[2 * k + 1] = v;
-        }
+        // Group k's scale, bits 12..15 of its qh word, for both of its sixteen-value halves.
+        let qh = _mm_loadu_si128(b.add(34) as *const __m128i);
+        let s = _mm_and_si128(_mm_srli_epi16(qh, 12), _mm_set1_epi16(7));
+        let s = _mm_add_epi16(_mm_add_epi16(s, s), _mm_set1_epi16(1));
+        _mm256_set_m128i(_mm_unpackhi_epi16(s, s), _mm_unpacklo_epi16(s, s))
     } else {
-        for w in 0..4 {
-            let sc = rd_u16(b.add(48 + 2 * w));
-            for j in 0..4 {
-                s[4 * w + j] = (2 * ((sc >> (3 * j)) & 7) + 1) as i16;
-            }
-        }
+        iq1m_scales(b)
     }
-    _mm256_loadu_si256(s.as_ptr() as *const __m256i)
 }
 
 /// The f16 bits of the block's `d`.
