@@ -436,13 +436,24 @@ mod tests {
     }
 
     /// The matrix product walks rows and tokens in tiles whose shape depends on the level and
-    /// the token count: rows and tokens left over after whole tiles, at every level, one thread
-    /// or two, give the reference's bits.
+    /// the token count, and prefill at AVX2 in blocks of rows, tokens and k (`float_gemm`:
+    /// 48 rows, 36 tokens, chunks of 256): rows, tokens and elements left over after whole tiles,
+    /// blocks and chunks, at every level, one thread or two, give the reference's bits.
     #[test]
     fn products_of_any_shape_match_the_reference() {
         use crate::matmul::{matmul_ref, matmul_with_isa, MatRef};
         for dtype in [DType::F32, DType::BF16, DType::F16] {
-            for (rows, k, n) in [(7, 40, 5), (10, 33, 7), (3, 16, 2), (17, 100, 1), (5, 17, 9)] {
+            let shapes = [
+                (7, 40, 5),
+                (10, 33, 7),
+                (3, 16, 2),
+                (17, 100, 1),
+                (5, 17, 9),
+                (53, 327, 40),
+                (49, 512, 37),
+                (50, 300, 16),
+            ];
+            for (rows, k, n) in shapes {
                 let w: Vec<u8> = (0..rows).flat_map(|r| encode(dtype, &rand_vec(k, 7 + r as u64))).collect();
                 let m = MatRef::new(dtype, rows, k, &w).unwrap();
                 let x = rand_vec(n * k, 99);

@@ -5,6 +5,8 @@ pub mod compare;
 pub mod cpu;
 pub mod dtype;
 pub mod float;
+#[cfg(target_arch = "x86_64")]
+mod float_gemm;
 pub mod matmul;
 pub mod ops;
 pub mod pool;
