@@ -436,8 +436,8 @@ mod tests {
     }
 
     /// The matrix product walks rows and tokens in tiles whose shape depends on the level and
-    /// the token count, and prefill at AVX2 in blocks of rows, tokens and k (`float_gemm`:
-    /// 48 rows, 36 tokens, chunks of 256): rows, tokens and elements left over after whole tiles,
+    /// the token count, and prefill in blocks of rows, tokens and k (`float_gemm`: 48 rows, 36
+    /// tokens, chunks of 256, from 16 tokens at AVX2 and 64 at AVX-512): rows, tokens and elements left over after whole tiles,
     /// blocks and chunks, at every level, one thread or two, give the reference's bits.
     #[test]
     fn products_of_any_shape_match_the_reference() {

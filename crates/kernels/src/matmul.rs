@@ -89,24 +89,27 @@ pub(crate) unsafe fn float_rows(
     n: usize,
     out: SendPtr,
 ) {
-    // Prefill at AVX2: blocked over rows, tokens and k, from packed panels (`float_gemm`), from
-    // 16 tokens; below that packing a row block costs more than it saves (AMD EPYC Zen 3,
-    // 4096×14336, one thread, blocked vs tiles: 2 tokens 0.4–0.5×, 8 tokens 0.9×, 16 tokens
-    // 1.0–1.1×, 512 tokens 1.9–2.1×).
+    // Prefill: blocked over rows, tokens and k, from packed panels (`float_gemm`), from the
+    // token count where that pays (`float_gemm::min_tokens`).
     #[cfg(target_arch = "x86_64")]
-    if n >= crate::float_gemm::MIN_TOKENS && isa == Isa::Avx2 {
-        // SAFETY: AVX2/FMA/F16C were detected (`isa` comes from this CPU); the caller's contract.
-        return unsafe { crate::float_gemm::rows_avx2(w, rows, x, n, out) };
+    if isa >= Isa::Avx2 && n >= crate::float_gemm::min_tokens(isa) {
+        // SAFETY: `isa` was detected (or lowered) from this CPU's features; the caller's contract.
+        return unsafe {
+            match isa {
+                Isa::Avx512 => crate::float_gemm::rows_avx512(w, rows, x, n, out),
+                _ => crate::float_gemm::rows_avx2(w, rows, x, n, out),
+            }
+        };
     }
     let k = w.cols;
     let m = w.rows;
     let xs: Vec<&[f32]> = (0..n).map(|t| &x[t * k..(t + 1) * k]).collect();
     let mut buf = [0f32; 8 * 4];
-    // Decode (one token): 8 rows a tile for memory-level parallelism. Prefill: 4 rows × 4 tokens
-    // with AVX-512 (16 accumulators of 16 lanes); at AVX2 a pair's 16 lanes take two registers,
-    // and 3 rows × 2 tokens (12) keep them in the register file where 4 × 4 (32) spill (AMD EPYC
-    // Zen 3, 4096×14336, one thread, 16 | 512 tokens, GMAC/s: F32 13.4 → 17.0 | 13.8 → 14.7, BF16
-    // 14.5 → 20.1 | 14.1 → 16.1, F16 14.4 → 19.4 | 14.0 → 14.8).
+    // Decode (one token): 8 rows a tile for memory-level parallelism. Small batches: 4 rows × 4
+    // tokens with AVX-512 (16 accumulators of 16 lanes); at AVX2 a pair's 16 lanes take two
+    // registers, and 3 rows × 2 tokens (12) keep them in the register file where 4 × 4 (32)
+    // spill (AMD EPYC Zen 3, 4096×14336, one thread, 16 tokens, GMAC/s: F32 13.4 → 17.0, BF16
+    // 14.5 → 20.1, F16 14.4 → 19.4).
     let (rt, tt) = match (n, isa) {
         (1, _) => (8, 1),
         (_, Isa::Avx512) => (4, 4),
