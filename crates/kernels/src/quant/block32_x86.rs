@@ -19,7 +19,7 @@
 #![allow(clippy::needless_range_loop)]
 
 use super::act::QuantAct;
-use super::x86::{accumulate4, prefetch_rows, reduce8x8, Terms};
+use super::x86::{accumulate4, blocks8, by_groups, prefetch_rows, reduce8x8, Terms};
 use super::{BatchOut, SMALL_BATCH};
 use crate::dtype::DType;
 use crate::matmul::{MatRef, SendPtr};
@@ -210,45 +210,6 @@ unsafe fn offset_sums<const DT: u32>(act: &QuantAct, i: usize) -> __m256i {
     } else {
         _mm256_slli_epi32(s, 4)
     }
-}
-
-/// Runs `$body` with `$j` each of the constants 0..8 below `$m`, unrolled (callers pass a
-/// constant 8 for whole groups, so the bounds fold away there).
-macro_rules! blocks8 {
-    ($m:expr, $j:ident, $body:block) => {{
-        macro_rules! one {
-            ($k:literal) => {{
-                const $j: usize = $k;
-                if $j < $m {
-                    $body
-                }
-            }};
-        }
-        one!(0);
-        one!(1);
-        one!(2);
-        one!(3);
-        one!(4);
-        one!(5);
-        one!(6);
-        one!(7);
-    }};
-}
-
-/// Runs `$group(b0, m)` over a row's `$nb` blocks in groups of eight, `m` the constant 8 for
-/// every whole group and the remainder last.
-macro_rules! by_groups {
-    ($nb:expr, $group:expr) => {{
-        let nb = $nb;
-        let mut b0 = 0;
-        while b0 + 8 <= nb {
-            $group(b0, 8);
-            b0 += 8;
-        }
-        if b0 < nb {
-            $group(b0, nb - b0);
-        }
-    }};
 }
 
 /// Decode (one token) over R ≤ 4 rows of Q4_0, Q4_1, Q5_0 or Q5_1 at once, eight blocks at a

@@ -25,7 +25,7 @@
 use super::act::QuantAct;
 use super::iq::scale_factor;
 use super::iq_tables::*;
-use super::x86::{accumulate4, prefetch_rows, reduce8x8, Terms};
+use super::x86::{accumulate4, by_groups, prefetch_rows, reduce8x8, Terms};
 use super::{BatchOut, SMALL_BATCH};
 use crate::dtype::DType;
 use crate::matmul::{MatRef, SendPtr};
@@ -565,6 +565,31 @@ unsafe fn iq1_scales16<const DT: u32>(b: *const u8) -> __m256i {
     }
 }
 
+/// Eight blocks' f16 scale fields, gathered four to a u64 (16-bit stores read back as one
+/// vector would stall store forwarding); blocks not set stay zero.
+#[derive(Default)]
+struct Scales8([u64; 2]);
+
+impl Scales8 {
+    /// Block j's field.
+    #[inline(always)]
+    fn set(&mut self, j: usize, bits: u16) {
+        self.0[j / 4] |= (bits as u64) << (16 * (j % 4));
+    }
+
+    /// The eight `D` = f16 · 2^-k (exact: `scale_factor` is a power of two), as f32 — what
+    /// `accumulate` multiplies by dx.
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX2 and F16C (checked by `cpu::isa()`).
+    #[inline(always)]
+    unsafe fn get<const DT: u32>(&self) -> __m256 {
+        let d = _mm256_cvtph_ps(_mm_set_epi64x(self.0[1] as i64, self.0[0] as i64));
+        _mm256_mul_ps(d, _mm256_set1_ps(scale_factor(const { dtype_const(DT) })))
+    }
+}
+
 /// The f16 bits of the block's `d`.
 ///
 /// # Safety
@@ -664,32 +689,20 @@ pub unsafe fn rows_decode<const R: usize, const DT: u32>(
             // The same blocks of the row R rows further down: the next pass reads them.
             prefetch_rows(base.wrapping_add(R * row_bytes), m * bb);
             let mut a = [_mm256_setzero_si256(); 8];
-            // The eight f16 scales, four to a u64 (16-bit stores read back as one vector would
-            // stall store forwarding).
-            let mut dbits = [0u64; 2];
+            let mut d = Scales8::default();
             for j in 0..m {
                 let blk = base.add(j * bb);
                 let xi = i0 + j;
                 let bs = if signed(dt) { std::ptr::null() } else { act.bsums.as_ptr().add(xi * 16) };
                 a[j] = block_dot::<DT>(blk, act.qs.as_ptr().add(xi * bl), bs);
-                dbits[j / 4] |= (d_bits::<DT>(blk) as u64) << (16 * (j % 4));
+                d.set(j, d_bits::<DT>(blk));
             }
-            // D = f16 · 2^-k (exact), then D·dx rounded once, as `accumulate` forms it.
-            let dw = _mm256_cvtph_ps(_mm_set_epi64x(dbits[1] as i64, dbits[0] as i64));
-            let dw = if scale_factor(dt) == 1.0 { dw } else { _mm256_mul_ps(dw, _mm256_set1_ps(scale_factor(dt))) };
-            t.ddx[r] = _mm256_mul_ps(dw, dx);
+            t.ddx[r] = _mm256_mul_ps(d.get::<DT>(), dx);
             t.isf[r] = _mm256_cvtepi32_ps(reduce8x8(&a));
         }
         accumulate4(false, acc, &t, m)
     }
-    let mut b0 = 0;
-    while b0 + 8 <= nb {
-        acc = group::<R, DT>(w, row_bytes, act, b0, 8, acc);
-        b0 += 8;
-    }
-    if b0 < nb {
-        acc = group::<R, DT>(w, row_bytes, act, b0, nb - b0, acc);
-    }
+    by_groups!(nb, |b0, m| acc = group::<R, DT>(w, row_bytes, act, b0, m, acc));
     let mut v = [0f32; 4];
     _mm_storeu_ps(v.as_mut_ptr(), acc);
     out[..R].copy_from_slice(&v[..R]);
@@ -715,7 +728,6 @@ pub unsafe fn rows_batch<const R: usize, const DT: u32>(
 ) {
     let dt = const { dtype_const(DT) };
     let (bb, bl, ng) = (dt.block_bytes(), dt.block_elems(), groups(dt));
-    let factor = _mm256_set1_ps(scale_factor(dt));
     let nb = act.blocks_per_row();
     debug_assert!(w.len() >= R * row_bytes && act.cols == row_bytes / bb * bl);
     debug_assert!((1..=SMALL_BATCH).contains(&n) && t0 + n <= act.rows);
@@ -737,7 +749,7 @@ pub unsafe fn rows_batch<const R: usize, const DT: u32>(
             let base = w.as_ptr().add(r * row_bytes + b0 * bb);
             // The same blocks of the row R rows further down: the next pass reads them.
             prefetch_rows(base.wrapping_add(R * row_bytes), m * bb);
-            let mut dbits = [0u16; 8];
+            let mut d = Scales8::default();
             for j in 0..m {
                 let blk = base.add(j * bb);
                 let mut mag = [_mm256_setzero_si256(); 8];
@@ -759,10 +771,9 @@ pub unsafe fn rows_batch<const R: usize, const DT: u32>(
                     }
                     a[t][j] = v;
                 }
-                dbits[j] = d_bits::<DT>(blk);
+                d.set(j, d_bits::<DT>(blk));
             }
-            // D = f16 · 2^-k (exact), then D·dx rounded once, as `accumulate` forms it.
-            let dw = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(dbits.as_ptr() as *const __m128i)), factor);
+            let dw = d.get::<DT>();
             for t in 0..n {
                 let dx = _mm256_loadu_ps(act.d.as_ptr().add(act.idx(t0 + t, b0)));
                 _mm256_storeu_ps(ddx[r][t].as_mut_ptr(), _mm256_mul_ps(dw, dx));

@@ -18,7 +18,7 @@
 
 use super::act::QuantAct;
 use super::blocks::MXFP4_VALUES;
-use super::x86::{half, prefetch_rows, transpose4};
+use super::x86::{blocks8, by_groups, half, prefetch_rows, transpose4};
 use super::{BatchOut, SMALL_BATCH};
 use crate::cpu::Isa;
 use crate::dtype::DType;
@@ -178,45 +178,6 @@ unsafe fn with_exponent<const J: i32>(e: __m128i, b: *const u8) -> __m128i {
 unsafe fn offset_sums(act: &QuantAct, i: usize) -> __m256i {
     let s = _mm256_loadu_si256(act.sum.as_ptr().add(i) as *const __m256i);
     _mm256_add_epi32(_mm256_slli_epi32(s, 3), _mm256_slli_epi32(s, 2))
-}
-
-/// Runs `$body` with `$j` each of the constants 0..8 below `$m`, unrolled (callers pass a
-/// constant 8 for whole groups, so the bounds fold away there).
-macro_rules! blocks8 {
-    ($m:expr, $j:ident, $body:block) => {{
-        macro_rules! one {
-            ($k:literal) => {{
-                const $j: usize = $k;
-                if $j < $m {
-                    $body
-                }
-            }};
-        }
-        one!(0);
-        one!(1);
-        one!(2);
-        one!(3);
-        one!(4);
-        one!(5);
-        one!(6);
-        one!(7);
-    }};
-}
-
-/// Runs `$group(b0, m)` over a row's `$nb` blocks in groups of eight, `m` the constant 8 for
-/// every whole group and the remainder last.
-macro_rules! by_groups {
-    ($nb:expr, $group:expr) => {{
-        let nb = $nb;
-        let mut b0 = 0;
-        while b0 + 8 <= nb {
-            $group(b0, 8);
-            b0 += 8;
-        }
-        if b0 < nb {
-            $group(b0, nb - b0);
-        }
-    }};
 }
 
 /// `acc` (lane r: row r's sum) after the `m` blocks' fused steps of `accumulate`, block after

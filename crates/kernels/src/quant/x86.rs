@@ -47,6 +47,48 @@ pub(crate) unsafe fn fifth_bits(qh: u32) -> __m256i {
     _mm256_and_si256(hit, _mm256_set1_epi8(16))
 }
 
+/// Runs `$body` with `$j` each of the constants 0..8 below `$m`, unrolled (callers pass a
+/// constant 8 for whole groups, so the bounds fold away there).
+macro_rules! blocks8 {
+    ($m:expr, $j:ident, $body:block) => {{
+        macro_rules! one {
+            ($k:literal) => {{
+                const $j: usize = $k;
+                if $j < $m {
+                    $body
+                }
+            }};
+        }
+        one!(0);
+        one!(1);
+        one!(2);
+        one!(3);
+        one!(4);
+        one!(5);
+        one!(6);
+        one!(7);
+    }};
+}
+
+pub(crate) use blocks8;
+
+/// Runs `$group(b0, m)` over a row's `$nb` blocks in groups of eight, `m` the constant 8 for
+/// every whole group and the remainder last.
+macro_rules! by_groups {
+    ($nb:expr, $group:expr) => {{
+        let nb = $nb;
+        let mut b0 = 0;
+        while b0 + 8 <= nb {
+            $group(b0, 8);
+            b0 += 8;
+        }
+        if b0 < nb {
+            $group(b0, nb - b0);
+        }
+    }};
+}
+pub(crate) use by_groups;
+
 /// Eight vectors of 8 partial sums → one vector of their 8 totals, in order.
 ///
 /// # Safety
