@@ -18,7 +18,7 @@
 
 use super::act::QuantAct;
 use super::blocks::MXFP4_VALUES;
-use super::x86::{blocks8, by_groups, half, prefetch_rows, transpose4};
+use super::x86::{blocks8, by_groups, half, prefetch_rows, rows4, transpose4};
 use super::{BatchOut, SMALL_BATCH};
 use crate::cpu::Isa;
 use crate::dtype::DType;
@@ -271,42 +271,61 @@ unsafe fn decode<const R: usize, const VNNI: bool>(
         // Rows past R stay zero, and so do their lanes of `acc`.
         let mut ddx = [_mm256_setzero_ps(); 4];
         let mut isf = [_mm256_setzero_ps(); 4];
-        for r in 0..R {
+        rows4!(R, r, {
             let base = w.as_ptr().add(r * row_bytes + b0 * BB);
-            // The same blocks of the row R rows further down: the next pass reads them.
-            prefetch_rows(base.wrapping_add(R * row_bytes), 8 * BB);
-            let mut y = [_mm256_setzero_si256(); 4];
-            for k in 0..4 {
-                // Blocks past the row's end read as zero codes (their activations are zero).
-                let ld = |j: usize| {
-                    if j < m {
-                        _mm_loadu_si128(base.add(j * BB + 1) as *const __m128i)
-                    } else {
-                        _mm_setzero_si128()
-                    }
-                };
-                let v = _mm256_set_m128i(ld(k + 4), ld(k));
-                let lo = _mm256_shuffle_epi8(t, _mm256_and_si256(v, mask));
-                let hi = _mm256_shuffle_epi8(t, _mm256_and_si256(_mm256_srli_epi16(v, 4), mask));
-                let xl = _mm256_loadu_si256(xg.add(64 * k) as *const __m256i);
-                let xh = _mm256_loadu_si256(xg.add(64 * k + 32) as *const __m256i);
-                y[k] = if VNNI {
-                    _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, xl), hi, xh)
-                } else {
-                    let p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
-                    _mm256_madd_epi16(p, _mm256_set1_epi16(1))
-                };
-            }
-            let sums = _mm256_hadd_epi32(_mm256_hadd_epi32(y[0], y[1]), _mm256_hadd_epi32(y[2], y[3]));
-            ddx[r] = _mm256_mul_ps(block_scales(base, m), dx);
+            let (scales, sums) = row_terms::<VNNI>(base, R * row_bytes, xg, m, t, mask);
+            ddx[r] = _mm256_mul_ps(scales, dx);
             isf[r] = _mm256_cvtepi32_ps(_mm256_sub_epi32(sums, xs));
-        }
+        });
         accumulate4(acc, &ddx, &isf, m)
     }
     by_groups!(nb, |b0, m| acc = group::<R, VNNI>(w, row_bytes, act, xp, b0, m, acc));
     let mut v = [0f32; 4];
     _mm_storeu_ps(v.as_mut_ptr(), acc);
     out[..R].copy_from_slice(&v[..R]);
+}
+
+/// One row's part of `decode`'s group: the scales of its `m` blocks at `base` and their eight
+/// integer sums, in block order (before the offset comes off).
+///
+/// # Safety
+///
+/// As `decode`'s, for the `m` blocks at `base`, whose regrouped activations are at `xg`;
+/// `ahead` bytes on are the same blocks of the row the next pass reads (prefetched only).
+#[inline(always)]
+unsafe fn row_terms<const VNNI: bool>(
+    base: *const u8,
+    ahead: usize,
+    xg: *const i8,
+    m: usize,
+    t: __m256i,
+    mask: __m256i,
+) -> (__m256, __m256i) {
+    prefetch_rows(base.wrapping_add(ahead), 8 * BB);
+    let mut y = [_mm256_setzero_si256(); 4];
+    for k in 0..4 {
+        // Blocks past the row's end read as zero codes (their activations are zero).
+        let ld = |j: usize| {
+            if j < m {
+                _mm_loadu_si128(base.add(j * BB + 1) as *const __m128i)
+            } else {
+                _mm_setzero_si128()
+            }
+        };
+        let v = _mm256_set_m128i(ld(k + 4), ld(k));
+        let lo = _mm256_shuffle_epi8(t, _mm256_and_si256(v, mask));
+        let hi = _mm256_shuffle_epi8(t, _mm256_and_si256(_mm256_srli_epi16(v, 4), mask));
+        let xl = _mm256_loadu_si256(xg.add(64 * k) as *const __m256i);
+        let xh = _mm256_loadu_si256(xg.add(64 * k + 32) as *const __m256i);
+        y[k] = if VNNI {
+            _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, xl), hi, xh)
+        } else {
+            let p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
+            _mm256_madd_epi16(p, _mm256_set1_epi16(1))
+        };
+    }
+    let sums = _mm256_hadd_epi32(_mm256_hadd_epi32(y[0], y[1]), _mm256_hadd_epi32(y[2], y[3]));
+    (block_scales(base, m), sums)
 }
 
 /// `decode` with `vpmaddubsw` (AVX2).
