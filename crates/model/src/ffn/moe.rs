@@ -95,13 +95,24 @@ fn expert_biases(src: &dyn TensorSource, cfg: &ModelConfig, l: usize) -> Result<
     Ok(ExpertBiases { gate, up, down })
 }
 
+/// Expert `e`'s biases (gate, up, down) where the layer has them, for `ff` intermediate and `hd`
+/// hidden values.
+fn expert_bias(w: &MoeWeights, e: usize, ff: usize, hd: usize) -> Option<ExpertBias<'_>> {
+    w.biases
+        .as_ref()
+        .map(|b| (&b.gate[e * ff..(e + 1) * ff], &b.up[e * ff..(e + 1) * ff], &b.down[e * hd..(e + 1) * hd]))
+}
+
+/// One expert's biases: gate, up, down.
+type ExpertBias<'a> = (&'a [f32], &'a [f32], &'a [f32]);
+
 /// One expert (or the shared one) on `n` rows of `x`: down(act(gate·x + b_g) ⊙ (up·x + b_u)) + b_d.
 #[allow(clippy::too_many_arguments)]
 fn expert_ffn(
     pool: &sluice_kernels::ThreadPool,
     act: crate::config::Activation,
     ew: &crate::expert::ExpertWeights<'_>,
-    bias: Option<(&[f32], &[f32], &[f32])>,
+    bias: Option<ExpertBias<'_>>,
     x: &[f32],
     n: usize,
     out: &mut [f32],
@@ -207,18 +218,20 @@ pub fn moe_ffn(
             drop(ews);
             views.clear();
         }
-    } else if w.biases.is_none() && fetch.all_resident() {
+    } else if fetch.all_resident() {
         let mut views = Vec::with_capacity(wanted.len());
         while let Some(r) = fetch.next() {
             views.push(r?);
         }
         let ews: Vec<_> = views.iter().map(|(_, v)| v.weights()).collect();
+        let biases: Vec<_> =
+            views.iter().zip(&ews).map(|((i, _), ew)| expert_bias(w, wanted[*i] as usize, ew.gate.rows, hd)).collect();
         if n == 1 {
             let slots: Vec<usize> = views.iter().map(|(i, _)| users[wanted[*i] as usize][0]).collect();
-            decode_by_matrices(pool, cfg.activation, &ews, &slots, x, &mut y);
+            decode_by_matrices(pool, cfg.activation, &ews, &biases, &slots, x, &mut y);
         } else {
             let slots: Vec<&[usize]> = views.iter().map(|(i, _)| users[wanted[*i] as usize].as_slice()).collect();
-            batch_by_experts(pool, cfg.activation, &ews, &slots, k, x, &mut y);
+            batch_by_experts(pool, cfg.activation, &ews, &biases, &slots, k, x, &mut y);
         }
     } else {
         let mut xe = Vec::new();
@@ -229,12 +242,7 @@ pub fn moe_ffn(
             let ew = view.weights();
             gather_rows(x, hd, slots, k, &mut xe);
             ye.resize(slots.len() * hd, 0.0);
-            let e = wanted[i] as usize;
-            let ff = ew.gate.rows;
-            let bias = w
-                .biases
-                .as_ref()
-                .map(|b| (&b.gate[e * ff..(e + 1) * ff], &b.up[e * ff..(e + 1) * ff], &b.down[e * hd..(e + 1) * hd]));
+            let bias = expert_bias(w, wanted[i] as usize, ew.gate.rows, hd);
             expert_ffn(pool, cfg.activation, &ew, bias, &xe, slots.len(), &mut ye);
             for (j, s) in slots.iter().enumerate() {
                 y[s * hd..(s + 1) * hd].copy_from_slice(&ye[j * hd..(j + 1) * hd]);
@@ -303,7 +311,7 @@ fn offload_experts(
         ExpertBatch { layer: l, activation: act, ids: &dev_ids, weights: &dev_w, slots: &dev_slots, k, x };
     let on_cpu = |y: &mut [f32]| {
         let t0 = std::time::Instant::now();
-        batch_by_experts(&m.pool, act, &cpu_w, &cpu_slots, k, x, y);
+        batch_by_experts(&m.pool, act, &cpu_w, &vec![None; cpu_w.len()], &cpu_slots, k, x, y);
         t0.elapsed().as_nanos() as u64
     };
     // The device's rows land in a buffer of their own when the CPU writes `y` meanwhile.
@@ -329,7 +337,7 @@ fn offload_experts(
     }
     if !dev.is_empty() {
         if !taken? {
-            batch_by_experts(&m.pool, act, &dev_w, &dev_slots, k, x, y);
+            batch_by_experts(&m.pool, act, &dev_w, &vec![None; dev_w.len()], &dev_slots, k, x, y);
         } else if !y_dev.is_empty() {
             let h = ews[0].down.rows;
             for s in dev_slots.iter().flat_map(|s| s.iter()) {
@@ -375,13 +383,16 @@ fn gather_rows(x: &[f32], hd: usize, slots: &[usize], k: usize, xe: &mut Vec<f32
 /// expert matrix of a decode step is small (an OLMoE gate is 1.2 MB); split by rows between
 /// threads, each of the three products per expert was its own dispatch, and each thread read
 /// short pieces of many matrices. Every output row still comes from the same one-token kernel
-/// over the same weights and activations, so `y` gets the bits `expert_ffn` gives.
+/// over the same weights and activations, and the biases (gpt-oss's) are added where
+/// `expert_ffn` adds them, so `y` gets the bits `expert_ffn` gives.
 ///
-/// `ews[i]` serves the (token, rank) slot `slots[i]`; its output goes to row `slots[i]` of `y`.
+/// `ews[i]` (with biases `biases[i]`) serves the (token, rank) slot `slots[i]`; its output goes
+/// to row `slots[i]` of `y`.
 fn decode_by_matrices(
     pool: &sluice_kernels::ThreadPool,
     act: crate::config::Activation,
     ews: &[crate::expert::ExpertWeights<'_>],
+    biases: &[Option<ExpertBias<'_>>],
     slots: &[usize],
     x: &[f32],
     y: &mut [f32],
@@ -409,6 +420,9 @@ fn decode_by_matrices(
             // and `gu` outlives the dispatch.
             let out = unsafe { std::slice::from_raw_parts_mut(gp.get().add(start), ff) };
             matmul(&one, if up { ew.up } else { ew.gate }, x, 1, out);
+            if let Some((bg, bu, _)) = biases[j / 2] {
+                ops::add_inplace(out, if up { bu } else { bg });
+            }
         }
     });
     // Phase 2: ne jobs, expert i's combine (its own gate and up) and down into slot i's row.
@@ -427,6 +441,9 @@ fn decode_by_matrices(
             };
             crate::ffn::combine(act, g, u);
             matmul(&one, ews[i].down, g, 1, out);
+            if let Some((_, _, bd)) = biases[i] {
+                ops::add_inplace(out, bd);
+            }
         }
     });
 }
@@ -434,19 +451,21 @@ fn decode_by_matrices(
 /// Several tokens through experts that are all resident, one expert a job in one dispatch:
 /// each thread takes whole experts and does all of an expert's work itself — gathers the rows
 /// of the tokens that chose it, runs gate and up (quantizing those rows for the kernels),
-/// combines and runs down (`gated_ffn` on one thread), and writes the rows of its (token,
+/// combines and runs down, with the expert's biases where it has them (`expert_ffn` on one
+/// thread), and writes the rows of its (token,
 /// rank) slots — so nothing runs on one thread while the others wait between an expert's
 /// products. Experts are dealt out by token
 /// count, largest first, each to the thread with the fewest tokens so far (deterministic, and
 /// which thread runs an expert never changes a bit: every row comes from the same kernels over
 /// the same rows as in `expert_ffn`).
 ///
-/// `ews[i]` serves the (token, rank) slots `slots[i]` (slot s is token s / k); its output row
-/// for slot s goes to row s of `y`.
+/// `ews[i]` (with biases `biases[i]`) serves the (token, rank) slots `slots[i]` (slot s is
+/// token s / k); its output row for slot s goes to row s of `y`.
 fn batch_by_experts(
     pool: &sluice_kernels::ThreadPool,
     act: crate::config::Activation,
     ews: &[crate::expert::ExpertWeights<'_>],
+    biases: &[Option<ExpertBias<'_>>],
     slots: &[&[usize]],
     k: usize,
     x: &[f32],
@@ -472,7 +491,7 @@ fn batch_by_experts(
             let m = slots[i].len();
             gather_rows(x, hd, slots[i], k, &mut xe);
             ye.resize(m * hd, 0.0);
-            gated_ffn(&one, act, ew.gate, ew.up, ew.down, &xe, m, &mut ye);
+            expert_ffn(&one, act, ew, biases[i], &xe, m, &mut ye);
             for (j, s) in slots[i].iter().enumerate() {
                 // SAFETY: slot s belongs to expert i alone, and expert i to this thread alone;
                 // `y` outlives the dispatch.
