@@ -15,7 +15,7 @@ pub mod recurrent;
 pub mod testdata;
 
 pub use dtype::DType;
-pub use matmul::{matmul, matmul_ref, MatRef, SendPtr};
+pub use matmul::{matmul, matmul_ref, matvecs, MatRef, SendPtr};
 pub use pool::ThreadPool;
 
 #[derive(Debug, thiserror::Error)]

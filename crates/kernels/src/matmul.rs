@@ -77,6 +77,46 @@ pub fn matmul(pool: &ThreadPool, w: MatRef<'_>, x: &[f32], n: usize, out: &mut [
     }
 }
 
+/// One token (`x`, one row) through matrices that share it, in one dispatch of the pool: each
+/// thread takes the same share of every matrix's rows (about 1/threads of each, in whole groups
+/// of four rows), computes its pieces one after another with the one-thread kernels, and then
+/// runs `then` on its pieces of the outputs (in the order of `ws`) while they are in its cache
+/// (a gated FFN combines its gate and up rows there). Every row comes from the kernel `matmul`
+/// runs for it, over the same weights and activations, so `outs` get `matmul`'s bits; a decode
+/// step of a dense model saves a dispatch per extra matrix (q/k/v, gate/up), and the combine
+/// runs on every thread instead of on one while the others wait.
+pub fn matvecs(
+    pool: &ThreadPool,
+    ws: &[MatRef<'_>],
+    x: &[f32],
+    outs: &mut [&mut [f32]],
+    then: &(dyn Fn(&mut [&mut [f32]]) + Sync),
+) {
+    assert_eq!(ws.len(), outs.len(), "matvecs: one output per matrix");
+    for (w, o) in ws.iter().zip(outs.iter()) {
+        assert_eq!(x.len(), w.cols, "matvecs: x is not one row of cols");
+        assert_eq!(o.len(), w.rows, "matvecs: an output is not rows long");
+    }
+    let ptrs: Vec<SendPtr> = outs.iter_mut().map(|o| SendPtr(o.as_mut_ptr())).collect();
+    let threads = pool.n_threads();
+    let one = ThreadPool::new(1);
+    pool.run(&|t| {
+        let mut mine: Vec<&mut [f32]> = Vec::with_capacity(ws.len());
+        for (w, p) in ws.iter().zip(&ptrs) {
+            let per = w.rows.div_ceil(threads).next_multiple_of(4);
+            let (a, b) = ((t * per).min(w.rows), ((t + 1) * per).min(w.rows));
+            // SAFETY: thread t alone writes rows a..b of this output (the shares are disjoint),
+            // and `outs` outlives the dispatch.
+            let out = unsafe { std::slice::from_raw_parts_mut(p.get().add(a), b - a) };
+            if b > a {
+                matmul(&one, w.slice_rows(a, b), x, 1, out);
+            }
+            mine.push(out);
+        }
+        then(&mut mine);
+    });
+}
+
 /// Float weights: rows `rows` of the output for all `n` tokens.
 ///
 /// # Safety
@@ -162,6 +202,48 @@ pub fn matmul_ref(w: MatRef<'_>, x: &[f32], n: usize, out: &mut [f32]) {
             } else {
                 crate::quant::dot_ref(w.dtype, w.row(r), xt)
             };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testdata::{quantized, uniform};
+
+    /// `matvecs` gives each matrix `matmul`'s bits at any thread count, row counts that do not
+    /// split evenly included, and `then` sees exactly the thread's pieces: here it doubles them,
+    /// so a row it missed or saw twice shows.
+    #[test]
+    fn matvecs_equal_matmul_and_then_sees_each_row_once() {
+        let cols = 256;
+        let shapes = [(DType::Q4_K, 70), (DType::Q8_0, 9), (DType::F32, 33), (DType::Q5_0, 1)];
+        let data: Vec<Vec<u8>> = shapes.iter().map(|&(d, r)| quantized(d, r, cols, r as u64)).collect();
+        let ws: Vec<MatRef> =
+            shapes.iter().zip(&data).map(|(&(d, r), b)| MatRef::new(d, r, cols, b).unwrap()).collect();
+        let mut next = uniform(5);
+        let x: Vec<f32> = (0..cols).map(|_| next()).collect();
+        for threads in 1..=3 {
+            let pool = ThreadPool::new(threads);
+            let want: Vec<Vec<f32>> = ws
+                .iter()
+                .map(|w| {
+                    let mut o = vec![0f32; w.rows];
+                    matmul(&pool, *w, &x, 1, &mut o);
+                    o
+                })
+                .collect();
+            let mut got: Vec<Vec<f32>> = ws.iter().map(|w| vec![0f32; w.rows]).collect();
+            let mut outs: Vec<&mut [f32]> = got.iter_mut().map(|g| g.as_mut_slice()).collect();
+            matvecs(&pool, &ws, &x, &mut outs, &|pieces| {
+                for p in pieces.iter_mut() {
+                    p.iter_mut().for_each(|v| *v *= 2.0);
+                }
+            });
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                let doubled: Vec<u32> = w.iter().map(|v| (v * 2.0).to_bits()).collect();
+                assert_eq!(g.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), doubled, "matrix {i}, {threads} threads");
+            }
         }
     }
 }

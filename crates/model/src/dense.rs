@@ -11,7 +11,7 @@ use crate::mixer::delta_net::InProj;
 use crate::mixer::Mixer;
 use crate::model::Model;
 use crate::weights::{Linear, Weight};
-use sluice_kernels::{matmul, ops};
+use sluice_kernels::{matmul, matvecs, ops};
 
 pub trait DenseCompute: Send + Sync {
     /// `outs[i] = x · ws[i]ᵀ` (each `n × ws[i].rows`) for weights that share the input `x`
@@ -66,6 +66,11 @@ impl Model {
                 return;
             }
         }
+        if n == 1 && ws.len() > 1 {
+            // One token: all the matrices in one dispatch (`matvecs`), same bits.
+            let mats: Vec<_> = ws.iter().map(|w| w.mat()).collect();
+            return matvecs(&self.pool, &mats, x, outs, &|_| {});
+        }
         for (w, out) in ws.iter().zip(outs.iter_mut()) {
             matmul(&self.pool, w.mat(), x, n, out);
         }
@@ -90,8 +95,17 @@ impl Model {
         let ff = gate.rows;
         let mut g = vec![0f32; n * ff]; // (n, ff)
         let mut u = vec![0f32; n * ff]; // (n, ff)
-        self.project(&[gate, up], x, n, &mut [&mut g, &mut u]);
-        crate::ffn::combine(self.cfg.activation, &mut g, &u);
+        if n == 1 && self.dense_compute.is_none() {
+            // One token on the CPU: gate and up in one dispatch, each thread combining its rows.
+            let act = self.cfg.activation;
+            matvecs(&self.pool, &[gate.mat(), up.mat()], x, &mut [&mut g, &mut u], &|gu| {
+                let (gs, us) = gu.split_at_mut(1);
+                crate::ffn::combine(act, gs[0], us[0]);
+            });
+        } else {
+            self.project(&[gate, up], x, n, &mut [&mut g, &mut u]);
+            crate::ffn::combine(self.cfg.activation, &mut g, &u);
+        }
         self.project(&[down], &g, n, &mut [out]);
     }
 }

@@ -85,8 +85,16 @@ pub(crate) fn gated_ffn(
     let ff = gate.rows;
     let mut g = vec![0f32; n * ff]; // (n, ff)
     let mut u = vec![0f32; n * ff]; // (n, ff)
-    matmul(pool, gate, x, n, &mut g);
-    matmul(pool, up, x, n, &mut u);
-    combine(act, &mut g, &u);
+    if n == 1 {
+        // One token: gate and up in one dispatch, each thread combining its rows (same bits).
+        sluice_kernels::matvecs(pool, &[gate, up], x, &mut [&mut g, &mut u], &|gu| {
+            let (gs, us) = gu.split_at_mut(1);
+            combine(act, gs[0], us[0]);
+        });
+    } else {
+        matmul(pool, gate, x, n, &mut g);
+        matmul(pool, up, x, n, &mut u);
+        combine(act, &mut g, &u);
+    }
     matmul(pool, down, &g, n, out);
 }
