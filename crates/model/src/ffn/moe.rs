@@ -461,6 +461,7 @@ fn decode_by_matrices(
 ///
 /// `ews[i]` (with biases `biases[i]`) serves the (token, rank) slots `slots[i]` (slot s is
 /// token s / k); its output row for slot s goes to row s of `y`.
+#[allow(clippy::too_many_arguments)]
 fn batch_by_experts(
     pool: &sluice_kernels::ThreadPool,
     act: crate::config::Activation,
