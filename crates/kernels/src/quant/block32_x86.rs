@@ -19,7 +19,7 @@
 #![allow(clippy::needless_range_loop)]
 
 use super::act::QuantAct;
-use super::x86::{accumulate4, blocks8, by_groups, prefetch_rows, reduce8x8, rows4, Terms};
+use super::x86::{accumulate4, blocks8, by_groups, prefetch_rows, reduce8x8, Terms};
 use super::{BatchOut, SMALL_BATCH};
 use crate::dtype::DType;
 use crate::matmul::{MatRef, SendPtr};
@@ -256,7 +256,7 @@ pub unsafe fn rows_decode<const R: usize, const DT: u32>(
             let sx = _mm256_loadu_ps(act.s.as_ptr().add(i0));
             t.sx = [sx; 4];
         }
-        rows4!(R, r, {
+        for r in 0..R {
             let base = w.as_ptr().add(r * row_bytes + b0 * bb);
             // The same blocks of the row R rows further down: the next pass reads them.
             prefetch_rows(base.wrapping_add(R * row_bytes), 8 * bb);
@@ -271,7 +271,7 @@ pub unsafe fn rows_decode<const R: usize, const DT: u32>(
             t.ddx[r] = _mm256_mul_ps(dw, dx);
             t.isf[r] = _mm256_cvtepi32_ps(_mm256_sub_epi32(reduce8(&h), xs));
             t.m[r] = mw;
-        });
+        }
         accumulate4(has_min(DT), acc, &t, m)
     }
     by_groups!(nb, |b0, m| acc = group::<R, DT>(w, row_bytes, act, b0, m, acc));
@@ -415,7 +415,7 @@ pub unsafe fn rows_decode_q8<const R: usize>(w: &[u8], row_bytes: usize, act: &Q
         let xq = act.qs16.as_ptr().add(i0 * 32);
         let dx = _mm256_loadu_ps(act.d.as_ptr().add(i0));
         let mut t = Terms::new();
-        rows4!(R, r, {
+        for r in 0..R {
             let base = w.as_ptr().add(r * row_bytes + b0 * BB);
             // The same blocks of the row R rows further down: the next pass reads them.
             prefetch_rows(base.wrapping_add(R * row_bytes), 8 * BB);
@@ -429,7 +429,7 @@ pub unsafe fn rows_decode_q8<const R: usize>(w: &[u8], row_bytes: usize, act: &Q
             });
             t.ddx[r] = _mm256_mul_ps(sc.get().0, dx);
             t.isf[r] = _mm256_cvtepi32_ps(reduce8x8(&a));
-        });
+        }
         accumulate4(false, acc, &t, m)
     }
     by_groups!(nb, |b0, m| acc = group::<R>(w, row_bytes, act, b0, m, acc));

@@ -25,7 +25,7 @@
 use super::act::QuantAct;
 use super::iq::scale_factor;
 use super::iq_tables::*;
-use super::x86::{accumulate4, by_groups, prefetch_rows, reduce8x8, rows4, Terms};
+use super::x86::{accumulate4, by_groups, prefetch_rows, reduce8x8, Terms};
 use super::{BatchOut, SMALL_BATCH};
 use crate::dtype::DType;
 use crate::matmul::{MatRef, SendPtr};
@@ -684,7 +684,7 @@ pub unsafe fn rows_decode<const R: usize, const DT: u32>(
         let dx = _mm256_loadu_ps(act.d.as_ptr().add(i0));
         // Rows past R stay zero, and so do their lanes of `acc`.
         let mut t = Terms::new();
-        rows4!(R, r, {
+        for r in 0..R {
             let base = w.as_ptr().add(r * row_bytes + b0 * bb);
             // The same blocks of the row R rows further down: the next pass reads them.
             prefetch_rows(base.wrapping_add(R * row_bytes), m * bb);
@@ -699,7 +699,7 @@ pub unsafe fn rows_decode<const R: usize, const DT: u32>(
             }
             t.ddx[r] = _mm256_mul_ps(d.get::<DT>(), dx);
             t.isf[r] = _mm256_cvtepi32_ps(reduce8x8(&a));
-        });
+        }
         accumulate4(false, acc, &t, m)
     }
     by_groups!(nb, |b0, m| acc = group::<R, DT>(w, row_bytes, act, b0, m, acc));

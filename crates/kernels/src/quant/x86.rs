@@ -73,9 +73,14 @@ macro_rules! blocks8 {
 pub(crate) use blocks8;
 
 /// Runs `$body` with `$r` each of the constants 0..4 below `$n` (a kernel's row count, a const
-/// generic), unrolled. A decode kernel's per-row terms (`Terms`, indexed by row) then stay in
-/// registers; written as a loop over r, they went to the stack and were read back for the
-/// transposes of `accumulate4` (MXFP4 decode, one thread, 2880×2880: 1.13× faster unrolled).
+/// generic), unrolled, so that per-row terms indexed by r stay in registers; as a loop over r
+/// they went to the stack and back for `accumulate4`'s transposes. Used by the MXFP4 decode
+/// (one token, one thread, 2880×2880: 1.15–1.20×; gpt-oss-20b decode faster too). Not by the
+/// block-32 and K-quant decodes: there the kernel lab saw no change, but a whole Qwen2.5-0.5B
+/// decode step ran 0.89× (47.1 → 41.8 tok/s) — most likely the four-fold larger bodies of
+/// the many kernels a step runs crowding the instruction caches, which a lab timing one kernel
+/// does not see. The IQ decodes gained 2–6% in the lab but were not checked on a whole model,
+/// so they stay loops as well.
 macro_rules! rows4 {
     ($n:expr, $r:ident, $body:block) => {{
         macro_rules! one {
@@ -348,13 +353,13 @@ pub unsafe fn rowsk_decode<const R: usize, const K: u32>(
         // Activation rows are padded with zero blocks to whole groups of eight.
         let dx = _mm256_loadu_ps(act.d.as_ptr().add(i0));
         let mut t = Terms::new();
-        rows4!(R, r, {
+        for r in 0..R {
             let base = w.as_ptr().add(r * row_bytes + b0 * bb);
             prefetch_next(base, row_bytes, R, (b0, m, nb), bb);
             let mut g = KGroup::new();
             g.blocks::<K>(base, act, b0, m, 0);
             g.terms(f, dx, &mut t, r);
-        });
+        }
         acc =
             if m == 8 { accumulate4(f.m_at.is_some(), acc, &t, 8) } else { accumulate4(f.m_at.is_some(), acc, &t, m) };
         b0 += m;
