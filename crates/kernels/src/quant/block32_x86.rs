@@ -20,7 +20,7 @@
 
 use super::act::QuantAct;
 use super::x86::{accumulate4, blocks8, by_groups, prefetch_rows, reduce8x8, Terms};
-use super::{BatchOut, SMALL_BATCH};
+use super::{BatchOut, BatchScratch, SMALL_BATCH};
 use crate::dtype::DType;
 use crate::matmul::{MatRef, SendPtr};
 use crate::pool::ThreadPool;
@@ -520,13 +520,14 @@ pub unsafe fn rows_batch<const R: usize, const DT: u32>(
     t0: usize,
     n: usize,
     out: &mut BatchOut,
+    s: &mut BatchScratch,
 ) {
     let nb = act.blocks_per_row();
     debug_assert!(R <= 4 && w.len() >= R * row_bytes && row_bytes == nb * block_bytes(DT));
     debug_assert!((1..=SMALL_BATCH).contains(&n) && t0 + n <= act.rows);
     let mut acc = [_mm_setzero_ps(); SMALL_BATCH];
-    // Per token; rows past R stay zero, and so do their lanes of `acc`.
-    let mut terms: [Terms; SMALL_BATCH] = std::array::from_fn(|_| Terms::new());
+    // Per token; lanes of rows past R are not written (their results are dropped).
+    let terms = &mut s.terms;
     /// # Safety
     ///
     /// As `rows_batch`'s, for the eight blocks from `b0` (`m` of them inside the row).
@@ -578,7 +579,7 @@ pub unsafe fn rows_batch<const R: usize, const DT: u32>(
             acc[t] = accumulate4(has_min(DT), acc[t], &terms[t], m);
         }
     }
-    by_groups!(nb, |b0, m| group::<R, DT>(w, row_bytes, act, (t0, n), b0, m, &mut terms, &mut acc));
+    by_groups!(nb, |b0, m| group::<R, DT>(w, row_bytes, act, (t0, n), b0, m, terms, &mut acc));
     for t in 0..n {
         let mut v = [0f32; 4];
         _mm_storeu_ps(v.as_mut_ptr(), acc[t]);
@@ -600,13 +601,14 @@ pub unsafe fn rows_batch_q8<const R: usize>(
     t0: usize,
     n: usize,
     out: &mut BatchOut,
+    s: &mut BatchScratch,
 ) {
     const BB: usize = 34;
     let nb = act.blocks_per_row();
     debug_assert!(R <= 4 && w.len() >= R * row_bytes && row_bytes == nb * BB);
     debug_assert!((1..=SMALL_BATCH).contains(&n) && t0 + n <= act.rows);
     let mut acc = [_mm_setzero_ps(); SMALL_BATCH];
-    let mut terms: [Terms; SMALL_BATCH] = std::array::from_fn(|_| Terms::new());
+    let terms = &mut s.terms;
     /// # Safety
     ///
     /// As `rows_batch_q8`'s, for the eight blocks from `b0` (`m` of them inside the row).
@@ -648,7 +650,7 @@ pub unsafe fn rows_batch_q8<const R: usize>(
             acc[t] = accumulate4(false, acc[t], &terms[t], m);
         }
     }
-    by_groups!(nb, |b0, m| group::<R>(w, row_bytes, act, (t0, n), b0, m, &mut terms, &mut acc));
+    by_groups!(nb, |b0, m| group::<R>(w, row_bytes, act, (t0, n), b0, m, terms, &mut acc));
     for t in 0..n {
         let mut v = [0f32; 4];
         _mm_storeu_ps(v.as_mut_ptr(), acc[t]);
@@ -738,14 +740,14 @@ pub(crate) fn matmul(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, n: usize,
 /// Small batches (`super::small_batches` on `rows_batch` / `rows_batch_q8`).
 fn batch(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, n: usize, o: SendPtr) {
     let rb = w.row_bytes();
-    super::small_batches(pool, w, n, o, |wr, k, t0, nt, vals| {
+    super::small_batches(pool, w, n, o, |wr, k, t0, nt, vals, s| {
         macro_rules! go {
             ($f:ident $(, $dt:expr)?) => {
                 match k {
-                    4 => $f::<4 $(, $dt)?>(wr, rb, act, t0, nt, vals),
-                    3 => $f::<3 $(, $dt)?>(wr, rb, act, t0, nt, vals),
-                    2 => $f::<2 $(, $dt)?>(wr, rb, act, t0, nt, vals),
-                    _ => $f::<1 $(, $dt)?>(wr, rb, act, t0, nt, vals),
+                    4 => $f::<4 $(, $dt)?>(wr, rb, act, t0, nt, vals, s),
+                    3 => $f::<3 $(, $dt)?>(wr, rb, act, t0, nt, vals, s),
+                    2 => $f::<2 $(, $dt)?>(wr, rb, act, t0, nt, vals, s),
+                    _ => $f::<1 $(, $dt)?>(wr, rb, act, t0, nt, vals, s),
                 }
             };
         }

@@ -26,7 +26,7 @@ use super::act::QuantAct;
 use super::iq::scale_factor;
 use super::iq_tables::*;
 use super::x86::{accumulate4, by_groups, prefetch_rows, reduce8x8, Terms};
-use super::{BatchOut, SMALL_BATCH};
+use super::{BatchOut, BatchScratch, SMALL_BATCH};
 use crate::dtype::DType;
 use crate::matmul::{MatRef, SendPtr};
 use crate::pool::ThreadPool;
@@ -725,6 +725,7 @@ pub unsafe fn rows_batch<const R: usize, const DT: u32>(
     t0: usize,
     n: usize,
     out: &mut BatchOut,
+    s: &mut BatchScratch,
 ) {
     let dt = const { dtype_const(DT) };
     let (bb, bl, ng) = (dt.block_bytes(), dt.block_elems(), groups(dt));
@@ -732,11 +733,9 @@ pub unsafe fn rows_batch<const R: usize, const DT: u32>(
     debug_assert!(w.len() >= R * row_bytes && act.cols == row_bytes / bb * bl);
     debug_assert!((1..=SMALL_BATCH).contains(&n) && t0 + n <= act.rows);
     let mut acc = [[0f32; SMALL_BATCH]; R];
-    // Scratch, set up once: every group of blocks overwrites what it reads (zero lanes are only
-    // needed past the row's last block).
-    let mut a = [[_mm256_setzero_si256(); 8]; SMALL_BATCH];
-    let mut ddx = [[[0f32; 8]; SMALL_BATCH]; R];
-    let mut isf = [[[0f32; 8]; SMALL_BATCH]; R];
+    // Scratch of the thread: every group of blocks overwrites what it reads (zero lanes are
+    // only needed past the row's last block).
+    let BatchScratch { a, ddx, isf, .. } = s;
     let mut b0 = 0;
     while b0 < nb {
         let m = (nb - b0).min(8);
@@ -852,14 +851,14 @@ pub(crate) fn matmul(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, n: usize,
     }
     // Batches of more tokens go to the tiled kernels (`tiled_avx2`, `x86_512`).
     debug_assert!(n < super::ROW_KERNEL_MIN_TOKENS);
-    super::small_batches(pool, w, n, o, |wr, k, t0, nt, vals| {
+    super::small_batches(pool, w, n, o, |wr, k, t0, nt, vals, s| {
         macro_rules! go {
             ($dt:literal) => {
                 match k {
-                    4 => rows_batch::<4, $dt>(wr, rb, act, t0, nt, vals),
-                    3 => rows_batch::<3, $dt>(wr, rb, act, t0, nt, vals),
-                    2 => rows_batch::<2, $dt>(wr, rb, act, t0, nt, vals),
-                    _ => rows_batch::<1, $dt>(wr, rb, act, t0, nt, vals),
+                    4 => rows_batch::<4, $dt>(wr, rb, act, t0, nt, vals, s),
+                    3 => rows_batch::<3, $dt>(wr, rb, act, t0, nt, vals, s),
+                    2 => rows_batch::<2, $dt>(wr, rb, act, t0, nt, vals, s),
+                    _ => rows_batch::<1, $dt>(wr, rb, act, t0, nt, vals, s),
                 }
             };
         }

@@ -19,7 +19,7 @@
 use super::act::QuantAct;
 use super::blocks::MXFP4_VALUES;
 use super::x86::{blocks8, by_groups, half, prefetch_rows, rows4, transpose4};
-use super::{BatchOut, SMALL_BATCH};
+use super::{BatchOut, BatchScratch, SMALL_BATCH};
 use crate::cpu::Isa;
 use crate::dtype::DType;
 use crate::matmul::{MatRef, SendPtr};
@@ -376,15 +376,14 @@ pub unsafe fn rows_batch<const R: usize>(
     t0: usize,
     n: usize,
     out: &mut BatchOut,
+    s: &mut BatchScratch,
 ) {
     let nb = act.blocks_per_row();
     debug_assert!(R <= 4 && w.len() >= R * row_bytes && row_bytes == nb * BB);
     debug_assert!((1..=SMALL_BATCH).contains(&n) && t0 + n <= act.rows);
     let t = table();
     let mut acc = [_mm_setzero_ps(); SMALL_BATCH];
-    // Per token; rows past R stay zero, and so do their lanes of `acc`.
-    let mut ddx = [[_mm256_setzero_ps(); 4]; SMALL_BATCH];
-    let mut isf = [[_mm256_setzero_ps(); 4]; SMALL_BATCH];
+    // Per token (`s.terms`); lanes of rows past R are not written (their results are dropped).
     by_groups!(nb, |b0, m| {
         for r in 0..R {
             let base = w.as_ptr().add(r * row_bytes + b0 * BB);
@@ -406,12 +405,12 @@ pub unsafe fn rows_batch<const R: usize>(
                 for k in 0..4 {
                     h[k] = _mm256_hadd_epi16(pairs(u[2 * k], xq.add(64 * k)), pairs(u[2 * k + 1], xq.add(64 * k + 32)));
                 }
-                ddx[i][r] = _mm256_mul_ps(dw, _mm256_loadu_ps(act.d.as_ptr().add(i0)));
-                isf[i][r] = _mm256_cvtepi32_ps(_mm256_sub_epi32(reduce8(&h), offset_sums(act, i0)));
+                s.terms[i].ddx[r] = _mm256_mul_ps(dw, _mm256_loadu_ps(act.d.as_ptr().add(i0)));
+                s.terms[i].isf[r] = _mm256_cvtepi32_ps(_mm256_sub_epi32(reduce8(&h), offset_sums(act, i0)));
             }
         }
         for i in 0..n {
-            acc[i] = accumulate4(acc[i], &ddx[i], &isf[i], m);
+            acc[i] = accumulate4(acc[i], &s.terms[i].ddx, &s.terms[i].isf, m);
         }
     });
     for i in 0..n {
@@ -449,15 +448,15 @@ pub(crate) fn matmul(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct,
     }
     // Batches of more tokens go to the tiled kernels (`tiled_avx2`, `x86_512`).
     debug_assert!(n < super::ROW_KERNEL_MIN_TOKENS);
-    super::small_batches(pool, w, n, o, |wr, k, t0, nt, vals| {
+    super::small_batches(pool, w, n, o, |wr, k, t0, nt, vals, s| {
         // SAFETY: AVX2/FMA were detected (the caller's contract); `wr` holds k whole rows;
         // tokens t0..t0 + nt are rows of `act`, padded by QuantAct.
         unsafe {
             match k {
-                4 => rows_batch::<4>(wr, rb, act, t0, nt, vals),
-                3 => rows_batch::<3>(wr, rb, act, t0, nt, vals),
-                2 => rows_batch::<2>(wr, rb, act, t0, nt, vals),
-                _ => rows_batch::<1>(wr, rb, act, t0, nt, vals),
+                4 => rows_batch::<4>(wr, rb, act, t0, nt, vals, s),
+                3 => rows_batch::<3>(wr, rb, act, t0, nt, vals, s),
+                2 => rows_batch::<2>(wr, rb, act, t0, nt, vals, s),
+                _ => rows_batch::<1>(wr, rb, act, t0, nt, vals, s),
             }
         }
     });

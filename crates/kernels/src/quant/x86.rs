@@ -11,7 +11,7 @@
 #![allow(clippy::needless_range_loop)]
 
 use super::act::QuantAct;
-use super::{BatchOut, SMALL_BATCH};
+use super::{BatchOut, BatchScratch, SMALL_BATCH};
 use crate::DType;
 use std::arch::x86_64::*;
 
@@ -557,8 +557,9 @@ pub unsafe fn rowsk_batch<const R: usize, const K: u32>(
     t0: usize,
     n: usize,
     out: &mut BatchOut,
+    s: &mut BatchScratch,
 ) {
-    batch_body::<R, K, false>(w, row_bytes, act, t0, n, out)
+    batch_body::<R, K, false>(w, row_bytes, act, t0, n, out, s)
 }
 
 /// `rowsk_batch` with each token's products in 512-bit vectors (two 32-value sub-blocks per
@@ -576,8 +577,9 @@ pub unsafe fn rowsk_batch_zmm<const R: usize, const K: u32>(
     t0: usize,
     n: usize,
     out: &mut BatchOut,
+    s: &mut BatchScratch,
 ) {
-    batch_body::<R, K, true>(w, row_bytes, act, t0, n, out)
+    batch_body::<R, K, true>(w, row_bytes, act, t0, n, out, s)
 }
 
 /// The body of `rowsk_batch` (Z = false) and `rowsk_batch_zmm` (Z = true), inlined into each
@@ -595,6 +597,7 @@ unsafe fn batch_body<const R: usize, const K: u32, const Z: bool>(
     t0: usize,
     n: usize,
     out: &mut BatchOut,
+    s: &mut BatchScratch,
 ) {
     let f = const { KFormat::of(K) };
     let dtype = f.dtype;
@@ -602,16 +605,11 @@ unsafe fn batch_body<const R: usize, const K: u32, const Z: bool>(
     let bb = dtype.block_bytes();
     let nb = act.blocks_per_row();
     let mut acc = [[0f32; SMALL_BATCH]; R];
-    // Scratch, set up once: every group overwrites what it reads (zero lanes are only needed
+    // Scratch of the thread: every group overwrites what it reads (zero lanes are only needed
     // past the row's last block, in its last group).
     let mut dx = [_mm256_setzero_ps(); SMALL_BATCH];
     // [row][token][block] products of scales and integer sums, as `rowsk_decode` forms them.
-    let mut ddx = [[[0f32; 8]; SMALL_BATCH]; R];
-    let mut isf = [[[0f32; 8]; SMALL_BATCH]; R];
-    let mut mdx = [[[0f32; 8]; SMALL_BATCH]; R];
-    let mut minf = [[[0f32; 8]; SMALL_BATCH]; R];
-    let mut a = [[_mm256_setzero_si256(); 8]; SMALL_BATCH];
-    let mut mn = [[_mm256_setzero_si256(); 8]; SMALL_BATCH];
+    let BatchScratch { ddx, isf, mdx, minf, a, mn, .. } = s;
     let mut dbits = [0u16; 8];
     let mut mbits = [0u16; 8];
     let mut b0 = 0;
