@@ -113,7 +113,7 @@ pub(crate) fn matmul_quant_isa(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, x: &[
         if n == 1 {
             return decode_k(pool, w, &act, o);
         }
-        if n > 1 && n <= SMALL_BATCH {
+        if n > 1 && n < ROW_KERNEL_MIN_TOKENS {
             return batch_k(isa, pool, w, &act, n, o);
         }
     }
@@ -243,7 +243,9 @@ pub(crate) const SMALL_BATCH: usize = 8;
 /// of 8 tokens over one token's): on `rows_batch` Q5_0 4.3–5.7× → 3.9× (4864×896, at AVX2 too:
 /// 4.3× → 3.9×), Q8_0 4.4× → 3.6×, Q4_0 5.4× → 5.0×, IQ4_XS 5.0× → 4.3×, IQ2_XXS 3.5× → 3.1×
 /// (2048×2048), MXFP4 unchanged (5.5×); so the small-batch kernels take every size they can.
-pub(crate) const ROW_KERNEL_MIN_TOKENS: usize = SMALL_BATCH + 1;
+/// Past `SMALL_BATCH` they run in even chunks (9 tokens: 5 + 4), up to where the tiled kernels
+/// take the 32-value block formats (`avx2_tiled_min_tokens`, `gemm_min_tokens`: 12).
+pub(crate) const ROW_KERNEL_MIN_TOKENS: usize = 12;
 
 /// One small-batch kernel call's results: `[token][row]`.
 pub(crate) type BatchOut = [[f32; 4]; SMALL_BATCH];
@@ -298,14 +300,16 @@ pub(crate) fn small_batches(
 ) {
     const BLOCK_ROWS: usize = 16;
     let rb = w.row_bytes();
+    // Chunks as even as they can be (9 tokens: 5 + 4, not 8 + 1).
+    let per_call = n.div_ceil(n.div_ceil(SMALL_BATCH));
     pool.for_ranges(w.rows, 4, &|rows| {
         let mut vals = [[0f32; 4]; SMALL_BATCH];
         let mut scratch = BatchScratch::new();
         let mut b0 = rows.start;
         while b0 < rows.end {
             let b1 = (b0 + BLOCK_ROWS).min(rows.end);
-            for t0 in (0..n).step_by(SMALL_BATCH) {
-                let nt = (n - t0).min(SMALL_BATCH);
+            for t0 in (0..n).step_by(per_call) {
+                let nt = (n - t0).min(per_call);
                 let mut r = b0;
                 while r < b1 {
                     let k = (b1 - r).min(4);
@@ -422,7 +426,7 @@ impl Tiled {
         if isa.uses_vnni() && gemm_supports(dtype) {
             (n >= gemm_min_tokens(dtype)).then_some(Tiled::Vnni)
         } else if isa >= Isa::Avx2 {
-            (n >= AVX2_TILED_MIN_TOKENS && tiled_avx2::supports(dtype)).then_some(Tiled::Avx2)
+            (n >= avx2_tiled_min_tokens(dtype) && tiled_avx2::supports(dtype)).then_some(Tiled::Avx2)
         } else {
             None
         }
@@ -440,8 +444,22 @@ impl Tiled {
 /// against 3.7 | 5.3 | 6.6 (that machine's runs scatter by a fifth). At 128 tokens (2048×4096,
 /// one thread) it is 1.3–2.5× the row kernels: Q4_K 33 → 82 GMAC/s, Q6_K 32 → 58, Q4_0 27 → 57,
 /// Q5_0 26 → 51, MXFP4 26 → 55, Q3_K 35 → 62.
+/// The 4- and 5-bit 32-value formats wait until 12 tokens: at 9 (a verify pass of eight drafted
+/// tokens) the tiled kernel costs what it costs at 16 (a second half panel of one token), and
+/// the small-batch kernels in two even chunks beat it (kernel lab, 4864×896, 2 threads, AVX2
+/// EPYC, best of five interleaved runs, GMAC/s tiled → chunks at 9 | 12 tokens: Q5_0 30.7 →
+/// 37.0 | 46.3 → 53.8, Q4_0 38.3 → 50.6 | 53.4 → 50.1, Q5_1 38.9 → 48.0 | 52.8 → 48.0), while
+/// Q8_0 and the K-quants stay ahead tiled from 9 (Q8_0 52.4 against 44.7, Q4_K 896×4864 80.4
+/// against 58.6, Q6_K about even). A whole Qwen2.5-Coder-0.5B pass of 9 tokens had cost 104 ms
+/// against 65 for 8.
 #[cfg(target_arch = "x86_64")]
-const AVX2_TILED_MIN_TOKENS: usize = ROW_KERNEL_MIN_TOKENS;
+fn avx2_tiled_min_tokens(dtype: DType) -> usize {
+    if is_block32(dtype) && dtype != DType::Q8_0 {
+        ROW_KERNEL_MIN_TOKENS
+    } else {
+        SMALL_BATCH + 1
+    }
+}
 
 /// A tiled prefill: panels of 16 tokens, rows in blocks that stay in L2. The AVX2 kernel takes
 /// up to `tiled_avx2::PANELS` panels a call (each block of weights unpacked once for them all),
