@@ -90,10 +90,32 @@ pub fn axpy_isa(isa: crate::cpu::Isa, acc: &mut [f32], s: f32, x: &[f32]) {
 /// Dot products of `q` with `n` rows of `keys` (row `j` starts at `j * stride`), each in the
 /// contract's order, scaled by `scale`.
 pub fn dots_f32(q: &[f32], keys: &[f32], stride: usize, n: usize, scale: f32, out: &mut [f32]) {
-    let isa = crate::cpu::isa();
-    let k = q.len();
+    dots_f32_multi(&[q], keys, stride, n, scale, &mut [out]);
+}
+
+/// `dots_f32` for up to four queries at once (`outs[h]` receives `qs[h]`'s scores): each eight
+/// keys are read once for all of them. A tile's (row, token) pair never depends on the others
+/// that share it, so every score has the bits `dots_f32` gives that query alone.
+pub fn dots_f32_multi(qs: &[&[f32]], keys: &[f32], stride: usize, n: usize, scale: f32, outs: &mut [&mut [f32]]) {
+    dots_f32_multi_isa(crate::cpu::isa(), qs, keys, stride, n, scale, outs)
+}
+
+/// `dots_f32_multi` at a chosen ISA level.
+pub fn dots_f32_multi_isa(
+    isa: crate::cpu::Isa,
+    qs: &[&[f32]],
+    keys: &[f32],
+    stride: usize,
+    n: usize,
+    scale: f32,
+    outs: &mut [&mut [f32]],
+) {
+    assert!((1..=4).contains(&qs.len()) && outs.len() == qs.len(), "dots_f32_multi: one to four queries");
+    let k = qs[0].len();
+    assert!(qs.iter().all(|q| q.len() == k) && outs.iter().all(|o| o.len() >= n));
+    assert!(n == 0 || (n - 1) * stride + k <= keys.len(), "dots_f32_multi: keys too short");
     let mut j = 0;
-    let mut buf = [0f32; 8];
+    let mut buf = [0f32; 32];
     while j < n {
         let m = (n - j).min(8);
         let mut rows: [&[u8]; 8] = [&[]; 8];
@@ -102,11 +124,40 @@ pub fn dots_f32(q: &[f32], keys: &[f32], stride: usize, n: usize, scale: f32, ou
             // SAFETY: reinterpreting an f32 slice as its bytes.
             *row = unsafe { std::slice::from_raw_parts(kr.as_ptr() as *const u8, k * 4) };
         }
-        tile(isa, DType::F32, &rows[..m], &[q], &mut buf, 8);
-        for r in 0..m {
-            out[j + r] = buf[r] * scale;
+        tile(isa, DType::F32, &rows[..m], qs, &mut buf, 8);
+        for (h, out) in outs.iter_mut().enumerate() {
+            for r in 0..m {
+                out[j + r] = buf[h * 8 + r] * scale;
+            }
         }
         j += m;
+    }
+}
+
+/// `out = Σ_j w[j] · row_j` (row `j` is `rows[j * stride..][..out.len()]`) as one fused
+/// multiply-add per (row, element), from zero, rows in order: the bits of zeroing `out` and
+/// running `axpy(out, w[j], row_j)` for each j in turn, with `out` kept in registers across the
+/// rows instead of loaded and stored for each (attention's weighted sum of values).
+pub fn weighted_rows(out: &mut [f32], w: &[f32], rows: &[f32], stride: usize) {
+    weighted_rows_isa(crate::cpu::isa(), out, w, rows, stride)
+}
+
+/// `weighted_rows` at a chosen ISA level.
+pub fn weighted_rows_isa(isa: crate::cpu::Isa, out: &mut [f32], w: &[f32], rows: &[f32], stride: usize) {
+    let d = out.len();
+    assert!(w.is_empty() || (w.len() - 1) * stride + d <= rows.len(), "weighted_rows: rows too short");
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the ISA level was detected on this CPU; `rows` holds every row (asserted).
+        crate::cpu::Isa::Avx512 | crate::cpu::Isa::Avx2 => unsafe { x86::weighted_rows_fma(out, w, rows, stride) },
+        _ => {
+            out.fill(0.0);
+            for (j, s) in w.iter().enumerate() {
+                for (o, v) in out.iter_mut().zip(&rows[j * stride..j * stride + d]) {
+                    *o = s.mul_add(*v, *o);
+                }
+            }
+        }
     }
 }
 
@@ -197,6 +248,49 @@ mod x86 {
         while i < n {
             *a.add(i) = s.mul_add(*xp.add(i), *a.add(i));
             i += 1;
+        }
+    }
+
+    /// `weighted_rows` with AVX2: 64 elements at a time in eight accumulators (then 8 at a time,
+    /// then one), each running through every row before it is stored.
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX2 and FMA (the dispatcher checks `cpu::isa()` first); `rows` holds
+    /// `w.len()` rows of `out.len()` elements `stride` apart.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn weighted_rows_fma(out: &mut [f32], w: &[f32], rows: &[f32], stride: usize) {
+        let d = out.len();
+        let (o, rp) = (out.as_mut_ptr(), rows.as_ptr());
+        let mut c = 0;
+        while c + 64 <= d {
+            let mut a = [_mm256_setzero_ps(); 8];
+            for (j, s) in w.iter().enumerate() {
+                let (sv, r) = (_mm256_set1_ps(*s), rp.add(j * stride + c));
+                for (k, acc) in a.iter_mut().enumerate() {
+                    *acc = _mm256_fmadd_ps(sv, _mm256_loadu_ps(r.add(8 * k)), *acc);
+                }
+            }
+            for (k, acc) in a.iter().enumerate() {
+                _mm256_storeu_ps(o.add(c + 8 * k), *acc);
+            }
+            c += 64;
+        }
+        while c + 8 <= d {
+            let mut a = _mm256_setzero_ps();
+            for (j, s) in w.iter().enumerate() {
+                a = _mm256_fmadd_ps(_mm256_set1_ps(*s), _mm256_loadu_ps(rp.add(j * stride + c)), a);
+            }
+            _mm256_storeu_ps(o.add(c), a);
+            c += 8;
+        }
+        while c < d {
+            let mut a = 0f32;
+            for (j, s) in w.iter().enumerate() {
+                a = s.mul_add(*rp.add(j * stride + c), a);
+            }
+            *o.add(c) = a;
+            c += 1;
         }
     }
 
@@ -431,6 +525,46 @@ mod tests {
                         }
                     }
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn attention_helpers_have_the_one_query_and_axpy_bits() {
+        // Scores: four, three, two or one queries together, each against the reference dot of
+        // that query alone; keys left over after whole groups of eight, strided rows.
+        for (k, n, stride) in [(64usize, 37usize, 128usize), (16, 8, 16), (100, 3, 130), (1, 9, 2)] {
+            let keys = rand_vec((n - 1) * stride + k, 7);
+            let qs: Vec<Vec<f32>> = (0..4).map(|h| rand_vec(k, 20 + h as u64)).collect();
+            let qr: Vec<&[f32]> = qs.iter().map(|q| q.as_slice()).collect();
+            for isa in Isa::supported() {
+                for nq in 1..=4 {
+                    let mut outs = vec![vec![f32::NAN; n]; nq];
+                    let mut or: Vec<&mut [f32]> = outs.iter_mut().map(|o| o.as_mut_slice()).collect();
+                    dots_f32_multi_isa(isa, &qr[..nq], &keys, stride, n, 0.125, &mut or);
+                    for (h, out) in outs.iter().enumerate() {
+                        for (j, v) in out.iter().enumerate() {
+                            let row = encode(DType::F32, &keys[j * stride..j * stride + k]);
+                            let want = dot_ref(DType::F32, &row, qr[h]) * 0.125;
+                            assert_eq!(v.to_bits(), want.to_bits(), "{isa:?} k={k} query {h} of {nq}, key {j}");
+                        }
+                    }
+                }
+            }
+        }
+        // Weighted sums: lengths with 64-, 8- and 1-element pieces, against zero then one axpy
+        // per row at the scalar level.
+        for (d, n, stride) in [(64usize, 50usize, 128usize), (137, 7, 140), (8, 1, 8), (5, 3, 9), (72, 0, 72)] {
+            let rows = rand_vec(n.max(1) * stride + d, 3);
+            let w = rand_vec(n, 4);
+            let mut want = vec![0f32; d];
+            for (j, s) in w.iter().enumerate() {
+                axpy_isa(Isa::Scalar, &mut want, *s, &rows[j * stride..j * stride + d]);
+            }
+            for isa in Isa::supported() {
+                let mut got = vec![f32::NAN; d];
+                weighted_rows_isa(isa, &mut got, &w, &rows, stride);
+                assert!(crate::compare::same_bits(&got, &want), "{isa:?} d={d} n={n}");
             }
         }
     }

@@ -18,7 +18,12 @@ use crate::model::{observe, Model};
 use crate::state::SeqState;
 use crate::trace::Observer;
 use crate::weights::{vector, Key, Linear, TensorSource, Weight};
-use sluice_kernels::{float::dots_f32, ops, SendPtr};
+use sluice_kernels::float::{dots_f32_multi, weighted_rows};
+use sluice_kernels::{ops, SendPtr};
+
+/// Most query heads of one KV group scored together (the float tile's four tokens): each key
+/// is read once for them all.
+const HEADS_PER_TASK: usize = 4;
 
 pub struct AttentionWeights {
     /// (n_head·head_dim, hidden), or (n_head·2·head_dim, hidden) with the output gate.
@@ -150,34 +155,41 @@ pub fn forward(
     // Row j of the cache is position kv0 + j (a sliding window keeps only its tail).
     let kv0 = state.kv_start(l);
 
-    // Each (token, head) is one independent task: scores over its visible positions,
-    // softmax, weighted sum of values. Its arithmetic never depends on the other tasks.
+    // Each (token, up to four heads of one KV group) is one independent task: scores over the
+    // token's visible positions (each key read once for the task's heads), softmax, weighted
+    // sum of values, per head. A head's arithmetic never depends on the other heads or tasks.
     let mut att = vec![0f32; n * qd]; // (n, n_head·head_dim)
     let att_ptr = SendPtr(att.as_mut_ptr());
     let group = nh / nkv;
+    // Fewer heads a task where four would leave threads without one (one token, few groups).
+    let heads_per_task =
+        (1..=HEADS_PER_TASK).rev().find(|h| n * nkv * group.div_ceil(*h) >= pool.n_threads()).unwrap_or(1);
+    let per_group = group.div_ceil(heads_per_task);
     let scale = cfg.attn_scale;
     let qr = &q;
-    pool.for_ranges(n * nh, 1, &|tasks| {
-        let mut scores = Vec::with_capacity(pos0 + n);
+    pool.for_ranges(n * nkv * per_group, 1, &|tasks| {
+        let mut scores = Vec::with_capacity(heads_per_task * (pos0 + n));
         for task in tasks {
-            let (t, head) = (task / nh, task % nh);
+            let (t, g, c) = (task / (nkv * per_group), task / per_group % nkv, task % per_group);
+            let heads = g * group + c * heads_per_task..(g * group + (c + 1) * heads_per_task).min((g + 1) * group);
             let p = pos0 + t;
-            let g = head / group;
             let first = window.map_or(0, |w| (p + 1).saturating_sub(w));
-            let qv = &qr[t * qd + head * hd..t * qd + (head + 1) * hd];
-            scores.clear();
-            scores.resize(p + 1 - first, 0.0);
             debug_assert!(first >= kv0, "the window reaches before what the cache holds");
-            dots_f32(qv, &kc[(first - kv0) * kvd + g * hd..], kvd, p + 1 - first, scale, &mut scores);
-            match &w.sinks {
-                Some(s) => ops::softmax_with_sink(&mut scores, s[head]),
-                None => ops::softmax(&mut scores),
-            }
-            // SAFETY: task (t, head) owns this head_dim slice of `att`.
-            let o = unsafe { std::slice::from_raw_parts_mut(att_ptr.get().add(t * qd + head * hd), hd) };
-            o.fill(0.0);
-            for (j, s) in (first - kv0..=p - kv0).zip(&scores) {
-                ops::axpy(o, *s, &vc[j * kvd + g * hd..j * kvd + (g + 1) * hd]);
+            let len = p + 1 - first;
+            let qs: Vec<&[f32]> = heads.clone().map(|h| &qr[t * qd + h * hd..t * qd + (h + 1) * hd]).collect();
+            scores.clear();
+            scores.resize(qs.len() * len, 0.0);
+            let mut rows: Vec<&mut [f32]> = scores.chunks_exact_mut(len).collect();
+            let at = (first - kv0) * kvd + g * hd;
+            dots_f32_multi(&qs, &kc[at..], kvd, len, scale, &mut rows);
+            for (head, sc) in heads.zip(rows) {
+                match &w.sinks {
+                    Some(s) => ops::softmax_with_sink(sc, s[head]),
+                    None => ops::softmax(sc),
+                }
+                // SAFETY: this task alone owns head `head`'s head_dim slice of token t in `att`.
+                let o = unsafe { std::slice::from_raw_parts_mut(att_ptr.get().add(t * qd + head * hd), hd) };
+                weighted_rows(o, sc, &vc[at..], kvd);
             }
         }
     });
