@@ -2,7 +2,10 @@
 //!
 //! The controller keeps running estimates (exponentially weighted) of
 //!
-//! * `a[i]`: the chance the target keeps draft position `i` given it kept the ones before;
+//! * `a[i]`: the chance the target keeps draft position `i` given it kept the ones before
+//!   (a position never drafted yet borrows the estimate of the deepest one drafted before it:
+//!   a draft that keeps matching tends to go on matching, and a fixed prior below the measured
+//!   acceptance held the length down for dozens of rounds);
 //! * `c(k)`: the wall time of a verify pass over `1 + k` tokens, rewinding included (when
 //!   experts stream, the expert reads the pass waits for are in it), as a line fitted through
 //!   the lengths measured;
@@ -21,7 +24,7 @@ use std::collections::BTreeMap;
 
 /// Weight of a new observation in the running estimates.
 const ALPHA: f64 = 0.15;
-/// The acceptance estimate before any observation.
+/// The acceptance estimate before any position was observed.
 const PRIOR_ACCEPT: f64 = 0.6;
 /// A verify pass's extra cost per drafted token, as a fraction of a one-token pass, before
 /// two lengths have been measured.
@@ -31,7 +34,8 @@ pub struct Adapt {
     min: usize,
     max: usize,
     adaptive: bool,
-    accept: Vec<f64>,
+    /// Per draft position: the running acceptance estimate, once the position was drafted.
+    accept: Vec<Option<f64>>,
     /// Per drafted length 0..=max: the running verify cost in seconds, once measured.
     cost: Vec<Option<f64>>,
     /// Per drafted length: how many passes were measured.
@@ -54,7 +58,7 @@ impl Adapt {
             min,
             max,
             adaptive,
-            accept: vec![PRIOR_ACCEPT; max],
+            accept: vec![None; max],
             cost: vec![None; max + 1],
             seen: vec![0; max + 1],
             draft_cost: None,
@@ -99,11 +103,17 @@ impl Adapt {
     pub fn expected_tokens(&self, k: usize) -> f64 {
         let mut e = 1.0;
         let mut run = 1.0;
-        for a in &self.accept[..k] {
-            run *= a;
+        for i in 0..k {
+            run *= self.acceptance(i);
             e += run;
         }
         e
+    }
+
+    /// The acceptance estimate of draft position `i`: its own once drafted, else that of the
+    /// deepest position drafted before it, else the prior.
+    fn acceptance(&self, i: usize) -> f64 {
+        self.accept[..=i].iter().rev().find_map(|a| *a).unwrap_or(PRIOR_ACCEPT)
     }
 
     /// Estimated seconds of a round drafting `k`: drafting plus verifying.
@@ -156,7 +166,8 @@ impl Adapt {
     pub fn observe(&mut self, drafted: usize, kept: usize, verify_s: f64, draft_s: f64) {
         for i in 0..drafted.min(kept + 1).min(self.max) {
             let hit = if i < kept { 1.0 } else { 0.0 };
-            self.accept[i] += ALPHA * (hit - self.accept[i]);
+            let a = self.acceptance(i);
+            self.accept[i] = Some(a + ALPHA * (hit - a));
         }
         self.seen[drafted.min(self.max)] += 1;
         let c = &mut self.cost[drafted.min(self.max)];
@@ -198,6 +209,16 @@ mod tests {
             a.observe(k, k, 0.010 + 0.001 * k as f64, 0.0);
         }
         assert_eq!(a.choose(100).0, 8);
+        // Longer drafts are reached in a few rounds when every draft is kept: positions not
+        // drafted yet are estimated from the deepest one drafted, not from the prior.
+        let mut a = Adapt::new(0, 16, true);
+        let mut chosen = Vec::new();
+        for _ in 0..24 {
+            let (k, _) = a.choose(100);
+            chosen.push(k);
+            a.observe(k, k, 0.010 + 0.001 * k as f64, 0.0);
+        }
+        assert!(chosen[12..].iter().all(|k| *k >= 15), "{chosen:?}");
         let mut a = Adapt::new(0, 8, true);
         for _ in 0..80 {
             let (k, _) = a.choose(100);
