@@ -582,12 +582,17 @@ fn time_recurrent(json: bool, quick: bool) {
 /// (softmax or argmax over the vocabulary); set them beside the matvecs' microseconds to see
 /// whether one is worth vectorizing.
 fn time_ops(json: bool) {
-    use sluice_kernels::ops;
+    use sluice_kernels::{float, ops};
     let mut r = rng(11);
     let row = |n: usize, r: &mut dyn FnMut() -> f32| -> Vec<f32> { (0..n).map(|_| r()).collect() };
     let (x2k, w2k, x8k, u8k, xv) =
         (row(2048, &mut r), row(2048, &mut r), row(8192, &mut r), row(8192, &mut r), row(151_936, &mut r));
     let mut out = vec![0f32; 151_936];
+    // Attention over 1024 cached positions of a KV group: keys and values 64 wide, rows 128
+    // apart (two KV heads), four query heads of the group.
+    let (keys, vals) = (row(1024 * 128, &mut r), row(1024 * 128, &mut r));
+    let q4: Vec<Vec<f32>> = (0..4).map(|_| row(64, &mut r)).collect();
+    let w1k: Vec<f32> = row(1024, &mut r).iter().map(|v| v.abs() / 1024.0).collect();
     // (name, elements, bytes moved per call, the op)
     type Case<'a> = (&'static str, usize, usize, Box<dyn FnMut(&mut [f32]) + 'a>);
     let cases: Vec<Case> = vec![
@@ -634,6 +639,43 @@ fn time_ops(json: bool) {
             }),
         ),
         ("axpy 2048", 2048, 3 * 2048 * 4, Box::new(|o: &mut [f32]| ops::axpy(&mut o[..2048], 0.5, &x2k))),
+        (
+            "scores 4 heads x 1024, one by one",
+            4096,
+            4 * 1024 * 64 * 4,
+            Box::new(|o: &mut [f32]| {
+                for (h, q) in q4.iter().enumerate() {
+                    float::dots_f32(q, &keys, 128, 1024, 0.125, &mut o[h * 1024..(h + 1) * 1024]);
+                }
+            }),
+        ),
+        (
+            "scores 4 heads x 1024, together",
+            4096,
+            1024 * 64 * 4,
+            Box::new(|o: &mut [f32]| {
+                let qs: Vec<&[f32]> = q4.iter().map(|q| q.as_slice()).collect();
+                let mut outs: Vec<&mut [f32]> = o[..4096].chunks_exact_mut(1024).collect();
+                float::dots_f32_multi(&qs, &keys, 128, 1024, 0.125, &mut outs);
+            }),
+        ),
+        (
+            "values 1024 x 64, axpy per row",
+            64,
+            1024 * 64 * 4,
+            Box::new(|o: &mut [f32]| {
+                o[..64].fill(0.0);
+                for (j, s) in w1k.iter().enumerate() {
+                    ops::axpy(&mut o[..64], *s, &vals[j * 128..j * 128 + 64]);
+                }
+            }),
+        ),
+        (
+            "values 1024 x 64, weighted_rows",
+            64,
+            1024 * 64 * 4,
+            Box::new(|o: &mut [f32]| float::weighted_rows(&mut o[..64], &w1k, &vals, 128)),
+        ),
         (
             "argmax 151936",
             151_936,
