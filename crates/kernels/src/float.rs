@@ -114,6 +114,15 @@ pub fn dots_f32_multi_isa(
     let k = qs[0].len();
     assert!(qs.iter().all(|q| q.len() == k) && outs.iter().all(|o| o.len() >= n));
     assert!(n == 0 || (n - 1) * stride + k <= keys.len(), "dots_f32_multi: keys too short");
+    #[cfg(target_arch = "x86_64")]
+    if isa >= crate::cpu::Isa::Avx2 && k > 0 && k % LANES == 0 {
+        for (q, out) in qs.iter().zip(outs.iter_mut()) {
+            // SAFETY: AVX2/FMA were detected (`isa` comes from this CPU); `keys` holds n rows
+            // of k from `stride` apart (asserted); `out` holds n scores.
+            unsafe { x86::scores_avx2(q, keys, stride, n, scale, out) };
+        }
+        return;
+    }
     let mut j = 0;
     let mut buf = [0f32; 32];
     while j < n {
@@ -248,6 +257,63 @@ mod x86 {
         while i < n {
             *a.add(i) = s.mul_add(*xp.add(i), *a.add(i));
             i += 1;
+        }
+    }
+
+    /// `dots_f32_multi` for one query whose length is whole 16-lane chunks, four keys at a
+    /// time: per key the contract's two 8-lane halves (lanes 0–7 and 8–15) accumulate chunk by
+    /// chunk with fused multiply-adds, and the four keys' tree sums (8, 4, 2, 1) run side by
+    /// side in shuffles of whole vectors — the additions `hsum256` makes for each, in its
+    /// order, so every score has the tile's bits. A key left over after fours goes through the
+    /// same steps alone.
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX2 and FMA; `q.len()` is a positive multiple of 16; `keys` holds `n` rows
+    /// of `q.len()` values `stride` apart; `out` holds `n` values.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn scores_avx2(q: &[f32], keys: &[f32], stride: usize, n: usize, scale: f32, out: &mut [f32]) {
+        let k = q.len();
+        let (qp, kp) = (q.as_ptr(), keys.as_ptr());
+        let sv = _mm_set1_ps(scale);
+        let mut j = 0;
+        while j + 4 <= n {
+            let mut lo = [_mm256_setzero_ps(); 4];
+            let mut hi = [_mm256_setzero_ps(); 4];
+            let mut c = 0;
+            while c < k {
+                let (ql, qh) = (_mm256_loadu_ps(qp.add(c)), _mm256_loadu_ps(qp.add(c + 8)));
+                for r in 0..4 {
+                    let row = kp.add((j + r) * stride + c);
+                    lo[r] = _mm256_fmadd_ps(_mm256_loadu_ps(row), ql, lo[r]);
+                    hi[r] = _mm256_fmadd_ps(_mm256_loadu_ps(row.add(8)), qh, hi[r]);
+                }
+                c += LANES;
+            }
+            // Tree step 8 per key, then step 4 for two keys a vector (key r in 128-bit half).
+            let s: [__m256; 4] = std::array::from_fn(|r| _mm256_add_ps(lo[r], hi[r]));
+            let a = _mm256_add_ps(_mm256_permute2f128_ps(s[0], s[1], 0x20), _mm256_permute2f128_ps(s[0], s[1], 0x31));
+            let b = _mm256_add_ps(_mm256_permute2f128_ps(s[2], s[3], 0x20), _mm256_permute2f128_ps(s[2], s[3], 0x31));
+            // Step 2: [a0 + a2, a1 + a3, b0 + b2, b1 + b3] in each half.
+            let c2 = _mm256_add_ps(_mm256_shuffle_ps(a, b, 0b01_00_01_00), _mm256_shuffle_ps(a, b, 0b11_10_11_10));
+            // Step 1: [key0, key2, key0, key2 | key1, key3, key1, key3].
+            let c1 = _mm256_add_ps(_mm256_shuffle_ps(c2, c2, 0b10_00_10_00), _mm256_shuffle_ps(c2, c2, 0b11_01_11_01));
+            // Keys in order: [key0, key1, key2, key3].
+            let t = _mm_unpacklo_ps(_mm256_castps256_ps128(c1), _mm256_extractf128_ps(c1, 1));
+            _mm_storeu_ps(out.as_mut_ptr().add(j), _mm_mul_ps(t, sv));
+            j += 4;
+        }
+        while j < n {
+            let (mut lo, mut hi) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+            let row = kp.add(j * stride);
+            let mut c = 0;
+            while c < k {
+                lo = _mm256_fmadd_ps(_mm256_loadu_ps(row.add(c)), _mm256_loadu_ps(qp.add(c)), lo);
+                hi = _mm256_fmadd_ps(_mm256_loadu_ps(row.add(c + 8)), _mm256_loadu_ps(qp.add(c + 8)), hi);
+                c += LANES;
+            }
+            out[j] = hsum256(_mm256_add_ps(lo, hi)) * scale;
+            j += 1;
         }
     }
 
@@ -533,7 +599,7 @@ mod tests {
     fn attention_helpers_have_the_one_query_and_axpy_bits() {
         // Scores: four, three, two or one queries together, each against the reference dot of
         // that query alone; keys left over after whole groups of eight, strided rows.
-        for (k, n, stride) in [(64usize, 37usize, 128usize), (16, 8, 16), (100, 3, 130), (1, 9, 2)] {
+        for (k, n, stride) in [(64usize, 37usize, 128usize), (128, 6, 256), (16, 8, 16), (100, 3, 130), (1, 9, 2)] {
             let keys = rand_vec((n - 1) * stride + k, 7);
             let qs: Vec<Vec<f32>> = (0..4).map(|h| rand_vec(k, 20 + h as u64)).collect();
             let qr: Vec<&[f32]> = qs.iter().map(|q| q.as_slice()).collect();
