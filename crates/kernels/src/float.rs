@@ -115,11 +115,16 @@ pub fn dots_f32_multi_isa(
     assert!(qs.iter().all(|q| q.len() == k) && outs.iter().all(|o| o.len() >= n));
     assert!(n == 0 || (n - 1) * stride + k <= keys.len(), "dots_f32_multi: keys too short");
     #[cfg(target_arch = "x86_64")]
-    if isa >= crate::cpu::Isa::Avx2 && k > 0 && k % LANES == 0 {
-        for (q, out) in qs.iter().zip(outs.iter_mut()) {
-            // SAFETY: AVX2/FMA were detected (`isa` comes from this CPU); `keys` holds n rows
-            // of k from `stride` apart (asserted); `out` holds n scores.
-            unsafe { x86::scores_avx2(q, keys, stride, n, scale, out) };
+    if isa >= crate::cpu::Isa::Avx2 && k > 0 && k.is_multiple_of(LANES) {
+        // SAFETY: AVX2/FMA were detected (`isa` comes from this CPU); `keys` holds n rows of k
+        // from `stride` apart and every output n scores (asserted).
+        unsafe {
+            match qs.len() {
+                1 => x86::scores_avx2(qs[0], keys, stride, n, scale, outs[0]),
+                2 => x86::scores_many_avx2::<2>(qs, keys, stride, n, scale, outs),
+                3 => x86::scores_many_avx2::<3>(qs, keys, stride, n, scale, outs),
+                _ => x86::scores_many_avx2::<4>(qs, keys, stride, n, scale, outs),
+            }
         }
         return;
     }
@@ -149,6 +154,43 @@ pub fn dots_f32_multi_isa(
 /// rows instead of loaded and stored for each (attention's weighted sum of values).
 pub fn weighted_rows(out: &mut [f32], w: &[f32], rows: &[f32], stride: usize) {
     weighted_rows_isa(crate::cpu::isa(), out, w, rows, stride)
+}
+
+/// `weighted_rows` for up to four weight vectors over the same rows (`outs[h]` from `ws[h]`),
+/// each row read once for them all where the width is whole 16-element pieces: every output has
+/// the bits `weighted_rows` gives it alone.
+pub fn weighted_rows_multi(outs: &mut [&mut [f32]], ws: &[&[f32]], rows: &[f32], stride: usize) {
+    weighted_rows_multi_isa(crate::cpu::isa(), outs, ws, rows, stride)
+}
+
+/// `weighted_rows_multi` at a chosen ISA level.
+pub fn weighted_rows_multi_isa(
+    isa: crate::cpu::Isa,
+    outs: &mut [&mut [f32]],
+    ws: &[&[f32]],
+    rows: &[f32],
+    stride: usize,
+) {
+    assert!((1..=4).contains(&ws.len()) && outs.len() == ws.len(), "weighted_rows_multi: one to four sums");
+    let (d, n) = (outs[0].len(), ws[0].len());
+    assert!(outs.iter().all(|o| o.len() == d) && ws.iter().all(|w| w.len() == n));
+    assert!(n == 0 || (n - 1) * stride + d <= rows.len(), "weighted_rows_multi: rows too short");
+    #[cfg(target_arch = "x86_64")]
+    if isa >= crate::cpu::Isa::Avx2 && ws.len() > 1 && d > 0 && d.is_multiple_of(16) {
+        // SAFETY: AVX2/FMA were detected (`isa` comes from this CPU); `rows` holds n rows of d
+        // from `stride` apart and every weight vector n values (asserted).
+        unsafe {
+            match ws.len() {
+                2 => x86::weighted_rows_many_fma::<2>(outs, ws, rows, stride),
+                3 => x86::weighted_rows_many_fma::<3>(outs, ws, rows, stride),
+                _ => x86::weighted_rows_many_fma::<4>(outs, ws, rows, stride),
+            }
+        }
+        return;
+    }
+    for (o, w) in outs.iter_mut().zip(ws) {
+        weighted_rows_isa(isa, o, w, rows, stride);
+    }
 }
 
 /// `weighted_rows` at a chosen ISA level.
@@ -314,6 +356,93 @@ mod x86 {
             }
             out[j] = hsum256(_mm256_add_ps(lo, hi)) * scale;
             j += 1;
+        }
+    }
+
+    /// `dots_f32_multi` for `Q` (2 to 4) queries whose length is whole 16-lane chunks, one key
+    /// at a time for them all (each key read once: a cache of many positions is read from
+    /// beyond L2): per (query, key) the contract's two 8-lane halves, then the `Q` tree sums
+    /// side by side as in `scores_avx2` — the same bits.
+    ///
+    /// # Safety
+    ///
+    /// As `scores_avx2`, for each of the `Q` queries and outputs.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn scores_many_avx2<const Q: usize>(
+        qs: &[&[f32]],
+        keys: &[f32],
+        stride: usize,
+        n: usize,
+        scale: f32,
+        outs: &mut [&mut [f32]],
+    ) {
+        let k = qs[0].len();
+        let qp: [*const f32; Q] = std::array::from_fn(|h| qs[h].as_ptr());
+        let sv = _mm_set1_ps(scale);
+        for j in 0..n {
+            let row = keys.as_ptr().add(j * stride);
+            let mut lo = [_mm256_setzero_ps(); 4];
+            let mut hi = [_mm256_setzero_ps(); 4];
+            let mut c = 0;
+            while c < k {
+                let (kl, kh) = (_mm256_loadu_ps(row.add(c)), _mm256_loadu_ps(row.add(c + 8)));
+                for h in 0..Q {
+                    lo[h] = _mm256_fmadd_ps(kl, _mm256_loadu_ps(qp[h].add(c)), lo[h]);
+                    hi[h] = _mm256_fmadd_ps(kh, _mm256_loadu_ps(qp[h].add(c + 8)), hi[h]);
+                }
+                c += LANES;
+            }
+            // The reduction of `scores_avx2` with queries in place of keys (absent ones zero).
+            let s: [__m256; 4] = std::array::from_fn(|h| _mm256_add_ps(lo[h], hi[h]));
+            let a = _mm256_add_ps(_mm256_permute2f128_ps(s[0], s[1], 0x20), _mm256_permute2f128_ps(s[0], s[1], 0x31));
+            let b = _mm256_add_ps(_mm256_permute2f128_ps(s[2], s[3], 0x20), _mm256_permute2f128_ps(s[2], s[3], 0x31));
+            let c2 = _mm256_add_ps(_mm256_shuffle_ps(a, b, 0b01_00_01_00), _mm256_shuffle_ps(a, b, 0b11_10_11_10));
+            let c1 = _mm256_add_ps(_mm256_shuffle_ps(c2, c2, 0b10_00_10_00), _mm256_shuffle_ps(c2, c2, 0b11_01_11_01));
+            let t = _mm_mul_ps(_mm_unpacklo_ps(_mm256_castps256_ps128(c1), _mm256_extractf128_ps(c1, 1)), sv);
+            let mut v = [0f32; 4];
+            _mm_storeu_ps(v.as_mut_ptr(), t);
+            for h in 0..Q {
+                outs[h][j] = v[h];
+            }
+        }
+    }
+
+    /// `weighted_rows_multi` for `Q` (2 to 4) sums whose width is whole 16-element pieces: each
+    /// piece's `Q` × 2 accumulators run through every row (16 values loaded once for all `Q`
+    /// weights), one fused multiply-add per (row, element) in row order, as `weighted_rows_fma`.
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX2 and FMA; every output has the same length, a positive multiple of 16;
+    /// `rows` holds as many rows of it, `stride` apart, as every weight vector has values.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn weighted_rows_many_fma<const Q: usize>(
+        outs: &mut [&mut [f32]],
+        ws: &[&[f32]],
+        rows: &[f32],
+        stride: usize,
+    ) {
+        let (d, n) = (outs[0].len(), ws[0].len());
+        let rp = rows.as_ptr();
+        let wp: [*const f32; Q] = std::array::from_fn(|h| ws[h].as_ptr());
+        let mut c = 0;
+        while c < d {
+            let mut lo = [_mm256_setzero_ps(); Q];
+            let mut hi = [_mm256_setzero_ps(); Q];
+            for j in 0..n {
+                let r = rp.add(j * stride + c);
+                let (vl, vh) = (_mm256_loadu_ps(r), _mm256_loadu_ps(r.add(8)));
+                for h in 0..Q {
+                    let s = _mm256_broadcast_ss(&*wp[h].add(j));
+                    lo[h] = _mm256_fmadd_ps(s, vl, lo[h]);
+                    hi[h] = _mm256_fmadd_ps(s, vh, hi[h]);
+                }
+            }
+            for h in 0..Q {
+                _mm256_storeu_ps(outs[h].as_mut_ptr().add(c), lo[h]);
+                _mm256_storeu_ps(outs[h].as_mut_ptr().add(c + 8), hi[h]);
+            }
+            c += 16;
         }
     }
 
@@ -620,7 +749,9 @@ mod tests {
         }
         // Weighted sums: lengths with 64-, 8- and 1-element pieces, against zero then one axpy
         // per row at the scalar level.
-        for (d, n, stride) in [(64usize, 50usize, 128usize), (137, 7, 140), (8, 1, 8), (5, 3, 9), (72, 0, 72)] {
+        for (d, n, stride) in
+            [(64usize, 50usize, 128usize), (128, 9, 256), (16, 3, 16), (137, 7, 140), (8, 1, 8), (5, 3, 9), (72, 0, 72)]
+        {
             let rows = rand_vec(n.max(1) * stride + d, 3);
             let w = rand_vec(n, 4);
             let mut want = vec![0f32; d];
@@ -631,6 +762,22 @@ mod tests {
                 let mut got = vec![f32::NAN; d];
                 weighted_rows_isa(isa, &mut got, &w, &rows, stride);
                 assert!(crate::compare::same_bits(&got, &want), "{isa:?} d={d} n={n}");
+                // The same sum beside others over the same rows (their weights reversed, scaled).
+                for q in 1..=4 {
+                    let others: Vec<Vec<f32>> =
+                        (1..q).map(|h| w.iter().rev().map(|v| v * h as f32).collect()).collect();
+                    let mut ws: Vec<&[f32]> = vec![&w];
+                    ws.extend(others.iter().map(|o| o.as_slice()));
+                    let mut outs = vec![vec![f32::NAN; d]; q];
+                    let mut or: Vec<&mut [f32]> = outs.iter_mut().map(|o| o.as_mut_slice()).collect();
+                    weighted_rows_multi_isa(isa, &mut or, &ws, &rows, stride);
+                    assert!(crate::compare::same_bits(&outs[0], &want), "{isa:?} d={d} n={n}, first of {q}");
+                    for (h, o) in outs.iter().enumerate().skip(1) {
+                        let mut alone = vec![0f32; d];
+                        weighted_rows_isa(Isa::Scalar, &mut alone, ws[h], &rows, stride);
+                        assert!(crate::compare::same_bits(o, &alone), "{isa:?} d={d} n={n}, sum {h} of {q}");
+                    }
+                }
             }
         }
     }

@@ -18,7 +18,7 @@ use crate::model::{observe, Model};
 use crate::state::SeqState;
 use crate::trace::Observer;
 use crate::weights::{vector, Key, Linear, TensorSource, Weight};
-use sluice_kernels::float::{dots_f32_multi, weighted_rows};
+use sluice_kernels::float::{dots_f32_multi, weighted_rows_multi};
 use sluice_kernels::{ops, SendPtr};
 
 /// Most query heads of one KV group scored together (the float tile's four tokens): each key
@@ -156,8 +156,8 @@ pub fn forward(
     let kv0 = state.kv_start(l);
 
     // Each (token, up to four heads of one KV group) is one independent task: scores over the
-    // token's visible positions (each key read once for the task's heads), softmax, weighted
-    // sum of values, per head. A head's arithmetic never depends on the other heads or tasks.
+    // token's visible positions, softmax, weighted sum of values, each key and value read once
+    // for the task's heads. A head's arithmetic never depends on the other heads or tasks.
     let mut att = vec![0f32; n * qd]; // (n, n_head·head_dim)
     let att_ptr = SendPtr(att.as_mut_ptr());
     let group = nh / nkv;
@@ -182,15 +182,17 @@ pub fn forward(
             let mut rows: Vec<&mut [f32]> = scores.chunks_exact_mut(len).collect();
             let at = (first - kv0) * kvd + g * hd;
             dots_f32_multi(&qs, &kc[at..], kvd, len, scale, &mut rows);
-            for (head, sc) in heads.zip(rows) {
+            let mut outs: Vec<&mut [f32]> = Vec::with_capacity(qs.len());
+            for (head, sc) in heads.zip(rows.iter_mut()) {
                 match &w.sinks {
                     Some(s) => ops::softmax_with_sink(sc, s[head]),
                     None => ops::softmax(sc),
                 }
                 // SAFETY: this task alone owns head `head`'s head_dim slice of token t in `att`.
-                let o = unsafe { std::slice::from_raw_parts_mut(att_ptr.get().add(t * qd + head * hd), hd) };
-                weighted_rows(o, sc, &vc[at..], kvd);
+                outs.push(unsafe { std::slice::from_raw_parts_mut(att_ptr.get().add(t * qd + head * hd), hd) });
             }
+            let probs: Vec<&[f32]> = rows.iter().map(|r| &**r).collect();
+            weighted_rows_multi(&mut outs, &probs, &vc[at..], kvd);
         }
     });
     if cfg.attn_output_gate {
