@@ -368,6 +368,7 @@ mod x86 {
     ///
     /// As `scores_avx2`, for each of the `Q` queries and outputs.
     #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::needless_range_loop)] // j indexes the keys (by stride) and every output
     pub unsafe fn scores_many_avx2<const Q: usize>(
         qs: &[&[f32]],
         keys: &[f32],
