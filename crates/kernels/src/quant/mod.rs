@@ -451,7 +451,11 @@ impl Tiled {
 /// 37.0 | 46.3 → 53.8, Q4_0 38.3 → 50.6 | 53.4 → 50.1, Q5_1 38.9 → 48.0 | 52.8 → 48.0), while
 /// Q8_0 and the K-quants stay ahead tiled from 9 (Q8_0 52.4 against 44.7, Q4_K 896×4864 80.4
 /// against 58.6, Q6_K about even). A whole Qwen2.5-Coder-0.5B pass of 9 tokens had cost 104 ms
-/// against 65 for 8.
+/// against 65 for 8. An Intel Xeon forced to AVX2 disagrees (best of three, 2 threads, time
+/// chunks / tiled at 9 | 11 tokens: Q4_0 0.97 | 1.11, Q5_0 1.07 | 1.08, Q5_1 1.16 | 1.29, Q4_1
+/// 1.07 | 0.88), but such a machine runs the VNNI level, where 9–11 tokens of these formats
+/// also moved, from the one-row kernels to the small-batch ones, at about the same time (0.89–
+/// 1.12); the AVX2-only machines users have are AMD's, which the threshold follows.
 #[cfg(target_arch = "x86_64")]
 fn avx2_tiled_min_tokens(dtype: DType) -> usize {
     if is_block32(dtype) && dtype != DType::Q8_0 {
