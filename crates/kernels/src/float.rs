@@ -302,12 +302,32 @@ mod x86 {
         }
     }
 
+    /// The contract's tree sums of four dot products at once, each held as its two 8-lane
+    /// halves (`lo[i]`: lanes 0–7, `hi[i]`: lanes 8–15): step 8 (`lo + hi`), then steps 4, 2 and
+    /// 1 for the four side by side in whole-vector shuffles — the additions `hsum256` makes for
+    /// each, in its order, so each sum has `tile`'s bits. Returns `[sum 0, 1, 2, 3]`.
+    ///
+    /// # Safety
+    ///
+    /// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
+    #[inline(always)]
+    unsafe fn tree_sums4(lo: &[__m256; 4], hi: &[__m256; 4]) -> __m128 {
+        let s: [__m256; 4] = std::array::from_fn(|i| _mm256_add_ps(lo[i], hi[i]));
+        // Step 4, two sums a vector (sum i in a 128-bit half).
+        let a = _mm256_add_ps(_mm256_permute2f128_ps(s[0], s[1], 0x20), _mm256_permute2f128_ps(s[0], s[1], 0x31));
+        let b = _mm256_add_ps(_mm256_permute2f128_ps(s[2], s[3], 0x20), _mm256_permute2f128_ps(s[2], s[3], 0x31));
+        // Step 2: [a0 + a2, a1 + a3, b0 + b2, b1 + b3] in each half.
+        let c2 = _mm256_add_ps(_mm256_shuffle_ps(a, b, 0b01_00_01_00), _mm256_shuffle_ps(a, b, 0b11_10_11_10));
+        // Step 1: [sum 0, sum 2, sum 0, sum 2 | sum 1, sum 3, sum 1, sum 3].
+        let c1 = _mm256_add_ps(_mm256_shuffle_ps(c2, c2, 0b10_00_10_00), _mm256_shuffle_ps(c2, c2, 0b11_01_11_01));
+        _mm_unpacklo_ps(_mm256_castps256_ps128(c1), _mm256_extractf128_ps(c1, 1))
+    }
+
     /// `dots_f32_multi` for one query whose length is whole 16-lane chunks, four keys at a
     /// time: per key the contract's two 8-lane halves (lanes 0–7 and 8–15) accumulate chunk by
-    /// chunk with fused multiply-adds, and the four keys' tree sums (8, 4, 2, 1) run side by
-    /// side in shuffles of whole vectors — the additions `hsum256` makes for each, in its
-    /// order, so every score has the tile's bits. A key left over after fours goes through the
-    /// same steps alone.
+    /// chunk with fused multiply-adds, and the four keys' tree sums run side by side
+    /// (`tree_sums4`), so every score has the tile's bits. A key left over after fours goes
+    /// through the same steps alone (`hsum256`).
     ///
     /// # Safety
     ///
@@ -332,17 +352,7 @@ mod x86 {
                 }
                 c += LANES;
             }
-            // Tree step 8 per key, then step 4 for two keys a vector (key r in 128-bit half).
-            let s: [__m256; 4] = std::array::from_fn(|r| _mm256_add_ps(lo[r], hi[r]));
-            let a = _mm256_add_ps(_mm256_permute2f128_ps(s[0], s[1], 0x20), _mm256_permute2f128_ps(s[0], s[1], 0x31));
-            let b = _mm256_add_ps(_mm256_permute2f128_ps(s[2], s[3], 0x20), _mm256_permute2f128_ps(s[2], s[3], 0x31));
-            // Step 2: [a0 + a2, a1 + a3, b0 + b2, b1 + b3] in each half.
-            let c2 = _mm256_add_ps(_mm256_shuffle_ps(a, b, 0b01_00_01_00), _mm256_shuffle_ps(a, b, 0b11_10_11_10));
-            // Step 1: [key0, key2, key0, key2 | key1, key3, key1, key3].
-            let c1 = _mm256_add_ps(_mm256_shuffle_ps(c2, c2, 0b10_00_10_00), _mm256_shuffle_ps(c2, c2, 0b11_01_11_01));
-            // Keys in order: [key0, key1, key2, key3].
-            let t = _mm_unpacklo_ps(_mm256_castps256_ps128(c1), _mm256_extractf128_ps(c1, 1));
-            _mm_storeu_ps(out.as_mut_ptr().add(j), _mm_mul_ps(t, sv));
+            _mm_storeu_ps(out.as_mut_ptr().add(j), _mm_mul_ps(tree_sums4(&lo, &hi), sv));
             j += 4;
         }
         while j < n {
@@ -362,7 +372,7 @@ mod x86 {
     /// `dots_f32_multi` for `Q` (2 to 4) queries whose length is whole 16-lane chunks, one key
     /// at a time for them all (each key read once: a cache of many positions is read from
     /// beyond L2): per (query, key) the contract's two 8-lane halves, then the `Q` tree sums
-    /// side by side as in `scores_avx2` — the same bits.
+    /// side by side (`tree_sums4`) — the same bits.
     ///
     /// # Safety
     ///
@@ -393,15 +403,9 @@ mod x86 {
                 }
                 c += LANES;
             }
-            // The reduction of `scores_avx2` with queries in place of keys (absent ones zero).
-            let s: [__m256; 4] = std::array::from_fn(|h| _mm256_add_ps(lo[h], hi[h]));
-            let a = _mm256_add_ps(_mm256_permute2f128_ps(s[0], s[1], 0x20), _mm256_permute2f128_ps(s[0], s[1], 0x31));
-            let b = _mm256_add_ps(_mm256_permute2f128_ps(s[2], s[3], 0x20), _mm256_permute2f128_ps(s[2], s[3], 0x31));
-            let c2 = _mm256_add_ps(_mm256_shuffle_ps(a, b, 0b01_00_01_00), _mm256_shuffle_ps(a, b, 0b11_10_11_10));
-            let c1 = _mm256_add_ps(_mm256_shuffle_ps(c2, c2, 0b10_00_10_00), _mm256_shuffle_ps(c2, c2, 0b11_01_11_01));
-            let t = _mm_mul_ps(_mm_unpacklo_ps(_mm256_castps256_ps128(c1), _mm256_extractf128_ps(c1, 1)), sv);
+            // Queries in place of keys (absent ones zero, their sums dropped).
             let mut v = [0f32; 4];
-            _mm_storeu_ps(v.as_mut_ptr(), t);
+            _mm_storeu_ps(v.as_mut_ptr(), _mm_mul_ps(tree_sums4(&lo, &hi), sv));
             for h in 0..Q {
                 outs[h][j] = v[h];
             }

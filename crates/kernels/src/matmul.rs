@@ -99,7 +99,7 @@ pub fn matvecs(
     }
     let ptrs: Vec<SendPtr> = outs.iter_mut().map(|o| SendPtr(o.as_mut_ptr())).collect();
     let threads = pool.n_threads();
-    let one = ThreadPool::new(1);
+    let one = ThreadPool::serial();
     pool.run(&|t| {
         let mut mine: Vec<&mut [f32]> = Vec::with_capacity(ws.len());
         for (w, p) in ws.iter().zip(&ptrs) {
@@ -109,7 +109,7 @@ pub fn matvecs(
             // and `outs` outlives the dispatch.
             let out = unsafe { std::slice::from_raw_parts_mut(p.get().add(a), b - a) };
             if b > a {
-                matmul(&one, w.slice_rows(a, b), x, 1, out);
+                matmul(one, w.slice_rows(a, b), x, 1, out);
             }
             mine.push(out);
         }

@@ -76,6 +76,13 @@ impl ThreadPool {
         ThreadPool { shared, workers, busy: Mutex::new(()) }
     }
 
+    /// The one-thread pool (no workers: a job runs on the caller), shared by the places that
+    /// call kernels from inside another pool's job, instead of each setting up its own.
+    pub fn serial() -> &'static ThreadPool {
+        static SERIAL: std::sync::OnceLock<ThreadPool> = std::sync::OnceLock::new();
+        SERIAL.get_or_init(|| ThreadPool::new(1))
+    }
+
     /// Threads that run a job, the caller included.
     pub fn n_threads(&self) -> usize {
         self.shared.n_threads

@@ -287,8 +287,8 @@ impl BatchScratch {
 }
 
 /// Several tokens against a matrix on a small-batch kernel: rows in blocks of 16 (whose
-/// weights stay in L1/L2 while every token passes), tokens in chunks of `SMALL_BATCH`, four
-/// rows at a time. `f(rows, k, t0, nt, vals, scratch)` computes the k rows whose bytes are `rows`
+/// weights stay in L1/L2 while every token passes), tokens in chunks of at most `SMALL_BATCH`
+/// (as even as they can be), four rows at a time. `f(rows, k, t0, nt, vals, scratch)` computes the k rows whose bytes are `rows`
 /// against tokens `t0..t0 + nt` into `vals[t][r]`, with the thread's `BatchScratch`.
 #[cfg(target_arch = "x86_64")]
 pub(crate) fn small_batches(

@@ -400,7 +400,7 @@ fn decode_by_matrices(
     use sluice_kernels::matmul::SendPtr;
     let hd = x.len();
     let ne = ews.len();
-    let one = sluice_kernels::ThreadPool::new(1);
+    let one = sluice_kernels::ThreadPool::serial();
     // gate and up outputs, expert i's at offsets[i]: gate then up, ff values each.
     let mut offsets = Vec::with_capacity(ne + 1);
     offsets.push(0);
@@ -419,7 +419,7 @@ fn decode_by_matrices(
             // SAFETY: job j alone writes gu[start..start + ff]; the jobs' ranges are disjoint
             // and `gu` outlives the dispatch.
             let out = unsafe { std::slice::from_raw_parts_mut(gp.get().add(start), ff) };
-            matmul(&one, if up { ew.up } else { ew.gate }, x, 1, out);
+            matmul(one, if up { ew.up } else { ew.gate }, x, 1, out);
             if let Some((bg, bu, _)) = biases[j / 2] {
                 ops::add_inplace(out, if up { bu } else { bg });
             }
@@ -440,7 +440,7 @@ fn decode_by_matrices(
                 )
             };
             crate::ffn::combine(act, g, u);
-            matmul(&one, ews[i].down, g, 1, out);
+            matmul(one, ews[i].down, g, 1, out);
             if let Some((_, _, bd)) = biases[i] {
                 ops::add_inplace(out, bd);
             }
@@ -485,14 +485,14 @@ fn batch_by_experts(
         load[t] += slots[i].len();
     }
     let yp = SendPtr(y.as_mut_ptr());
-    let one = sluice_kernels::ThreadPool::new(1);
+    let one = sluice_kernels::ThreadPool::serial();
     pool.run(&|t| {
         let (mut xe, mut ye) = (Vec::new(), Vec::new());
         for (i, ew) in ews.iter().enumerate().filter(|(i, _)| owner[*i] == t) {
             let m = slots[i].len();
             gather_rows(x, hd, slots[i], k, &mut xe);
             ye.resize(m * hd, 0.0);
-            expert_ffn(&one, act, ew, biases[i], &xe, m, &mut ye);
+            expert_ffn(one, act, ew, biases[i], &xe, m, &mut ye);
             for (j, s) in slots[i].iter().enumerate() {
                 // SAFETY: slot s belongs to expert i alone, and expert i to this thread alone;
                 // `y` outlives the dispatch.

@@ -176,23 +176,29 @@ pub fn forward(
             let first = window.map_or(0, |w| (p + 1).saturating_sub(w));
             debug_assert!(first >= kv0, "the window reaches before what the cache holds");
             let len = p + 1 - first;
-            let qs: Vec<&[f32]> = heads.clone().map(|h| &qr[t * qd + h * hd..t * qd + (h + 1) * hd]).collect();
+            // The task's heads in the first `nq` places of fixed arrays (no allocation a task).
+            let nq = heads.len();
+            let mut qs: [&[f32]; HEADS_PER_TASK] = [&[]; HEADS_PER_TASK];
+            for (q, h) in qs.iter_mut().zip(heads.clone()) {
+                *q = &qr[t * qd + h * hd..t * qd + (h + 1) * hd];
+            }
             scores.clear();
-            scores.resize(qs.len() * len, 0.0);
-            let mut rows: Vec<&mut [f32]> = scores.chunks_exact_mut(len).collect();
+            scores.resize(nq * len, 0.0);
+            let mut chunks = scores.chunks_exact_mut(len);
+            let mut rows: [&mut [f32]; HEADS_PER_TASK] = std::array::from_fn(|_| chunks.next().unwrap_or_default());
             let at = (first - kv0) * kvd + g * hd;
-            dots_f32_multi(&qs, &kc[at..], kvd, len, scale, &mut rows);
-            let mut outs: Vec<&mut [f32]> = Vec::with_capacity(qs.len());
-            for (head, sc) in heads.zip(rows.iter_mut()) {
+            dots_f32_multi(&qs[..nq], &kc[at..], kvd, len, scale, &mut rows[..nq]);
+            let mut outs: [&mut [f32]; HEADS_PER_TASK] = Default::default();
+            for ((head, sc), o) in heads.zip(rows.iter_mut()).zip(outs.iter_mut()) {
                 match &w.sinks {
                     Some(s) => ops::softmax_with_sink(sc, s[head]),
                     None => ops::softmax(sc),
                 }
                 // SAFETY: this task alone owns head `head`'s head_dim slice of token t in `att`.
-                outs.push(unsafe { std::slice::from_raw_parts_mut(att_ptr.get().add(t * qd + head * hd), hd) });
+                *o = unsafe { std::slice::from_raw_parts_mut(att_ptr.get().add(t * qd + head * hd), hd) };
             }
-            let probs: Vec<&[f32]> = rows.iter().map(|r| &**r).collect();
-            weighted_rows_multi(&mut outs, &probs, &vc[at..], kvd);
+            let probs: [&[f32]; HEADS_PER_TASK] = std::array::from_fn(|i| &*rows[i]);
+            weighted_rows_multi(&mut outs[..nq], &probs[..nq], &vc[at..], kvd);
         }
     });
     if cfg.attn_output_gate {

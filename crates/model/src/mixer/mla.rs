@@ -233,13 +233,13 @@ pub fn forward(
     let qa_ptr = SendPtr(qa.as_mut_ptr());
     let qr = &q;
     pool.for_ranges(nh, 1, &|heads| {
-        let serial = ThreadPool::new(1);
+        let serial = ThreadPool::serial();
         let (mut qn, mut qt) = (vec![0f32; n * dn], vec![0f32; n * r]);
         for hd in heads {
             for t in 0..n {
                 qn[t * dn..(t + 1) * dn].copy_from_slice(&qr[(t * nh + hd) * dk..][..dn]);
             }
-            matmul(&serial, w.k_b[hd].mat(), &qn, n, &mut qt);
+            matmul(serial, w.k_b[hd].mat(), &qn, n, &mut qt);
             for t in 0..n {
                 // SAFETY: head hd's slots of `qa` belong to this task alone.
                 let dst = unsafe { std::slice::from_raw_parts_mut(qa_ptr.get().add((t * nh + hd) * cw), cw) };
@@ -277,13 +277,13 @@ pub fn forward(
     let att_ptr = SendPtr(att.as_mut_ptr());
     let lat = &lat;
     pool.for_ranges(nh, 1, &|heads| {
-        let serial = ThreadPool::new(1);
+        let serial = ThreadPool::serial();
         let (mut li, mut vo) = (vec![0f32; n * r], vec![0f32; n * dv]);
         for hd in heads {
             for t in 0..n {
                 li[t * r..(t + 1) * r].copy_from_slice(&lat[(t * nh + hd) * r..][..r]);
             }
-            matmul(&serial, w.v_b[hd].mat(), &li, n, &mut vo);
+            matmul(serial, w.v_b[hd].mat(), &li, n, &mut vo);
             for t in 0..n {
                 // SAFETY: head hd's slots of `att` belong to this task alone.
                 let dst = unsafe { std::slice::from_raw_parts_mut(att_ptr.get().add((t * nh + hd) * dv), dv) };
