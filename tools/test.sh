@@ -36,4 +36,9 @@ if ! ls "$nvrtc"/nvidia/cuda_nvrtc/lib/libnvrtc.so.12 >/dev/null 2>&1; then
   PIP_ROOT_USER_ACTION=ignore python3 -m pip install --quiet --disable-pip-version-check --no-deps --target "$nvrtc" "nvidia-cuda-nvrtc-cu12==12.9.86"
 fi
 export LD_LIBRARY_PATH="$nvrtc/nvidia/cuda_nvrtc/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-exec cargo test --release --workspace "$@"
+# The tests' scratch files (synthetic models, packs, damaged copies: a few hundred MB a run)
+# go to a directory of their own, emptied before and removed after, not left in /tmp.
+scratch="$PWD/target/test-tmp"
+rm -rf "$scratch" && mkdir -p "$scratch"
+trap 'rm -rf "$scratch"' EXIT
+TMPDIR="$scratch" cargo test --release --workspace "$@"
