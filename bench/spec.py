@@ -158,7 +158,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("-n", "--gen", type=int, default=512, help="most tokens to generate (all tools stop at end of turn)")
     ap.add_argument("--draft-type", default="Q2_K", help="llama-quantize type of the draft model made from the target")
-    ap.add_argument("--draft-max", type=int, default=8, help="sluice's --draft-max and llama.cpp's --draft-max")
+    ap.add_argument("--draft-max", type=int, default=16, help="sluice's --draft-max (its default) and llama.cpp's --spec-draft-n-max")
     ap.add_argument("--only", help="comma-separated subset of the runs (sluice_plain, sluice_ngram, sluice_draft, llama_plain, llama_lookup, llama_speculative), to check the script")
     lib.add_common_args(ap)
     a = ap.parse_args()

@@ -187,7 +187,7 @@ pub struct SpecArgs {
     #[arg(long, value_name = "PATH")]
     pub draft_model: Option<PathBuf>,
     /// The most tokens drafted per round.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 16)]
     pub draft_max: usize,
     /// The fewest drafted tokens worth verifying (0: decode plainly when drafting does not pay).
     #[arg(long, default_value_t = 0)]

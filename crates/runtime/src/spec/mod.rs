@@ -103,7 +103,7 @@ pub struct SpecOptions {
 impl Default for SpecOptions {
     fn default() -> Self {
         SpecOptions {
-            draft_max: 8,
+            draft_max: 16,
             draft_min: 0,
             adaptive: true,
             p_min: 0.5,
