@@ -43,6 +43,15 @@ pub struct Args {
     /// Seconds running requests may take to finish after SIGINT/SIGTERM.
     #[arg(long, default_value_t = 30)]
     shutdown_grace: u64,
+    /// Speculative decoding for every request that does not say otherwise: `ngram` drafts by
+    /// looking up the request's latest n-gram earlier in its prompt and output, and the batch
+    /// step verifies the drafts (greedy requests: the same tokens and log-probabilities as
+    /// without). Without this flag only requests that ask (`"spec": "ngram"`) speculate.
+    #[arg(long, value_name = "ngram")]
+    spec: Option<String>,
+    /// The most tokens drafted a step (a request may set its own, `"draft_max"`, up to 64).
+    #[arg(long, default_value_t = sluice_server::DEFAULT_DRAFT_MAX)]
+    draft_max: usize,
 }
 
 pub fn main(a: Args) -> Result<()> {
@@ -55,6 +64,19 @@ pub fn main(a: Args) -> Result<()> {
     if a.parallel == 0 {
         bail!("--parallel must be at least 1");
     }
+    if !(1..=sluice_server::api::DRAFT_MAX_LIMIT).contains(&a.draft_max) {
+        bail!("--draft-max must be 1 to {}, got {}", sluice_server::api::DRAFT_MAX_LIMIT, a.draft_max);
+    }
+    let spec = match a.spec.as_deref() {
+        None => None,
+        Some("ngram") => Some(a.draft_max),
+        Some(m @ ("draft" | "mtp" | "self")) => {
+            bail!(
+                "--spec {m}: the server drafts by n-gram lookup only (`--spec ngram`); `sluice run --spec {m}` runs it"
+            )
+        }
+        Some(m) => bail!("--spec {m}: unknown method (the server has `ngram`)"),
+    };
     let model_id = a.alias.clone().unwrap_or_else(|| {
         model.model.file_name().map_or_else(|| model.model.display().to_string(), |n| n.to_string_lossy().into_owned())
     });
@@ -71,6 +93,7 @@ pub fn main(a: Args) -> Result<()> {
         prefix_cache_bytes: parse_size(&a.prefix_cache)?,
         model_id,
         shutdown_grace: Duration::from_secs(a.shutdown_grace),
+        spec,
     };
     let loader: sluice_server::Loader = Box::new(move || model.load().map_err(|e| format!("{e:#}")));
     sluice_server::serve(opts, loader).map_err(anyhow::Error::msg)

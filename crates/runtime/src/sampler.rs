@@ -153,6 +153,19 @@ impl Sampler {
         }
     }
 
+    /// `token`, picked elsewhere from `logits` (a speculative verifier's choice), as
+    /// `sample_full` reports and records its own picks.
+    pub fn take(&mut self, logits: &[f32], token: u32, logprobs: Option<usize>) -> Sampled {
+        let mut scratch = std::mem::take(&mut self.scratch);
+        let (logprob, top) = match logprobs {
+            Some(n) => log_probs(self.penalize(logits, &mut scratch), token, n),
+            None => (f32::NAN, Vec::new()),
+        };
+        self.scratch = scratch;
+        self.record(token);
+        Sampled { token, logprob, top }
+    }
+
     /// Counts `token` as picked (for the penalties), as `sample` does with its own picks.
     pub fn record(&mut self, token: u32) {
         if self.cfg.penalized() {

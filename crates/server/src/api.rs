@@ -39,6 +39,11 @@ pub struct RequestBody {
     pub response_format: Option<Value>,
     /// Keep generating past end-of-sequence and end-of-turn tokens (llama.cpp's extension).
     pub ignore_eos: Option<bool>,
+    /// Speculative decoding (sluice's extension): "ngram" or "none"; absent, the server's
+    /// default (`sluice serve --spec`).
+    pub spec: Option<Value>,
+    /// The most tokens drafted a step when speculating (sluice's extension).
+    pub draft_max: Option<i64>,
 }
 
 #[derive(Deserialize, Default, Debug)]
@@ -77,7 +82,14 @@ pub struct Params {
     pub ignore_eos: bool,
     /// Pass the tools to the template (tool_choice is not "none").
     pub use_tools: bool,
+    /// Speculate (Some(true): n-gram drafting; Some(false): not); None: the server's default.
+    pub spec: Option<bool>,
+    /// The most tokens drafted a step, if the request says.
+    pub draft_max: Option<usize>,
 }
+
+/// The most tokens a request may have drafted a step.
+pub const DRAFT_MAX_LIMIT: usize = 64;
 
 fn range(param: &str, v: Option<f64>, lo: f64, hi: f64, default: f64) -> Result<f32, ApiError> {
     match v {
@@ -198,6 +210,25 @@ pub fn params(b: &RequestBody, chat: bool) -> Result<Params, ApiError> {
     if b.stream_options.is_some() && b.stream != Some(true) {
         return Err(ApiError::invalid("stream_options", "`stream_options` is only allowed with `stream: true`"));
     }
+    let spec = match &b.spec {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) if s == "ngram" => Some(true),
+        Some(Value::String(s)) if s == "none" => Some(false),
+        Some(Value::String(s)) if ["draft", "mtp", "self"].contains(&s.as_str()) => {
+            return Err(ApiError::invalid(
+                "spec",
+                format!("`spec`: the server drafts by n-gram lookup only (\"ngram\" or \"none\"); \"{s}\" runs in `sluice run --spec {s}`"),
+            ));
+        }
+        Some(_) => return Err(ApiError::invalid("spec", "`spec` must be \"ngram\" or \"none\"")),
+    };
+    let draft_max = match b.draft_max {
+        None => None,
+        Some(k) if (1..=DRAFT_MAX_LIMIT as i64).contains(&k) => Some(k as usize),
+        Some(k) => {
+            return Err(ApiError::invalid("draft_max", format!("`draft_max` must be 1 to {DRAFT_MAX_LIMIT}, got {k}")))
+        }
+    };
     let sampler = SamplerConfig { temperature, top_p, top_k, seed, min_p, presence_penalty, frequency_penalty };
     sampler.validate().map_err(ApiError::bad_request)?;
     Ok(Params {
@@ -209,6 +240,8 @@ pub fn params(b: &RequestBody, chat: bool) -> Result<Params, ApiError> {
         logprobs,
         ignore_eos: b.ignore_eos.unwrap_or(false),
         use_tools,
+        spec,
+        draft_max,
     })
 }
 

@@ -400,13 +400,17 @@ fn make_job(
         stop_tokens: p.stop_tokens.clone(),
         stop_strings: stop,
         logprobs: params.logprobs,
+        spec: match (params.spec, app.opts.spec) {
+            (Some(false), _) | (None, None) => None,
+            (Some(true), default) => Some(params.draft_max.or(default).unwrap_or(crate::DEFAULT_DRAFT_MAX)),
+            (None, Some(default)) => Some(params.draft_max.unwrap_or(default)),
+        },
         literal_tokens: p.literal_tokens.clone(),
         reserve,
         events: tx,
         arrived,
         place: None,
     };
-    let _ = app;
     Ok((job, rx))
 }
 
@@ -430,7 +434,7 @@ fn submit(app: &App, ready: &Ready, mut job: Job) -> Result<(), ApiError> {
     };
     job.place = Some(place);
     sh.queued.fetch_add(1, Ordering::SeqCst);
-    if ready.tx.send(Cmd::Submit(job)).is_err() {
+    if ready.tx.send(Cmd::Submit(Box::new(job))).is_err() {
         sh.queued.fetch_sub(1, Ordering::SeqCst);
         return Err(ApiError::unavailable("the server is shutting down", 5));
     }

@@ -12,6 +12,7 @@ mod http;
 pub mod metrics;
 pub mod prefix;
 pub mod scheduler;
+mod spec;
 pub mod text;
 
 pub use error::{ApiError, ErrorKind};
@@ -49,7 +50,13 @@ pub struct ServerOptions {
     pub model_id: String,
     /// How long running requests may finish after SIGINT/SIGTERM.
     pub shutdown_grace: Duration,
+    /// Speculate by n-gram lookup unless a request says otherwise, drafting up to this many
+    /// tokens a step (None: only requests that ask, `"spec": "ngram"`).
+    pub spec: Option<usize>,
 }
+
+/// The most tokens drafted a step for a request that asks to speculate and does not say.
+pub const DEFAULT_DRAFT_MAX: usize = 16;
 
 impl Default for ServerOptions {
     fn default() -> Self {
@@ -66,6 +73,7 @@ impl Default for ServerOptions {
             prefix_cache_bytes: 1 << 30,
             model_id: "model".into(),
             shutdown_grace: Duration::from_secs(30),
+            spec: None,
         }
     }
 }

@@ -16,6 +16,8 @@ pub struct Metrics {
     pub prompt_tokens: IntCounter,
     pub reused_prompt_tokens: IntCounter,
     pub generated_tokens: IntCounter,
+    pub spec_drafted_tokens: IntCounter,
+    pub spec_accepted_tokens: IntCounter,
     pub cancelled: IntCounter,
     pub failed: IntCounter,
     pub rejected: IntCounterVec,
@@ -119,6 +121,11 @@ impl Metrics {
                 "Prompt tokens not run again because a cached sequence state held them",
             ),
             generated_tokens: counter("sluice_generated_tokens_total", "Tokens generated"),
+            spec_drafted_tokens: counter(
+                "sluice_spec_drafted_tokens_total",
+                "Tokens drafted by n-gram lookup for speculating requests",
+            ),
+            spec_accepted_tokens: counter("sluice_spec_accepted_tokens_total", "Drafted tokens the model kept"),
             cancelled: counter(
                 "sluice_requests_cancelled_total",
                 "Requests whose client went away before they finished (their slot was freed)",

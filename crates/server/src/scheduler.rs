@@ -8,6 +8,10 @@
 //! and each request samples with its own sampler and generator: its tokens do not depend on
 //! what runs beside it.
 //!
+//! A request that speculates (`spec`) runs its last token and its n-gram drafts as one item of
+//! the step, and keeps the drafts the verifier accepts (see `spec`): several tokens a step,
+//! the same tokens and log-probabilities as plain decode for greedy requests.
+//!
 //! The scheduler knows nothing of HTTP: jobs arrive on a channel with a channel for their
 //! events; a job whose event receiver is gone (the client left) is cancelled and its slot and
 //! memory freed at the next step.
@@ -15,10 +19,12 @@
 use crate::error::ApiError;
 use crate::metrics::Metrics;
 use crate::prefix::{PrefixCache, PromptEnd};
+use crate::spec::SeqSpec;
 use crate::text::{Chunk, OutputText, TokenInfo};
 use sluice_model::Snapshot;
 use sluice_model::{BatchItem, Logits, SeqState};
-use sluice_runtime::{Engine, Sampler, SamplerConfig};
+use sluice_runtime::spec::verify;
+use sluice_runtime::{Engine, Sampled, Sampler, SamplerConfig};
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -41,6 +47,8 @@ pub struct Job {
     pub literal_tokens: Vec<(u32, String)>,
     /// Report log-probabilities with this many top tokens.
     pub logprobs: Option<usize>,
+    /// Draft up to this many tokens a step by n-gram lookup (None: plain decode).
+    pub spec: Option<usize>,
     /// Bytes of sequence state reserved for it while it runs.
     pub reserve: u64,
     pub events: UnboundedSender<Event>,
@@ -98,7 +106,7 @@ pub struct Done {
 }
 
 pub enum Cmd {
-    Submit(Job),
+    Submit(Box<Job>),
     /// Stop admitting; finish what runs within the grace period, then exit.
     Shutdown,
 }
@@ -154,6 +162,7 @@ struct Seq {
     checkpoints: Vec<Snapshot>,
     cached: usize,
     last_token: Option<Instant>,
+    spec: Option<SeqSpec>,
 }
 
 pub struct Scheduler {
@@ -251,7 +260,7 @@ impl Scheduler {
                     self.shared.queued.fetch_sub(1, Ordering::SeqCst);
                     send(&job, Event::Error(ApiError::unavailable("the server is shutting down", 5)));
                 } else {
-                    self.waiting.push_back(job);
+                    self.waiting.push_back(*job);
                 }
             }
             Cmd::Shutdown => {
@@ -314,6 +323,7 @@ impl Scheduler {
             self.metrics.prompt_tokens.inc_by(job.prompt.len() as u64);
             self.metrics.reused_prompt_tokens.inc_by(cached as u64);
             let sampler = Sampler::new(job.sampler.clone());
+            let spec = job.spec.map(|k| SeqSpec::new(k, job.sampler.temperature == 0.0));
             let out = OutputText::with_literals(job.stop_strings.clone(), job.literal_tokens.clone());
             self.active.push(Seq {
                 job,
@@ -326,6 +336,7 @@ impl Scheduler {
                 checkpoints,
                 cached,
                 last_token: None,
+                spec,
             });
         }
         self.shared.memory_blocked.store(blocked, Ordering::SeqCst);
@@ -352,7 +363,7 @@ impl Scheduler {
         let mut budget = self.cfg.prefill_chunk.max(1);
         // (index into active, tokens, want)
         let mut plan: Vec<(usize, std::ops::Range<usize>, bool, Logits)> = Vec::new();
-        for (i, s) in self.active.iter().enumerate() {
+        for (i, s) in self.active.iter_mut().enumerate() {
             if s.ready.is_some() {
                 continue;
             }
@@ -367,7 +378,21 @@ impl Scheduler {
                 plan.push((i, pos..end, true, if end == n { Logits::Last } else { Logits::None }));
             } else {
                 let g = s.generated.len();
-                plan.push((i, g - 1..g, false, Logits::Last));
+                let mut want = Logits::Last;
+                if let Some(sp) = s.spec.as_mut() {
+                    // Room for drafts: the step yields up to 1 + drafts tokens and runs as many
+                    // positions.
+                    let room =
+                        s.job.max_tokens.saturating_sub(g + 1).min(s.state.max_len().saturating_sub(s.state.len() + 1));
+                    if sp.plan(&s.job.prompt, &s.generated, room) > 0 {
+                        want = Logits::All;
+                        sp.start = s.state.len();
+                        if s.state.rewinds_by_snapshot() {
+                            sp.snap = Some(s.state.snapshot());
+                        }
+                    }
+                }
+                plan.push((i, g - 1..g, false, want));
             }
         }
         let mut results: Vec<Option<Result<Vec<f32>, String>>> = (0..self.active.len()).map(|_| None).collect();
@@ -410,7 +435,18 @@ impl Scheduler {
             if logits.is_empty() {
                 continue; // a prefill chunk before the prompt's last
             }
-            let finished = self.sample(i, logits);
+            // Drafts planned for this step (None: it did not decode a speculating sequence).
+            let drafted = self.active[i].spec.as_ref().and_then(|sp| sp.batch.len().checked_sub(1));
+            let finished = match drafted {
+                Some(k) if k > 0 => self.verify(i, logits, t0.elapsed().as_secs_f64()),
+                _ => {
+                    if let Some(sp) = self.active[i].spec.as_mut().filter(|_| drafted.is_some()) {
+                        sp.observe(0, 0, t0.elapsed().as_secs_f64());
+                        sp.batch.clear();
+                    }
+                    self.sample(i, logits)
+                }
+            };
             if finished {
                 let s = self.active.swap_remove(i);
                 self.retire(s);
@@ -427,8 +463,12 @@ impl Scheduler {
         let mut items = Vec::with_capacity(plan.len());
         for (i, range, prefill, want) in plan {
             let Some(s) = seqs[*i].take() else { return Err("a sequence was planned twice".into()) };
-            let Seq { state, job, generated, .. } = s;
-            let tokens = if *prefill { &job.prompt[range.clone()] } else { &generated[range.clone()] };
+            let Seq { state, job, generated, spec, .. } = s;
+            let tokens = match spec.as_ref().filter(|sp| !sp.drafts().is_empty()) {
+                _ if *prefill => &job.prompt[range.clone()],
+                Some(sp) => &sp.batch[..],
+                None => &generated[range.clone()],
+            };
             items.push(BatchItem { state, tokens, want: *want });
         }
         let r = catch_unwind(AssertUnwindSafe(|| engine.model.forward_batch(&mut items, None)));
@@ -451,13 +491,63 @@ impl Scheduler {
 
     /// Samples the next token of active sequence `i`; returns whether it finished.
     fn sample(&mut self, i: usize, logits: Vec<f32>) -> bool {
-        let engine = self.engine.clone();
         let keep_prompt_end = self.cfg.prefix_cache_entries > 0;
         let s = &mut self.active[i];
         if s.generated.is_empty() && s.prompt_end.is_none() && keep_prompt_end {
             s.prompt_end = Some(PromptEnd { snapshot: s.state.snapshot(), logits: logits.clone() });
         }
         let picked = s.sampler.sample_full(&logits, s.job.logprobs);
+        let len = s.state.len();
+        self.emit(i, picked, len)
+    }
+
+    /// Verifies the drafts of active sequence `i` against the step's `logits` (one row per
+    /// position of its item), emits the tokens kept and the one drawn after them, and brings
+    /// its state back to what they leave; returns whether it finished.
+    fn verify(&mut self, i: usize, logits: Vec<f32>, step_secs: f64) -> bool {
+        let engine = self.engine.clone();
+        let vocab = engine.model.cfg.vocab_size;
+        let Some(sp) = self.active[i].spec.as_mut() else { return self.sample(i, logits) };
+        let batch = std::mem::take(&mut sp.batch);
+        let (start, snap) = (sp.start, sp.snap.take());
+        let drafted = batch.len() - 1;
+        let (mut emitted, mut kept, mut finished) = (0, 0, false);
+        for (j, row) in logits.chunks_exact(vocab).enumerate().take(batch.len()) {
+            let s = &mut self.active[i];
+            let (picked, was_draft) = match batch.get(j + 1) {
+                Some(&x) => verify::verify_one(&mut s.sampler, row, x, s.job.logprobs),
+                None => (s.sampler.sample_full(row, s.job.logprobs), false),
+            };
+            emitted += 1;
+            kept += usize::from(was_draft);
+            // The state will hold the item's first `emitted` positions.
+            finished = self.emit(i, picked, start + emitted);
+            if finished || !was_draft {
+                break;
+            }
+        }
+        self.metrics.spec_drafted_tokens.inc_by(drafted as u64);
+        self.metrics.spec_accepted_tokens.inc_by(kept as u64);
+        let s = &mut self.active[i];
+        if let Some(sp) = s.spec.as_mut() {
+            sp.observe(drafted, kept, step_secs);
+        }
+        if let Err(e) = verify::rewind_target(&engine, &mut s.state, start + emitted, snap.as_ref(), &batch) {
+            if !finished {
+                send(&s.job, Event::Error(ApiError::internal(format!("the model failed on this request: {e}"))));
+            }
+            // The state is not what its tokens say: it must not reach the prefix cache.
+            s.state.reset();
+            return true;
+        }
+        finished
+    }
+
+    /// Emits token `picked` of active sequence `i`, whose state will then hold `len`
+    /// positions; returns whether the sequence finished.
+    fn emit(&mut self, i: usize, picked: Sampled, len: usize) -> bool {
+        let engine = self.engine.clone();
+        let s = &mut self.active[i];
         s.generated.push(picked.token);
         let now = Instant::now();
         match s.last_token {
@@ -478,7 +568,7 @@ impl Scheduler {
             let (mut chunk, stopped) = s.out.push(tok, info);
             if stopped {
                 (chunk, Some(Finish::Stop))
-            } else if s.generated.len() >= s.job.max_tokens || s.state.len() + 1 > s.state.max_len() {
+            } else if s.generated.len() >= s.job.max_tokens || len + 1 > s.state.max_len() {
                 let (rest, stopped) = s.out.finish(tok);
                 chunk.text.push_str(&rest.text);
                 chunk.tokens.extend(rest.tokens);

@@ -526,3 +526,90 @@ async fn a_full_queue_waiting_for_memory_gets_503_with_retry_after() {
     assert_eq!(second["choices"][0]["text"].as_str(), Some(alone.text.as_str()), "{second}");
     s.shutdown();
 }
+
+/// Requests whose greedy output repeats its prompt's phrases, so that n-gram drafts are kept.
+fn repeating_requests() -> Vec<(&'static str, Value)> {
+    let mut v = Vec::new();
+    for i in 0..4usize {
+        let phrase = ["one two three four five ", "a b c d e f g ", "red green blue ", "x = x + 1; "][i];
+        let body = json!({"prompt": phrase.repeat(6), "max_tokens": 40 + 7 * i, "temperature": 0.0,
+                          "logprobs": 2, "stream": i % 2 == 1, "ignore_eos": true});
+        v.push((COMP, body));
+    }
+    v
+}
+
+fn speculating(b: &Value) -> Value {
+    let mut b = b.clone();
+    b["spec"] = json!("ngram");
+    b
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn speculating_requests_get_plain_decode_bits() {
+    for model in ["qwen3_moe", "qwen3_next"] {
+        let s = start(golden(model), ServerOptions { prefix_cache_bytes: 0, ..opts() }, resident()).await;
+        // Greedy: speculating gives plain decode's tokens and log-probabilities, alone and
+        // beside other requests (speculating or not).
+        let mut reqs = repeating_requests();
+        reqs.extend(mixed_requests().into_iter().filter(|(_, b)| b["temperature"] == json!(0.0)));
+        let plain = run_alone(&s, &reqs).await;
+        let d0 = s.metric("sluice_spec_drafted_tokens_total", &[]).await;
+        let spec_reqs: Vec<_> = reqs.iter().map(|(p, b)| (*p, speculating(b))).collect();
+        let alone = run_alone(&s, &spec_reqs).await;
+        let (d1, a1) = (
+            s.metric("sluice_spec_drafted_tokens_total", &[]).await,
+            s.metric("sluice_spec_accepted_tokens_total", &[]).await,
+        );
+        let mut mixed = spec_reqs.clone();
+        mixed.extend(reqs.iter().cloned());
+        let together = run_together(&s, &mixed).await;
+        for (i, p) in plain.iter().enumerate() {
+            assert_eq!(p, &alone[i], "{model}: request {i} speculating alone differs from plain decode");
+            assert_eq!(p, &together[i], "{model}: request {i} speculating in a batch differs from plain decode");
+            assert_eq!(p, &together[reqs.len() + i], "{model}: request {i} beside speculating requests differs");
+        }
+        assert_eq!(d0, 0.0, "{model}: plain requests drafted");
+        assert!(d1 > 0.0 && a1 > 0.0, "{model}: drafted {d1}, kept {a1}: nothing was verified");
+        // Sampled: the same bits alone and in a batch (a fixed draft length: what a request
+        // draws does not depend on timing or neighbours).
+        let sampled: Vec<_> = mixed_requests()
+            .into_iter()
+            .chain(repeating_requests())
+            .map(|(p, mut b)| {
+                b["temperature"] = json!(0.8);
+                b["seed"] = json!(31);
+                (p, speculating(&b))
+            })
+            .collect();
+        let alone = run_alone(&s, &sampled).await;
+        let together = run_together(&s, &sampled).await;
+        assert_eq!(alone, together, "{model}: sampled speculating requests differ in a batch");
+        s.shutdown();
+    }
+    // A server speculating by default: a request may turn it off; bad values are named.
+    let s =
+        start(golden("qwen3_moe"), ServerOptions { spec: Some(4), prefix_cache_bytes: 0, ..opts() }, resident()).await;
+    let (p, b) = &repeating_requests()[0];
+    let mut off = b.clone();
+    off["spec"] = json!("none");
+    let d0 = s.metric("sluice_spec_drafted_tokens_total", &[]).await;
+    let plain = complete(&s, p, &off).await;
+    assert_eq!(s.metric("sluice_spec_drafted_tokens_total", &[]).await, d0, "\"spec\": \"none\" drafted");
+    assert_eq!(complete(&s, p, b).await, plain);
+    assert!(s.metric("sluice_spec_drafted_tokens_total", &[]).await > d0, "the server's default did not draft");
+    for (field, value, says) in [
+        ("spec", json!("draft"), "n-gram lookup only"),
+        ("spec", json!(3), "\"ngram\" or \"none\""),
+        ("draft_max", json!(0), "1 to 64"),
+        ("draft_max", json!(65), "1 to 64"),
+    ] {
+        let mut bad = b.clone();
+        bad[field] = value;
+        let (status, v) = s.post_json(COMP, &bad).await;
+        assert_eq!(status, 400, "{v}");
+        assert_eq!(v["error"]["param"], json!(field), "{v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains(says), "{v}");
+    }
+    s.shutdown();
+}

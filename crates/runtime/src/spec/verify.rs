@@ -16,7 +16,7 @@
 
 use crate::engine::Engine;
 use crate::error::Result;
-use crate::sampler::{Candidates, Sampler};
+use crate::sampler::{Candidates, Sampled, Sampler};
 use sluice_model::{Logits, SeqState, Snapshot};
 
 /// How drafted tokens are accepted.
@@ -48,6 +48,17 @@ pub fn accept(sampler: &mut Sampler, p: &Candidates, x: u32, q: Option<&Candidat
         return true;
     }
     sampler.uniform() < px / qx
+}
+
+/// Verifies a draft token `x` chosen deterministically (n-gram lookup) at one position whose
+/// logits are `logits`: keeps it or draws the target's own token instead, by the rules above,
+/// and reports and records the token taken as `Sampler::sample_full` would. Returns whether
+/// it was `x`.
+pub fn verify_one(sampler: &mut Sampler, logits: &[f32], x: u32, logprobs: Option<usize>) -> (Sampled, bool) {
+    let p = sampler.candidates(logits);
+    let kept = accept(sampler, &p, x, None, Acceptance::Exact);
+    let token = if kept { x } else { sampler.draw(&residual(&p, x, None)) };
+    (sampler.take(logits, token, logprobs), kept)
 }
 
 /// The distribution to draw from after rejecting a token drawn from `q` (`None`: the one-hot
