@@ -26,13 +26,17 @@
 //! `draft_min` (usually none: a plain step), so the line has a measured anchor at the short
 //! end — extrapolated from long drafts alone, the cost of a short pass can be overestimated
 //! several times over when experts stream (a pass's misses grow with its tokens), and the
-//! controller then never tries it. Every eighth round explores a length next to the current
-//! choice, one longer and one shorter in turn, so estimates on both sides keep being
-//! measured; a longer turn first tries the longest length never measured, if any, since the
-//! cost can fall per token past a hump that steps of one do not cross (batches of a few
-//! tokens run a kernel that pays more per token than the panels of 16 longer passes use, so
-//! a line through the short lengths makes 15 drafts look far dearer than they are). With
-//! adaptation off it always drafts `draft_max`.
+//! controller then never tries it (the first round's own time is not kept: a cold start).
+//! Exploration rounds try a length next to the current choice, one longer and one shorter in
+//! turn, so estimates on both sides keep being measured; a longer turn first tries the longest
+//! length never measured that could pay if all its drafts were kept, if any, since the cost can
+//! fall per token past a hump that steps of one do not cross (batches of a few tokens run a
+//! kernel that pays more per token than the panels of 16 longer passes use, so a line through
+//! the short lengths makes 15 drafts look far dearer than they are). They come every eighth
+//! round while the best length moves, and each one that leaves it where it was doubles the
+//! interval (up to 128 rounds): every eighth round, a draft model that cannot pay cost a
+//! catch-up on the tokens since its last draft each time. With adaptation off it always drafts
+//! `draft_max`.
 
 use std::collections::BTreeMap;
 
@@ -59,7 +63,23 @@ pub struct Adapt {
     seen: Vec<u64>,
     draft_cost: Option<f64>,
     rounds: u64,
+    /// The round of the next exploration, the rounds between explorations, and how many
+    /// explorations there were (even: one longer, odd: one shorter).
+    next_explore: u64,
+    explore_every: u64,
+    explorations: u64,
+    /// The length the last choice found best.
+    last_best: Option<usize>,
+    /// Whether a round was observed: the first is not measured (the first step after the
+    /// prompt ran about twice as long as the next ones, and as the only plain step measured
+    /// it made drafting that could not pay look as if it did).
+    warm: bool,
 }
+
+/// Rounds between explorations while the best length keeps changing; each exploration that
+/// leaves the best length as it was doubles the interval, up to `EXPLORE_MAX`.
+const EXPLORE_MIN: u64 = 8;
+const EXPLORE_MAX: u64 = 128;
 
 /// Why a round drafted the length it did.
 pub const REASON_BEST: &str = "best expected rate";
@@ -81,6 +101,11 @@ impl Adapt {
             seen: vec![0; max + 1],
             draft_cost: None,
             rounds: 0,
+            next_explore: EXPLORE_MIN,
+            explore_every: EXPLORE_MIN,
+            explorations: 0,
+            last_best: None,
+            warm: false,
         }
     }
 
@@ -105,12 +130,25 @@ impl Adapt {
             }
         }
         let k = best.0;
-        if self.rounds & 7 == 0 {
-            let down = self.rounds & 8 != 0;
+        if self.last_best != Some(k) {
+            // The best length moved: explore around it often again.
+            self.last_best = Some(k);
+            self.explore_every = EXPLORE_MIN;
+            self.next_explore = self.next_explore.min(self.rounds + EXPLORE_MIN);
+        }
+        if self.rounds >= self.next_explore {
+            let down = self.explorations % 2 == 1;
+            self.explorations += 1;
+            self.next_explore = self.rounds + self.explore_every;
+            self.explore_every = (2 * self.explore_every).min(EXPLORE_MAX);
             if down && k > self.min {
                 return (k - 1, REASON_EXPLORE_DOWN);
             }
-            if let Some(u) = (k + 2..=hi).rev().find(|&u| self.cost[u].is_none()) {
+            // Only a length that could beat the choice if every draft were kept: a proposer
+            // that costs as much as a plain step per token (a draft model nearly the target's
+            // size) would pay for a long draft with nothing to gain.
+            let could_win = |u: usize| (u + 1) as f64 / self.round_cost(u).max(1e-9) > best.1;
+            if let Some(u) = (k + 2..=hi).rev().find(|&u| self.cost[u].is_none() && could_win(u)) {
                 return (u, REASON_EXPLORE_UNSEEN);
             }
             if k < hi {
@@ -216,6 +254,9 @@ impl Adapt {
             let hit = if i < kept { 1.0 } else { 0.0 };
             let (hits, n) = self.accept[i].unwrap_or((self.acceptance(i), 1.0));
             self.accept[i] = Some(((1.0 - ALPHA) * hits + hit, (1.0 - ALPHA) * n + 1.0));
+        }
+        if !std::mem::replace(&mut self.warm, true) {
+            return;
         }
         self.seen[drafted.min(self.max)] += 1;
         let c = &mut self.cost[drafted.min(self.max)];
@@ -382,5 +423,27 @@ mod tests {
         }
         let long = chosen[..20].iter().filter(|k| **k >= 13).count();
         assert!(long >= 10, "{long} of the first 20 rounds drafted 13 or more: {chosen:?}");
+    }
+
+    #[test]
+    fn a_draft_that_cannot_pay_is_left_alone() {
+        // A draft model that is the target requantized (as measured with Qwen2.5-Coder-0.5B and
+        // its Q2_K copy): every draft kept, 18 ms a drafted token and as much for the token it
+        // catches up on, against 25 ms plain steps (the first one 48 ms, a cold start).
+        let cost = |k: usize| match k {
+            0..=10 => 0.025 + 0.018 * k as f64,
+            _ => 0.012 * (k + 1) as f64,
+        };
+        let mut a = Adapt::new(0, 16, true);
+        let mut chosen = Vec::new();
+        for round in 0..200 {
+            let (k, _) = a.choose(1000);
+            chosen.push(k);
+            let verify = if round == 0 { 0.048 } else { cost(k) };
+            let draft = if k == 0 { 0.0 } else { 0.018 * (k + 1) as f64 };
+            a.observe(k, k, verify, draft);
+        }
+        let plain = chosen[40..].iter().filter(|k| **k == 0).count();
+        assert!(plain > 140, "{plain} of 160 rounds plain: {chosen:?} {:?}", a.summary());
     }
 }
