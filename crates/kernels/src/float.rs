@@ -193,6 +193,75 @@ pub fn weighted_rows_multi_isa(
     }
 }
 
+/// The attention softmax of a row of scores, in place, with an optional sink (a logit that
+/// joins the denominator and takes no share: gpt-oss). The maximum is subtracted first, so
+/// `exp` only meets arguments ≤ 0 (`exp_le0`); the exponentials are summed in eight lanes
+/// (element i in lane i mod 8), the lanes added as a fixed tree, the sink's term last, and every
+/// element multiplied by the reciprocal of the total. Every ISA level does exactly these
+/// operations, so a row's probabilities are the same bits at each level, in any batch.
+pub fn softmax(x: &mut [f32], sink: Option<f32>) {
+    softmax_isa(crate::cpu::isa(), x, sink)
+}
+
+/// `softmax` at a chosen ISA level.
+pub fn softmax_isa(isa: crate::cpu::Isa, x: &mut [f32], sink: Option<f32>) {
+    if x.is_empty() {
+        return;
+    }
+    let max = x.iter().copied().fold(sink.unwrap_or(f32::NEG_INFINITY), f32::max);
+    let lanes = match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the ISA level was detected on this CPU (AVX2 and FMA).
+        crate::cpu::Isa::Avx512 | crate::cpu::Isa::Avx2 => unsafe { x86::exp_rows_avx2(x, max) },
+        _ => {
+            let mut lanes = [0f32; 8];
+            for (i, v) in x.iter_mut().enumerate() {
+                *v = exp_le0(*v - max);
+                lanes[i % 8] += *v;
+            }
+            lanes
+        }
+    };
+    let l = lanes;
+    let mut total = ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+    if let Some(s) = sink {
+        total += exp_le0(s - max);
+    }
+    let inv = 1.0 / total;
+    for v in x.iter_mut() {
+        *v *= inv;
+    }
+}
+
+/// ln(2⁻¹²⁶): below it `exp_le0` is 0.
+const EXP_MIN: f32 = -87.336_55;
+/// ln 2 in two parts: the high part has 16 trailing zero bits, so n · `LN2_HI` is exact.
+const LN2_HI: f32 = f32::from_bits(0x3f31_7200);
+const LN2_LO: f32 = 1.428_606_8e-6;
+/// 1/6!, 1/5!, 1/4!, 1/3!, 1/2!: the Taylor polynomial of exp on |r| ≤ ln 2 / 2 (the rest
+/// under 2·10⁻⁷ relative).
+const EXP_POLY: [f32; 5] = [1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5];
+
+/// e^x for x ≤ 0, within about one ulp: n = round(x · log₂e), r = x − n · ln 2, a degree-6
+/// polynomial in r by fused multiply-adds, times 2ⁿ built from its bits; 0 below `EXP_MIN`
+/// (and for NaN). The AVX2 lanes (`x86::exp8_le0`) do the same operations.
+#[inline]
+pub fn exp_le0(x: f32) -> f32 {
+    if x.is_nan() || x < EXP_MIN {
+        return 0.0;
+    }
+    let n = (x * std::f32::consts::LOG2_E).round_ties_even();
+    let r = n.mul_add(-LN2_HI, x);
+    let r = n.mul_add(-LN2_LO, r);
+    let mut p = EXP_POLY[0];
+    for c in &EXP_POLY[1..] {
+        p = p.mul_add(r, *c);
+    }
+    p = p.mul_add(r, 1.0);
+    p = p.mul_add(r, 1.0);
+    p * f32::from_bits(((n as i32 + 127) as u32) << 23)
+}
+
 /// `weighted_rows` at a chosen ISA level.
 pub fn weighted_rows_isa(isa: crate::cpu::Isa, out: &mut [f32], w: &[f32], rows: &[f32], stride: usize) {
     let d = out.len();
@@ -253,6 +322,63 @@ fn tail_x(x: &[f32], start: usize) -> [f32; LANES] {
 mod x86 {
     use super::*;
     use std::arch::x86_64::*;
+
+    /// e^x in each lane for x ≤ 0: `exp_le0`'s operations.
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX2 and FMA (checked by `cpu::isa()`).
+    #[inline(always)]
+    unsafe fn exp8_le0(x: __m256) -> __m256 {
+        let ok = _mm256_cmp_ps::<_CMP_GE_OQ>(x, _mm256_set1_ps(EXP_MIN));
+        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
+            x,
+            _mm256_set1_ps(std::f32::consts::LOG2_E),
+        ));
+        let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_HI), x);
+        let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_LO), r);
+        let mut p = _mm256_set1_ps(EXP_POLY[0]);
+        for c in &EXP_POLY[1..] {
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(*c));
+        }
+        let one = _mm256_set1_ps(1.0);
+        p = _mm256_fmadd_ps(p, r, one);
+        p = _mm256_fmadd_ps(p, r, one);
+        // Lanes below EXP_MIN (their n may be out of range) are masked to 0.
+        let e = _mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)));
+        _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), ok)
+    }
+
+    /// `x[i] = exp_le0(x[i] - max)`, returning the eight lane sums of `softmax_isa` (element i
+    /// added to lane i mod 8, in order; the last partial vector's missing lanes add zero).
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX2 and FMA (checked by `cpu::isa()`).
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn exp_rows_avx2(x: &mut [f32], max: f32) -> [f32; 8] {
+        let m = _mm256_set1_ps(max);
+        let mut acc = _mm256_setzero_ps();
+        let mut chunks = x.chunks_exact_mut(8);
+        for c in &mut chunks {
+            let e = exp8_le0(_mm256_sub_ps(_mm256_loadu_ps(c.as_ptr()), m));
+            _mm256_storeu_ps(c.as_mut_ptr(), e);
+            acc = _mm256_add_ps(acc, e);
+        }
+        let rest = chunks.into_remainder();
+        if !rest.is_empty() {
+            // Missing lanes are -inf: their exponentials are 0.
+            let mut buf = [f32::NEG_INFINITY; 8];
+            buf[..rest.len()].copy_from_slice(rest);
+            let e = exp8_le0(_mm256_sub_ps(_mm256_loadu_ps(buf.as_ptr()), m));
+            _mm256_storeu_ps(buf.as_mut_ptr(), e);
+            rest.copy_from_slice(&buf[..rest.len()]);
+            acc = _mm256_add_ps(acc, e);
+        }
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
+        lanes
+    }
 
     macro_rules! dispatch_rt {
         ($f:ident, $dtype:expr, $rows:expr, $xs:expr, $out:expr, $ldo:expr) => {{
@@ -847,5 +973,46 @@ mod tests {
         let b = rand_vec(1000, 8);
         let exact: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
         assert!((dot_f32(&a, &b) as f64 - exact).abs() < 1e-4);
+    }
+
+    #[test]
+    fn exp_le0_is_within_two_ulp_of_exp_and_zero_below_its_range() {
+        let mut worst = 0f64;
+        for i in 0..=200_000 {
+            let x = -87.0 * i as f32 / 200_000.0;
+            let want = (x as f64).exp();
+            let got = exp_le0(x) as f64;
+            worst = worst.max(((got - want) / want).abs());
+        }
+        assert!(worst < 2.4e-7, "largest relative error {worst:e}");
+        assert_eq!(exp_le0(0.0), 1.0);
+        assert_eq!(exp_le0(-88.0), 0.0);
+        assert_eq!(exp_le0(f32::NEG_INFINITY), 0.0);
+        assert_eq!(exp_le0(f32::NAN), 0.0);
+    }
+
+    #[test]
+    fn softmax_is_the_same_bits_at_every_level_and_close_to_the_reference() {
+        for n in [1usize, 2, 7, 8, 9, 15, 16, 17, 63, 100, 1031] {
+            for (seed, sink) in [(1u64, None), (2, Some(0.7f32)), (3, Some(-40.0))] {
+                // Scores spread wide: some exponentials underflow to zero.
+                let x: Vec<f32> = rand_vec(n, seed + n as u64).iter().map(|v| v * 30.0).collect();
+                let mut want = x.clone();
+                softmax_isa(Isa::Scalar, &mut want, sink);
+                for isa in Isa::supported() {
+                    let mut got = x.clone();
+                    softmax_isa(isa, &mut got, sink);
+                    assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{isa:?} n={n} {sink:?}");
+                }
+                let mut r = x.clone();
+                match sink {
+                    Some(s) => crate::ops::softmax_with_sink(&mut r, s),
+                    None => crate::ops::softmax(&mut r),
+                }
+                for (a, b) in want.iter().zip(&r) {
+                    assert!((a - b).abs() <= 1e-6 * b.abs().max(1e-30) + 1e-37, "n={n}: {a} against {b}");
+                }
+            }
+        }
     }
 }

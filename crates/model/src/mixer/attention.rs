@@ -18,7 +18,7 @@ use crate::model::{observe, Model};
 use crate::state::SeqState;
 use crate::trace::Observer;
 use crate::weights::{vector, Key, Linear, TensorSource, Weight};
-use sluice_kernels::float::{dots_f32_multi, weighted_rows_multi};
+use sluice_kernels::float::{dots_f32_multi, softmax, weighted_rows_multi};
 use sluice_kernels::{ops, SendPtr};
 
 /// Most query heads of one KV group scored together (the float tile's four tokens): each key
@@ -190,10 +190,7 @@ pub fn forward(
             dots_f32_multi(&qs[..nq], &kc[at..], kvd, len, scale, &mut rows[..nq]);
             let mut outs: [&mut [f32]; HEADS_PER_TASK] = Default::default();
             for ((head, sc), o) in heads.zip(rows.iter_mut()).zip(outs.iter_mut()) {
-                match &w.sinks {
-                    Some(s) => ops::softmax_with_sink(sc, s[head]),
-                    None => ops::softmax(sc),
-                }
+                softmax(sc, w.sinks.as_ref().map(|s| s[head]));
                 // SAFETY: this task alone owns head `head`'s head_dim slice of token t in `att`.
                 *o = unsafe { std::slice::from_raw_parts_mut(att_ptr.get().add(t * qd + head * hd), hd) };
             }

@@ -24,7 +24,8 @@ use crate::trace::Observer;
 use crate::weights::{vector, Key, Linear, TensorSource, Weight};
 use sluice_formats::safetensors::TensorData;
 use sluice_formats::Blob;
-use sluice_kernels::{float::dots_f32, matmul, ops, DType, SendPtr, ThreadPool};
+use sluice_kernels::float::{dots_f32, softmax};
+use sluice_kernels::{matmul, ops, DType, SendPtr, ThreadPool};
 
 pub struct MlaWeights {
     /// q's down projection (q_lora_rank, hidden) and its norm, when q is low-rank.
@@ -262,7 +263,7 @@ pub fn forward(
             scores.clear();
             scores.resize(p + 1, 0.0);
             dots_f32(&qa[task * cw..(task + 1) * cw], cache, cw, p + 1, scale, &mut scores);
-            ops::softmax(&mut scores);
+            softmax(&mut scores, None);
             // SAFETY: task (t, head) owns this rank-sized slice of `lat`.
             let o = unsafe { std::slice::from_raw_parts_mut(lat_ptr.get().add((t * nh + hd) * r), r) };
             o.fill(0.0);
