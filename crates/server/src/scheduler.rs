@@ -464,10 +464,13 @@ impl Scheduler {
         for (i, range, prefill, want) in plan {
             let Some(s) = seqs[*i].take() else { return Err("a sequence was planned twice".into()) };
             let Seq { state, job, generated, spec, .. } = s;
-            let tokens = match spec.as_ref().filter(|sp| !sp.drafts().is_empty()) {
-                _ if *prefill => &job.prompt[range.clone()],
-                Some(sp) => &sp.batch[..],
-                None => &generated[range.clone()],
+            let drafting = spec.as_ref().filter(|sp| !sp.drafts().is_empty());
+            let tokens = if *prefill {
+                &job.prompt[range.clone()]
+            } else if let Some(sp) = drafting {
+                &sp.batch[..]
+            } else {
+                &generated[range.clone()]
             };
             items.push(BatchItem { state, tokens, want: *want });
         }

@@ -638,6 +638,24 @@ fn time_ops(json: bool) {
                 ops::softmax(o)
             }),
         ),
+        (
+            "attention softmax 1024 (float::softmax)",
+            1024,
+            2 * 1024 * 4,
+            Box::new(|o: &mut [f32]| {
+                o[..1024].copy_from_slice(&x8k[..1024]);
+                float::softmax(&mut o[..1024], None)
+            }),
+        ),
+        (
+            "softmax 1024 (ops::softmax)",
+            1024,
+            2 * 1024 * 4,
+            Box::new(|o: &mut [f32]| {
+                o[..1024].copy_from_slice(&x8k[..1024]);
+                ops::softmax(&mut o[..1024])
+            }),
+        ),
         ("axpy 2048", 2048, 3 * 2048 * 4, Box::new(|o: &mut [f32]| ops::axpy(&mut o[..2048], 0.5, &x2k))),
         (
             "scores 4 heads x 1024, one by one",

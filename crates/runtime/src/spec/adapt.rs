@@ -289,6 +289,43 @@ impl Adapt {
 mod tests {
     use super::*;
 
+    /// Runs `rounds` rounds of `a` (room `room`); `outcome(round, k)` says how the round that
+    /// drafted `k` went: (kept, verify seconds, draft seconds). Returns the lengths chosen.
+    fn simulate(
+        a: &mut Adapt,
+        rounds: usize,
+        room: usize,
+        mut outcome: impl FnMut(usize, usize) -> (usize, f64, f64),
+    ) -> Vec<usize> {
+        (0..rounds)
+            .map(|round| {
+                let (k, _) = a.choose(room);
+                let (kept, verify, draft) = outcome(round, k);
+                a.observe(k, kept, verify, draft);
+                k
+            })
+            .collect()
+    }
+
+    /// A xorshift step.
+    fn next(rng: &mut u32) -> u32 {
+        *rng ^= *rng << 13;
+        *rng ^= *rng >> 17;
+        *rng ^= *rng << 5;
+        *rng
+    }
+
+    /// Verify costs as measured for Qwen2.5-Coder-0.5B (2 threads, AVX2 EPYC): 27 ms for a
+    /// plain step, ~18 ms a draft up to 10, the 16-token panel from 11 drafts to 15, a second
+    /// panel at 16.
+    fn qwen_verify(k: usize) -> f64 {
+        match k {
+            0..=10 => 0.027 + 0.018 * k as f64,
+            11..=15 => 0.012 * (k + 1) as f64,
+            _ => 0.280,
+        }
+    }
+
     #[test]
     fn long_drafts_when_they_are_kept_and_short_when_not() {
         let mut a = Adapt::new(0, 8, true);
@@ -301,12 +338,7 @@ mod tests {
         // Longer drafts are reached in a few rounds when every draft is kept: positions not
         // drafted yet are estimated from the deepest one drafted, not from the prior.
         let mut a = Adapt::new(0, 16, true);
-        let mut chosen = Vec::new();
-        for _ in 0..24 {
-            let (k, _) = a.choose(100);
-            chosen.push(k);
-            a.observe(k, k, 0.010 + 0.001 * k as f64, 0.0);
-        }
+        let chosen = simulate(&mut a, 24, 100, |_, k| (k, 0.010 + 0.001 * k as f64, 0.0));
         assert!(chosen[12..].iter().all(|k| *k >= 15), "{chosen:?}");
         let mut a = Adapt::new(0, 8, true);
         for _ in 0..80 {
@@ -324,24 +356,12 @@ mod tests {
         // (Measured so on a synthetic OLMoE-shape model streamed through a 1 GiB cache: a plain
         // step 0.4–0.9 s, passes of 3–6 drafts about 4 s whatever their length.)
         let mut a = Adapt::new(0, 8, true);
-        let mut chosen = Vec::new();
         let mut rng = 0x9E37_79B9u32;
-        for _ in 0..80 {
-            let (k, _) = a.choose(100);
-            chosen.push(k);
+        let chosen = simulate(&mut a, 80, 100, |_, k| {
             // Each position kept with probability 0.55, until the first refusal.
-            let mut kept = 0;
-            while kept < k {
-                rng ^= rng << 13;
-                rng ^= rng >> 17;
-                rng ^= rng << 5;
-                if rng % 100 >= 55 {
-                    break;
-                }
-                kept += 1;
-            }
-            a.observe(k, kept, if k == 0 { 0.4 } else { 4.0 }, 0.05 * k as f64);
-        }
+            let kept = (0..k).take_while(|_| next(&mut rng) % 100 < 55).count();
+            (kept, if k == 0 { 0.4 } else { 4.0 }, 0.05 * k as f64)
+        });
         assert_eq!(chosen[0], 0, "the first round measures a plain step");
         assert_eq!(a.choose(100).0, 0, "{:?}", a.summary());
         assert!(chosen[40..].iter().filter(|k| **k == 0).count() > 30, "{chosen:?}");
@@ -349,13 +369,10 @@ mod tests {
         // drafts) cost 1.6× as much as 16. Every draft kept. The controller must settle below
         // the step, not on the longest length a line through the measurements favours.
         let mut a = Adapt::new(0, 16, true);
-        let mut chosen = Vec::new();
-        for _ in 0..120 {
-            let (k, _) = a.choose(1000);
-            chosen.push(k);
+        let chosen = simulate(&mut a, 120, 1000, |_, k| {
             let base = 0.020 + 0.008 * (k + 1) as f64;
-            a.observe(k, k, if k == 16 { 1.6 * 0.020 + 1.6 * 0.008 * 16.0 } else { base }, 0.0);
-        }
+            (k, if k == 16 { 1.6 * 0.020 + 1.6 * 0.008 * 16.0 } else { base }, 0.0)
+        });
         assert!(chosen[60..].iter().filter(|k| **k == 15).count() > 45, "{chosen:?}");
         assert!(chosen[60..].iter().filter(|k| **k == 16).count() <= 4, "only exploring: {chosen:?}");
         // The cost the small-batch kernels give (measured on an AVX2 EPYC, Qwen2.5-Coder-0.5B at
@@ -368,12 +385,7 @@ mod tests {
             _ => 0.260,
         };
         let mut a = Adapt::new(0, 16, true);
-        let mut chosen = Vec::new();
-        for _ in 0..120 {
-            let (k, _) = a.choose(1000);
-            chosen.push(k);
-            a.observe(k, k, cost(k), 0.0);
-        }
+        let chosen = simulate(&mut a, 120, 1000, |_, k| (k, cost(k), 0.0));
         assert!(chosen[60..].iter().filter(|k| **k == 15).count() > 45, "{chosen:?}");
         let mut f = Adapt::new(2, 5, false);
         assert_eq!(f.choose(100), (5, REASON_FIXED));
@@ -383,44 +395,23 @@ mod tests {
     #[test]
     fn a_refusal_deep_in_a_draft_is_not_held_against_that_position_forever() {
         // Drafts are kept except at an edit, which falls anywhere in a draft about one round
-        // in ten. Verify costs as measured for Qwen2.5-Coder-0.5B (2 threads, AVX2 EPYC):
-        // 27 ms for a plain step, ~18 ms a draft up to 10, the 16-token panel at 15 drafts.
-        let cost = |k: usize| match k {
-            0..=10 => 0.027 + 0.018 * k as f64,
-            11..=15 => 0.012 * (k + 1) as f64,
-            _ => 0.280,
-        };
+        // in ten.
         let mut a = Adapt::new(0, 16, true);
-        let mut chosen = Vec::new();
         let mut rng = 0x2545_F491u32;
-        for _ in 0..400 {
-            let (k, _) = a.choose(1000);
-            chosen.push(k);
-            rng ^= rng << 13;
-            rng ^= rng >> 17;
-            rng ^= rng << 5;
-            let kept = if rng.is_multiple_of(10) && k > 0 { (rng / 10) as usize % k } else { k };
-            a.observe(k, kept, cost(k), 0.0);
-        }
+        let chosen = simulate(&mut a, 400, 1000, |_, k| {
+            let r = next(&mut rng);
+            let kept = if r.is_multiple_of(10) && k > 0 { (r / 10) as usize % k } else { k };
+            (kept, qwen_verify(k), 0.0)
+        });
         let long = chosen[100..].iter().filter(|k| **k >= 13).count();
         assert!(long > 200, "{long} of 300 rounds drafted 13 or more: {chosen:?}");
     }
 
     #[test]
     fn drafts_grow_within_a_few_rounds_when_kept() {
-        // Every draft kept; the verify cost of `a_refusal_deep_in_a_draft_...`.
-        let cost = |k: usize| match k {
-            0..=10 => 0.027 + 0.018 * k as f64,
-            11..=15 => 0.012 * (k + 1) as f64,
-            _ => 0.280,
-        };
+        // Every draft kept.
         let mut a = Adapt::new(0, 16, true);
-        let mut chosen = Vec::new();
-        for _ in 0..40 {
-            let (k, _) = a.choose(1000);
-            chosen.push(k);
-            a.observe(k, k, cost(k), 0.0);
-        }
+        let chosen = simulate(&mut a, 40, 1000, |_, k| (k, qwen_verify(k), 0.0));
         let long = chosen[..20].iter().filter(|k| **k >= 13).count();
         assert!(long >= 10, "{long} of the first 20 rounds drafted 13 or more: {chosen:?}");
     }
@@ -435,14 +426,10 @@ mod tests {
             _ => 0.012 * (k + 1) as f64,
         };
         let mut a = Adapt::new(0, 16, true);
-        let mut chosen = Vec::new();
-        for round in 0..200 {
-            let (k, _) = a.choose(1000);
-            chosen.push(k);
+        let chosen = simulate(&mut a, 200, 1000, |round, k| {
             let verify = if round == 0 { 0.048 } else { cost(k) };
-            let draft = if k == 0 { 0.0 } else { 0.018 * (k + 1) as f64 };
-            a.observe(k, k, verify, draft);
-        }
+            (k, verify, if k == 0 { 0.0 } else { 0.018 * (k + 1) as f64 })
+        });
         let plain = chosen[40..].iter().filter(|k| **k == 0).count();
         assert!(plain > 140, "{plain} of 160 rounds plain: {chosen:?} {:?}", a.summary());
     }
