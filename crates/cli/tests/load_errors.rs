@@ -22,10 +22,16 @@ fn copy_model(fam: &str, tag: &str) -> PathBuf {
 
 /// Runs `sluice logits` on `model`; returns stderr, asserting a clean failure.
 fn fails(model: &Path) -> String {
+    fails_with(model, &[])
+}
+
+/// `fails` with more arguments.
+fn fails_with(model: &Path, args: &[&str]) -> String {
     let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
         .args(["logits", "--model"])
         .arg(model)
         .args(["--tokens", "5,6,7"])
+        .args(args)
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr).to_string();
@@ -372,25 +378,42 @@ fn poke(src: &Path, dst: &Path, offset: usize, v: u8) {
 
 #[test]
 fn an_mxfp4_scale_outside_the_format_is_named() {
-    // E8M0 exponent 0xFF is the format's NaN. Hugging Face blocks: a byte of `*_scales`.
+    // E8M0 exponent 0xFF is the format's NaN. Hugging Face blocks: a byte of `*_scales`, in
+    // every expert (a streamed run reads only the experts it routes to).
     let d = copy_model("gpt_oss_mxfp4", "mxfp4-scale");
     let st = d.join("model.safetensors");
     let name = "model.layers.1.mlp.experts.down_proj_scales";
     let m = sluice_formats::safetensors::SafetensorsModel::open(&d).unwrap();
-    let at = m.info(name).unwrap().start;
+    let info = m.info(name).unwrap().clone();
     drop(m);
-    poke(&st.clone(), &st, at + 5, 0xFF);
+    let per_expert = (info.end - info.start) / info.shape[0];
+    for e in 0..info.shape[0] {
+        poke(&st.clone(), &st, info.start + e * per_expert + 5, 0xFF);
+    }
     let e = fails(&d);
     assert!(e.contains(name) && e.contains("0xFF"), "{e}");
-    // GGUF: the exponent byte that opens a block of `ffn_up_exps`.
+    // Streamed, the expert is rewritten into the kernels' form as it lands, and refused there.
+    let e = fails_with(&d, &["--expert-mode", "stream", "--expert-cache", "128KiB"]);
+    assert!(e.contains("layer 1 expert") && e.contains(name) && e.contains("0xFF"), "{e}");
+    // GGUF: the exponent byte that opens a block of `ffn_up_exps`, in every expert.
     let src = golden("gguf").join("gpt_oss_mxfp4-bf16.gguf");
     let f = sluice_formats::gguf::GgufFile::open(&src).unwrap();
-    let at = f.tensor_info("blk.2.ffn_up_exps.weight").unwrap().offset as usize + 17 * 3;
+    let t = f.tensor_info("blk.2.ffn_up_exps.weight").unwrap();
+    let n_exp = *t.dims.last().unwrap() as usize;
+    let (start, per_expert) = (t.offset as usize, t.size as usize / n_exp);
     drop(f);
     let dst = std::env::temp_dir().join(format!("sluice-err-mxfp4-{}.gguf", std::process::id()));
-    poke(&src, &dst, at, 0xFF);
+    std::fs::copy(&src, &dst).unwrap();
+    for e in 0..n_exp {
+        poke(&dst.clone(), &dst, start + e * per_expert + 17 * 3, 0xFF);
+    }
     let e = fails(&dst);
     assert!(e.contains("blk.2.ffn_up_exps.weight") && e.contains("0xFF"), "{e}");
+    // Streamed: checked as each expert lands (a whole-file scan would read every expert).
+    let e = fails_with(&dst, &["--expert-mode", "stream", "--expert-cache", "128KiB"]);
+    assert!(e.contains("layer 2 expert") && e.contains("Up") && e.contains("0xFF"), "{e}");
+    let _ = std::fs::remove_file(&dst);
+    let _ = std::fs::remove_dir_all(&d);
 }
 
 #[test]

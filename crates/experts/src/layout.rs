@@ -4,10 +4,13 @@
 //! file. Reads go straight into the slot with O_DIRECT, which needs file offset, length and
 //! memory address aligned to `ALIGN`: each range is widened to aligned bounds, read whole,
 //! and the matrix starts at its offset inside that landing zone. A pack record is one
-//! contiguous aligned range holding all three.
+//! contiguous aligned range holding all three. An expert not stored in the kernels' form
+//! (gpt-oss's fused Hugging Face tensors) lands its source ranges the same way and is then
+//! rewritten into the three matrices (`Reform`) before anyone uses the slot.
 
 use sluice_kernels::DType;
-use sluice_model::weights::ExpertPart;
+use sluice_model::families::gpt_oss::FusedExpert;
+use sluice_model::weights::{mxfp4_scale_check, ExpertPart};
 
 /// O_DIRECT alignment of file offsets, lengths and buffers.
 pub const ALIGN: u64 = 4096;
@@ -20,7 +23,8 @@ pub fn align_up(v: u64) -> u64 {
     v.div_ceil(ALIGN) * ALIGN
 }
 
-/// One matrix of an expert.
+/// One matrix of an expert. For a reformed expert (`ExpertPlan::reform`), `file` and
+/// `offset` are unused: the matrix is made from the plan's source ranges.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PartLoc {
     pub file: usize,
@@ -51,6 +55,34 @@ pub struct ExpertPlan {
     pub parts: [PartLoc; 3],
     /// Pack records carry a checksum of their bytes (gate | up | down).
     pub checksum: Option<u64>,
+    /// Set when the bytes read are not the kernels' form.
+    pub reform: Option<Reform>,
+}
+
+/// An expert whose stored bytes must be rewritten into the kernels' matrices once read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Reform {
+    pub fused: FusedExpert,
+    /// (file, offset, length) of each source range, in `fused.sources`' order.
+    pub sources: Vec<(usize, u64, u64)>,
+    /// Where each source range's first byte lands in the slot.
+    pub raw_offsets: Vec<u64>,
+    /// Bytes of slot the landed source ranges span.
+    pub raw_bytes: u64,
+}
+
+impl Reform {
+    /// Writes the three matrices into `out` at `offsets` from `raw`, the source ranges as the
+    /// reads landed them (`raw_bytes` long).
+    pub fn apply(&self, raw: &[u8], out: &mut [u8], offsets: &[u64; 3]) -> Result<(), String> {
+        let src: Vec<&[u8]> =
+            self.raw_offsets.iter().zip(&self.sources).map(|(&o, s)| &raw[o as usize..][..s.2 as usize]).collect();
+        for (p, &at) in ExpertPart::ALL.into_iter().zip(offsets) {
+            let n = self.fused.bytes(p);
+            self.fused.reform(p, &src, &mut out[at as usize..][..n])?;
+        }
+        Ok(())
+    }
 }
 
 impl ExpertPlan {
@@ -72,7 +104,62 @@ impl ExpertPlan {
             offsets[i] = at + (p.offset - start);
             at += end - start;
         }
-        ExpertPlan { reads, part_offsets: offsets, parts, checksum: None }
+        ExpertPlan { reads, part_offsets: offsets, parts, checksum: None, reform: None }
+    }
+
+    /// gpt-oss's fused Hugging Face expert: its source ranges (in `files`, indexed by
+    /// `file_of`) read into the slot like `from_parts`, then rewritten into the three matrices,
+    /// which start at the slot's beginning (each 64-byte aligned).
+    pub fn reformed(fused: FusedExpert, file_of: impl Fn(&std::path::Path) -> usize) -> ExpertPlan {
+        let mut reads = Vec::with_capacity(fused.sources.len());
+        let mut raw_offsets = Vec::with_capacity(fused.sources.len());
+        let mut sources = Vec::with_capacity(fused.sources.len());
+        let mut at = 0u64;
+        for r in &fused.sources {
+            let file = file_of(&r.file);
+            let start = align_down(r.offset);
+            let end = align_up(r.offset + r.len);
+            reads.push(Read { file, offset: start, len: end - start, slot_offset: at, need: r.offset + r.len - start });
+            raw_offsets.push(at + (r.offset - start));
+            sources.push((file, r.offset, r.len));
+            at += end - start;
+        }
+        let mut offsets = [0u64; 3];
+        let mut end = 0u64;
+        let parts = ExpertPart::ALL.map(|p| {
+            let (dtype, rows, cols) = fused.shape(p);
+            let len = fused.bytes(p) as u64;
+            offsets[p as usize] = end;
+            end = (end + len).next_multiple_of(64);
+            PartLoc { file: 0, offset: 0, len, dtype, rows, cols }
+        });
+        let reform = Reform { fused, sources, raw_offsets, raw_bytes: at };
+        ExpertPlan { reads, part_offsets: offsets, parts, checksum: None, reform: Some(reform) }
+    }
+
+    /// The exact byte ranges (file, offset, length) of the expert in the files.
+    pub fn ranges(&self) -> Vec<(usize, u64, u64)> {
+        match &self.reform {
+            Some(r) => r.sources.clone(),
+            None if self.checksum.is_some() => {
+                vec![(self.reads[0].file, self.reads[0].offset, self.payload_bytes())]
+            }
+            None => self.parts.iter().map(|p| (p.file, p.offset, p.len)).collect(),
+        }
+    }
+
+    /// Checks the three matrices, at `offsets` in `bytes`, for values no weight has: an MXFP4
+    /// scale of 0xFF.
+    pub fn check(&self, bytes: &[u8], offsets: &[u64; 3]) -> Option<String> {
+        for (i, p) in self.parts.iter().enumerate() {
+            if p.dtype == DType::MXFP4 {
+                let data = &bytes[offsets[i] as usize..][..p.len as usize];
+                if let Some(m) = mxfp4_scale_check(data, p.cols) {
+                    return Some(format!("{:?}: {m}", ExpertPart::ALL[i]));
+                }
+            }
+        }
+        None
     }
 
     /// One contiguous aligned record holding the three matrices back to back.
@@ -90,12 +177,15 @@ impl ExpertPlan {
             part_offsets: offsets,
             parts,
             checksum: Some(checksum),
+            reform: None,
         }
     }
 
     /// Bytes of slot this expert needs.
     pub fn slot_bytes(&self) -> u64 {
-        self.reads.iter().map(|r| r.slot_offset + r.len).max().unwrap_or(0)
+        let read = self.reads.iter().map(|r| r.slot_offset + r.len).max().unwrap_or(0);
+        let parts = self.parts.iter().zip(self.part_offsets).map(|(p, o)| o + p.len).max().unwrap_or(0);
+        read.max(parts)
     }
 
     /// Bytes the kernels use (what the expert weighs).

@@ -1,7 +1,9 @@
 //! The pack: an offload-ready copy of a model's routed experts. One 4 KiB-aligned,
-//! contiguous record per (layer, expert) holding gate | up | down in their stored format, so
-//! a miss is one aligned read straight into a slot; an index with a checksum per record; and
-//! the fingerprint of the model it was made from (a pack refuses any other model).
+//! contiguous record per (layer, expert) holding gate | up | down in the kernels' form (their
+//! stored format; an expert stored otherwise, like gpt-oss's fused Hugging Face tensors, is
+//! rewritten as it is packed), so a miss is one aligned read straight into a slot; an index
+//! with a checksum per record; and the fingerprint of the model it was made from (a pack
+//! refuses any other model).
 //!
 //! File: `SLUICEPK`, u32 version, u32 0, u64 index length, the index (JSON), zero padding to
 //! 4 KiB, then the records.
@@ -65,8 +67,23 @@ pub fn write_pack(
         }
     }
     // Checksums need the bytes: compute them in a first pass so the index is final.
-    let read_expert = |plan: &ExpertPlan, buf: &mut Vec<u8>| -> Result<()> {
+    let mut raw = Vec::new();
+    let mut read_expert = |plan: &ExpertPlan, buf: &mut Vec<u8>| -> Result<()> {
         buf.clear();
+        if let Some(r) = &plan.reform {
+            // Stored in another form: records hold the kernels' matrices.
+            raw.clear();
+            raw.resize(r.raw_bytes as usize, 0);
+            for (&(f, offset, len), &at) in r.sources.iter().zip(&r.raw_offsets) {
+                let dst = &mut raw[at as usize..][..len as usize];
+                files[f].read_exact_at(dst, offset).map_err(io(&layout.files[f]))?;
+            }
+            let [g, u, d] = plan.parts.each_ref().map(|p| p.len);
+            buf.resize((g + u + d) as usize, 0);
+            return r
+                .apply(&raw, buf, &[0, g, g + u])
+                .map_err(|m| ExpertError::Model(format!("{}: {m}", layout.files[r.sources[0].0].display())));
+        }
         for p in &plan.parts {
             let start = buf.len();
             buf.resize(start + p.len as usize, 0);
@@ -79,6 +96,14 @@ pub fn write_pack(
     for layer in &layout.experts {
         for plan in layer {
             read_expert(plan, &mut buf)?;
+            // A pack holds only what the kernels can take: no weight has an MXFP4 scale of 0xFF.
+            let [g, u, _] = plan.parts.each_ref().map(|p| p.len);
+            if let Some(m) = plan.check(&buf, &[0, g, g + u]) {
+                return Err(ExpertError::Model(format!(
+                    "layer {} expert {}: {m}",
+                    records[i].layer, records[i].expert
+                )));
+            }
             records[i].checksum = format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&buf));
             i += 1;
         }

@@ -1,14 +1,15 @@
 //! Expert stores: where a model's routed experts are read from. Each produces a `Layout`
 //! (file ranges per expert). A GGUF file is read directly (an expert is a slice of each
 //! stacked `ffn_*_exps` tensor), so are Hugging Face safetensors (per-expert or fused tensors,
-//! across shards); a pack (see `pack`) is the read-optimised alternative.
+//! across shards; gpt-oss's fused experts are rewritten once read); a pack (see `pack`) is the
+//! read-optimised alternative.
 
 use crate::layout::{ExpertPlan, Layout, PartLoc};
 use crate::{ExpertError, Result};
 use sluice_model::gguf::GgufCheckpoint;
 use sluice_model::hf::HfCheckpoint;
 use sluice_model::weights::ExpertPart;
-use sluice_model::ModelConfig;
+use sluice_model::{Arch, ModelConfig};
 use std::path::{Path, PathBuf};
 
 /// The experts of a GGUF model as ranges of the file itself.
@@ -35,6 +36,17 @@ pub fn layout_from_hf(ck: &HfCheckpoint) -> Result<Layout> {
         return Err(ExpertError::NotMoe(ck.dir.display().to_string()));
     }
     let files: Vec<PathBuf> = ck.st.files.iter().map(|f| f.path.clone()).collect();
+    if cfg.arch == Arch::GptOss {
+        let experts = cfg.map_experts(|l, e| -> Result<ExpertPlan> {
+            let fused = ck.gpt_oss_expert(l, e).map_err(|err| ExpertError::Model(err.to_string()))?;
+            for p in ExpertPart::ALL {
+                let (_, rows, cols) = fused.shape(p);
+                check_shape(cfg, p, rows, cols, &ck.dir)?;
+            }
+            Ok(ExpertPlan::reformed(fused, |f| files.iter().position(|x| x == f).expect("shard listed")))
+        })?;
+        return Ok(Layout { files, experts });
+    }
     let experts = cfg.map_experts(|l, e| -> Result<ExpertPlan> {
         let part = |p: ExpertPart| -> Result<PartLoc> {
             let loc = ck.expert_location(p, l, e).map_err(|err| ExpertError::Model(err.to_string()))?;

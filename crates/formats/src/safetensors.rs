@@ -59,6 +59,12 @@ impl SafetensorsFile {
         Blob::new(self.map.clone() as Arc<dyn Backing>, info.start, info.end - info.start)
     }
 
+    /// `len` bytes of the file from absolute offset `start` (within the file).
+    pub fn range(&self, start: usize, len: usize) -> Blob {
+        assert!(start.checked_add(len).is_some_and(|end| end <= self.map.len()), "range inside the file");
+        Blob::new(self.map.clone() as Arc<dyn Backing>, start, len)
+    }
+
     pub fn file_len(&self) -> usize {
         self.map.len()
     }

@@ -4,6 +4,7 @@
 
 use crate::config::{Arch, FfnKind, ModelConfig, MtpConfig};
 use crate::error::{ModelError, Result};
+use crate::families::gpt_oss::FusedExpert;
 use crate::families::{self, HfNames};
 use crate::weights::{ExpertPart, Key, TensorSource};
 use sluice_formats::safetensors::{SafetensorsModel, TensorData};
@@ -78,7 +79,7 @@ impl HfCheckpoint {
     pub fn expert_location(&self, part: ExpertPart, l: usize, e: usize) -> Result<ExpertLoc> {
         if self.config.arch == Arch::GptOss {
             return Err(ModelError::Invalid(format!(
-                "{}: gpt-oss keeps its experts fused with gate and up interleaved, which cannot be streamed in place; run it resident, or stream its GGUF conversion",
+                "{}: gpt-oss's experts are not stored in the kernels' form (see `gpt_oss_expert`)",
                 self.describe()
             )));
         }
@@ -155,6 +156,15 @@ impl HfCheckpoint {
     }
 }
 
+impl HfCheckpoint {
+    /// Where gpt-oss's expert `e` of layer `l` lies in the fused tensors, and how it becomes
+    /// the kernels' matrices.
+    pub fn gpt_oss_expert(&self, l: usize, e: usize) -> Result<FusedExpert> {
+        let ff = self.config.moe.as_ref().map_or(0, |m| m.expert_ff);
+        FusedExpert::locate(&self.st, &self.names.prefix, l, e, self.config.hidden, ff)
+    }
+}
+
 impl TensorSource for HfCheckpoint {
     fn describe(&self) -> String {
         self.dir.display().to_string()
@@ -169,9 +179,16 @@ impl TensorSource for HfCheckpoint {
         self.named(&name)?.ok_or_else(|| self.missing(&name))
     }
 
+    fn expert_bytes(&self, part: ExpertPart, layer: usize, expert: usize) -> Result<u64> {
+        if self.config.arch == Arch::GptOss {
+            return Ok(self.gpt_oss_expert(layer, expert)?.bytes(part) as u64);
+        }
+        Ok(self.expert(part, layer, expert)?.data.len() as u64)
+    }
+
     fn expert(&self, part: ExpertPart, layer: usize, expert: usize) -> Result<TensorData> {
         if self.config.arch == Arch::GptOss {
-            return families::gpt_oss::hf_expert(&self.st, &self.names.prefix, part, layer, expert);
+            return families::gpt_oss::hf_expert(&self.st, &self.gpt_oss_expert(layer, expert)?, part);
         }
         let name = self.names.expert(part, layer, expert);
         if let Some(t) = self.named(&name)? {

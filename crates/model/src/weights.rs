@@ -121,6 +121,12 @@ pub trait TensorSource {
     /// One expert's matrix, shaped rows × cols like any other weight.
     fn expert(&self, part: ExpertPart, layer: usize, expert: usize) -> Result<TensorData>;
 
+    /// Bytes of that matrix as the kernels take it. Sources that must rewrite an expert to
+    /// produce it say so without doing the work.
+    fn expert_bytes(&self, part: ExpertPart, layer: usize, expert: usize) -> Result<u64> {
+        Ok(self.expert(part, layer, expert)?.data.len() as u64)
+    }
+
     fn require(&self, key: Key, layer: Option<usize>) -> Result<TensorData> {
         self.get(key, layer)?.ok_or_else(|| {
             let at = layer.map(|l| format!(" of layer {l}")).unwrap_or_default();
@@ -151,6 +157,26 @@ pub fn norm(
     Ok(w)
 }
 
+/// Finds an MXFP4 scale the format leaves undefined: E8M0 exponent 0xFF is its NaN, and no
+/// weight has it. `data` holds rows of `cols` values in GGUF's blocks (scale byte first).
+pub fn mxfp4_scale_check(data: &[u8], cols: usize) -> Option<String> {
+    // Sixteen blocks a branch (a streamed expert is scanned as it lands), then the first one.
+    let mut from = 0;
+    for group in data.chunks_exact(17 * 16) {
+        if (0..16).fold(false, |any, i| any | (group[17 * i] == 0xFF)) {
+            break;
+        }
+        from += 16;
+    }
+    let b = from + data[17 * from..].chunks_exact(17).position(|blk| blk[0] == 0xFF)?;
+    let per_row = (cols / 32).max(1);
+    Some(format!(
+        "MXFP4 block {} of row {} has scale exponent 0xFF, which the format leaves undefined (NaN)",
+        b % per_row,
+        b / per_row
+    ))
+}
+
 /// A resident weight matrix in its stored format.
 #[derive(Clone, Debug)]
 pub struct Weight {
@@ -179,15 +205,8 @@ impl Weight {
         MatRef::new(t.dtype, rows, cols, &t.data)
             .map_err(|e| ModelError::Invalid(format!("{origin}: tensor `{}`: {e}", t.name)))?;
         if t.dtype == DType::MXFP4 {
-            // E8M0 exponent 0xFF is MXFP4's NaN: no weight has it.
-            if let Some(b) = t.data.chunks_exact(17).position(|blk| blk[0] == 0xFF) {
-                let per_row = cols / 32;
-                return Err(ModelError::Invalid(format!(
-                    "{origin}: tensor `{}`: MXFP4 block {} of row {} has scale exponent 0xFF, which the format leaves undefined (NaN)",
-                    t.name,
-                    b % per_row,
-                    b / per_row
-                )));
+            if let Some(msg) = mxfp4_scale_check(&t.data, cols) {
+                return Err(ModelError::Invalid(format!("{origin}: tensor `{}`: {msg}", t.name)));
             }
         }
         Ok(Weight { name: t.name, dtype: t.dtype, rows, cols, data: t.data })
@@ -228,6 +247,25 @@ pub fn embedding_row(w: &Weight, r: usize, out: &mut [f32]) {
 mod tests {
     use super::*;
     use sluice_formats::Blob;
+
+    #[test]
+    fn an_mxfp4_scale_of_0xff_is_found_wherever_it_is() {
+        // 3 rows of 96 values (3 blocks a row) beyond sixteen-block groups: 37 blocks.
+        let (cols, blocks) = (96, 37);
+        let mut data = vec![0x7Fu8; blocks * 17];
+        for b in 0..blocks {
+            data[b * 17 + 1..b * 17 + 17].fill(0xFF); // codes may be anything
+        }
+        assert_eq!(mxfp4_scale_check(&data, cols), None);
+        for bad in [0, 15, 16, 31, 32, 36] {
+            let mut d = data.clone();
+            d[bad * 17] = 0xFF;
+            // A later one too: the first is named.
+            d[36 * 17] = 0xFF;
+            let m = mxfp4_scale_check(&d, cols).unwrap();
+            assert!(m.starts_with(&format!("MXFP4 block {} of row {} ", bad % 3, bad / 3)), "{bad}: {m}");
+        }
+    }
 
     fn tensor(name: &str, dtype: DType, shape: Vec<usize>, bytes: usize) -> TensorData {
         TensorData {

@@ -310,9 +310,9 @@ fn build(
         if let Some(l) = &layout {
             let fi = l.files.iter().position(|p| p == &s.local);
             for plan in l.experts.iter().flatten() {
-                for p in &plan.parts {
-                    if Some(p.file) == fi {
-                        experts.push((p.offset, p.offset + p.len));
+                for (file, offset, len) in plan.ranges() {
+                    if Some(file) == fi {
+                        experts.push((offset, offset + len));
                     }
                 }
             }

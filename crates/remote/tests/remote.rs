@@ -68,13 +68,14 @@ fn load_remote(url: &str, o: &RemoteOptions, cache: u64) -> (Mirror, Engine) {
 #[test]
 fn remote_models_give_the_local_files_logits_bit_for_bit_at_every_disk_tier_size() {
     let server = Nginx::start(&tests_dir());
-    // Three GGUF families (MoE, MLA + dense first layers, a Gated-DeltaNet hybrid), one
-    // Hugging Face directory, and a split GGUF.
+    // Three GGUF families (MoE, MLA + dense first layers, a Gated-DeltaNet hybrid), two
+    // Hugging Face directories (one whose experts are rewritten as they land), and a split GGUF.
     let models = [
         ("olmoe", "golden/gguf/olmoe-bf16.gguf"),
         ("deepseek_v3", "golden/gguf/deepseek_v3-bf16.gguf"),
         ("qwen3_next", "golden/gguf/qwen3_next-bf16.gguf"),
         ("qwen3_moe", "golden/qwen3_moe"),
+        ("gpt_oss_mxfp4", "golden/gpt_oss_mxfp4"),
         // A GGUF split in six parts by llama.cpp's gguf-split.
         ("deepseek_v3", "golden/gguf/split/deepseek_v3-bf16-00001-of-00006.gguf"),
     ];

@@ -93,19 +93,18 @@ pub fn expert_bytes(src: &dyn TensorSource, cfg: &ModelConfig) -> Result<u64> {
     let Some(moe) = &cfg.moe else { return Ok(0) };
     let mut total = 0u64;
     for l in (0..cfg.n_layer).filter(|l| cfg.is_sparse(*l)) {
-        let per: u64 = ExpertPart::ALL
-            .iter()
-            .map(|p| src.expert(*p, l, 0).map(|t| t.data.len() as u64))
-            .sum::<Result<u64, _>>()?;
+        let per: u64 = ExpertPart::ALL.iter().map(|p| src.expert_bytes(*p, l, 0)).sum::<Result<u64, _>>()?;
         total += per * moe.n_expert as u64;
     }
     Ok(total)
 }
 
-/// A byte count for people: GiB, or MiB below 1 GiB (so that a small quota never reads as
-/// "0.00 GiB").
+/// A byte count for people: GiB, or MiB below 1 GiB, or KiB below 1 MiB (so that a small
+/// quota never reads as "0.00 GiB").
 pub fn gib(b: u64) -> String {
-    if b < 1 << 30 {
+    if b < 1 << 20 {
+        format!("{:.1} KiB", b as f64 / 1024.0)
+    } else if b < 1 << 30 {
         format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64)
     } else {
         format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
@@ -131,6 +130,9 @@ impl TensorSource for OwnedSource<'_> {
     }
     fn expert(&self, part: ExpertPart, layer: usize, expert: usize) -> sluice_model::Result<TensorData> {
         Ok(own(self.0.expert(part, layer, expert)?))
+    }
+    fn expert_bytes(&self, part: ExpertPart, layer: usize, expert: usize) -> sluice_model::Result<u64> {
+        self.0.expert_bytes(part, layer, expert)
     }
 }
 

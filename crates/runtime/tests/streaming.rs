@@ -45,6 +45,9 @@ fn models() -> Vec<PathBuf> {
         // Latent attention, sinks and sliding windows, MXFP4 experts, grouped routers.
         t.join("golden/deepseek_v3"),
         t.join("golden/gguf/deepseek_v3-q8_0.gguf"),
+        // gpt-oss from Hugging Face: fused experts, rewritten into the kernels' form as they land.
+        t.join("golden/gpt_oss"),
+        t.join("golden/gpt_oss_mxfp4"),
         t.join("golden/gguf/gpt_oss-bf16.gguf"),
         t.join("golden/gguf/gpt_oss_mxfp4-bf16.gguf"),
         t.join("golden/glm4_moe"),

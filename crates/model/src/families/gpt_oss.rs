@@ -7,9 +7,10 @@
 //! Hugging Face keeps each layer's experts fused and input-major — `gate_up_proj` (experts,
 //! hidden, 2·ff) with gate and up in alternate columns, `down_proj` (experts, ff, hidden) —
 //! or, as published, in MXFP4: `*_blocks` (experts, rows, groups, 16 bytes, two codes a byte)
-//! with E8M0 `*_scales` (experts, rows, groups), gate and up in alternate rows. An expert's
-//! matrices are cut out of those here: floats transposed, MXFP4 repacked (not dequantized)
-//! into GGUF's MXFP4 blocks, which the kernels compute on.
+//! with E8M0 `*_scales` (experts, rows, groups), gate and up in alternate rows. An expert is
+//! one slice of each fused tensor (`FusedExpert`), which the resident loader and the
+//! streaming store both turn into the kernels' matrices the same way: floats transposed,
+//! MXFP4 repacked (not dequantized) into GGUF's MXFP4 blocks.
 
 use crate::config::{Activation, Arch, FfnKind, Gating, LayerSpec, MixerKind, ModelConfig, MoeConfig};
 use crate::error::{ModelError, Result};
@@ -18,6 +19,7 @@ use sluice_formats::gguf::GgufFile;
 use sluice_formats::safetensors::{SafetensorsModel, TensorData};
 use sluice_formats::{Blob, JsonConfig};
 use sluice_kernels::DType;
+use std::path::PathBuf;
 
 /// The clamped SwiGLU's constants when a config does not name them.
 const ALPHA: f32 = 1.702;
@@ -78,126 +80,206 @@ pub fn gguf(f: &GgufFile, key: &dyn Fn(&str) -> String, cfg: &mut ModelConfig) -
     Ok(())
 }
 
-/// The Hugging Face tensor names of layer `l`'s experts: (gate_up, down) as floats, or with
-/// `_blocks`/`_scales` suffixes in MXFP4.
-fn fused_names(prefix: &str, l: usize) -> (String, String) {
-    (format!("{prefix}layers.{l}.mlp.experts.gate_up_proj"), format!("{prefix}layers.{l}.mlp.experts.down_proj"))
+/// A gpt-oss expert as Hugging Face stores it: where its bytes lie in the layer's fused
+/// tensors, and how they become the three matrices the kernels take. The resident loader and
+/// the streaming store both go through `reform`, so both hand the kernels the same bytes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FusedExpert {
+    pub layer: usize,
+    pub expert: usize,
+    /// The byte ranges to read, in order. MXFP4: gate_up blocks, gate_up scales, down blocks,
+    /// down scales; floats: gate_up, down.
+    pub sources: Vec<FileRange>,
+    pub form: FusedForm,
+    pub hidden: usize,
+    pub ff: usize,
+    /// The fused tensors' base names (gate_up, down), for messages.
+    names: [String; 2],
+}
+
+/// A byte range of one of the checkpoint's files.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FileRange {
+    pub file: PathBuf,
+    /// Absolute offset in the file.
+    pub offset: u64,
+    pub len: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FusedForm {
+    /// `*_blocks` (experts, rows, groups, 16) with E8M0 `*_scales` (experts, rows, groups);
+    /// gate and up in alternate rows. Repacked (not dequantized) into GGUF's MXFP4 blocks.
+    Mxfp4,
+    /// Input-major floats: `gate_up_proj` (experts, hidden, 2·ff) with gate and up in
+    /// alternate columns, `down_proj` (experts, ff, hidden). Transposed.
+    Float(DType),
+}
+
+impl FusedExpert {
+    /// Where expert `e` of layer `l` lies in `st`, after checking the fused tensors' shapes
+    /// against the model's `hidden` and expert width `ff`.
+    pub fn locate(st: &SafetensorsModel, prefix: &str, l: usize, e: usize, hidden: usize, ff: usize) -> Result<Self> {
+        let names = [
+            format!("{prefix}layers.{l}.mlp.experts.gate_up_proj"),
+            format!("{prefix}layers.{l}.mlp.experts.down_proj"),
+        ];
+        let mut sources = Vec::new();
+        // Expert `e`'s slice of a tensor whose first dimension counts experts.
+        let mut slice = |name: &str, dtypes: &[&str], want: &[usize]| -> Result<()> {
+            let info = st.info(name).ok_or_else(|| invalid(st, format!("missing tensor `{name}`")))?;
+            if !dtypes.contains(&info.dtype.as_str()) {
+                return Err(invalid(st, format!("`{name}` is {}, expected one of {dtypes:?}", info.dtype)));
+            }
+            if info.shape.len() != want.len() + 1 || info.shape[1..] != *want {
+                return Err(invalid(
+                    st,
+                    format!("`{name}` has shape {:?}, expected (experts, {})", info.shape, dims(want)),
+                ));
+            }
+            let n_exp = info.shape[0];
+            if e >= n_exp {
+                return Err(invalid(st, format!("`{name}` holds {n_exp} experts; expert {e} asked for")));
+            }
+            let len = ((info.end - info.start) / n_exp) as u64;
+            let file = st.file_of(name).expect("info found it").to_path_buf();
+            sources.push(FileRange { file, offset: info.start as u64 + e as u64 * len, len });
+            Ok(())
+        };
+        let form = if st.contains(&format!("{}_blocks", names[0])) {
+            for (base, [rows, cols]) in names.iter().zip([[2 * ff, hidden], [hidden, ff]]) {
+                if cols % 32 != 0 {
+                    return Err(invalid(
+                        st,
+                        format!("`{base}_blocks`: rows of {cols} values are not whole MXFP4 blocks"),
+                    ));
+                }
+                slice(&format!("{base}_blocks"), &["U8"], &[rows, cols / 32, 16])?;
+                slice(&format!("{base}_scales"), &["U8"], &[rows, cols / 32])?;
+            }
+            FusedForm::Mxfp4
+        } else {
+            let info = st.info(&names[0]).ok_or_else(|| invalid(st, format!("missing tensor `{}`", names[0])))?;
+            let dtype = match info.dtype.as_str() {
+                "F32" => DType::F32,
+                "F16" => DType::F16,
+                "BF16" => DType::BF16,
+                d => return Err(invalid(st, format!("`{}` is {d}; expected F32, F16 or BF16", names[0]))),
+            };
+            slice(&names[0], &[&info.dtype.clone()], &[hidden, 2 * ff])?;
+            slice(&names[1], &[&info.dtype.clone()], &[ff, hidden])?;
+            FusedForm::Float(dtype)
+        };
+        Ok(FusedExpert { layer: l, expert: e, sources, form, hidden, ff, names })
+    }
+
+    /// The kernels' form of `part`: (dtype, rows, cols).
+    pub fn shape(&self, part: ExpertPart) -> (DType, usize, usize) {
+        let dtype = match self.form {
+            FusedForm::Mxfp4 => DType::MXFP4,
+            FusedForm::Float(d) => d,
+        };
+        match part {
+            ExpertPart::Down => (dtype, self.hidden, self.ff),
+            _ => (dtype, self.ff, self.hidden),
+        }
+    }
+
+    /// Bytes of `part` in the kernels' form.
+    pub fn bytes(&self, part: ExpertPart) -> usize {
+        let (dtype, rows, cols) = self.shape(part);
+        dtype.row_bytes(cols).expect("checked at locate") * rows
+    }
+
+    /// Writes `part` in the kernels' form into `out` (`bytes(part)` long) from the bytes of
+    /// `sources` (`raw[i]` holds `sources[i]`). Fails on an MXFP4 scale the format leaves
+    /// undefined, naming where it is.
+    pub fn reform(&self, part: ExpertPart, raw: &[&[u8]], out: &mut [u8]) -> std::result::Result<(), String> {
+        assert_eq!(raw.len(), self.sources.len());
+        assert_eq!(out.len(), self.bytes(part));
+        // Output row r is stored row `r * step + first` (gate and up alternate).
+        let (step, first) = match part {
+            ExpertPart::Gate => (2, 0),
+            ExpertPart::Up => (2, 1),
+            ExpertPart::Down => (1, 0),
+        };
+        let down = part == ExpertPart::Down;
+        let (_, rows, cols) = self.shape(part);
+        match self.form {
+            FusedForm::Mxfp4 => {
+                let (blocks, scales) = if down { (raw[2], raw[3]) } else { (raw[0], raw[1]) };
+                let groups = cols / 32;
+                for r in 0..rows {
+                    let src_row = r * step + first;
+                    for g in 0..groups {
+                        let scale = scales[src_row * groups + g];
+                        if scale == 0xFF {
+                            return Err(format!(
+                                "`{}_scales`: expert {} row {src_row} block {g} has scale 0xFF, which MXFP4 does not define",
+                                self.names[down as usize], self.expert
+                            ));
+                        }
+                        let src: &[u8; 16] = blocks[(src_row * groups + g) * 16..][..16].try_into().expect("16");
+                        let dst = &mut out[(r * groups + g) * 17..][..17];
+                        dst[0] = scale;
+                        // Stored: codes 2i and 2i+1 in byte i (low, high). GGUF: codes j and
+                        // j+16 in byte j. So byte 2i takes the low nibbles of bytes i and
+                        // 8+i, byte 2i+1 their high nibbles.
+                        for i in 0..8 {
+                            let (a, b) = (src[i], src[8 + i]);
+                            dst[1 + 2 * i] = (a & 0x0F) | (b << 4);
+                            dst[2 + 2 * i] = (a >> 4) | (b & 0xF0);
+                        }
+                    }
+                }
+            }
+            FusedForm::Float(dtype) => {
+                let size = dtype.row_bytes(1).expect("a float");
+                let src = if down { raw[1] } else { raw[0] };
+                // Stored (cols, stored_cols): output (r, c) is stored (c, r * step + first).
+                let stored_cols = rows * step;
+                for c in 0..cols {
+                    let row = &src[c * stored_cols * size..][..stored_cols * size];
+                    for r in 0..rows {
+                        let s = (r * step + first) * size;
+                        let d = (r * cols + c) * size;
+                        out[d..d + size].copy_from_slice(&row[s..s + size]);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn dims(d: &[usize]) -> String {
+    d.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(", ")
 }
 
 /// Expert `e`'s `part` of layer `l`, rows × cols like any weight (gate, up: (ff, hidden);
 /// down: (hidden, ff)), cut out of the fused tensors.
-pub fn hf_expert(st: &SafetensorsModel, prefix: &str, part: ExpertPart, l: usize, e: usize) -> Result<TensorData> {
-    let (gate_up, down) = fused_names(prefix, l);
-    let base = if part == ExpertPart::Down { down } else { gate_up };
-    if st.contains(&format!("{base}_blocks")) {
-        mxfp4_expert(st, &base, part, e)
-    } else {
-        float_expert(st, &base, part, e)
-    }
-}
-
-fn invalid(st: &SafetensorsModel, msg: String) -> ModelError {
-    ModelError::Invalid(format!("{}: {msg}", st.dir.display()))
-}
-
-/// Floats, input-major: gate/up are alternate columns of (hidden, 2·ff); down is (ff, hidden).
-fn float_expert(st: &SafetensorsModel, name: &str, part: ExpertPart, e: usize) -> Result<TensorData> {
-    let t = st.tensor(name)?;
-    let [ne, rows_in, cols_in] = match t.shape.as_slice() {
-        [a, b, c] => [*a, *b, *c],
-        s => return Err(invalid(st, format!("`{name}` has shape {s:?}, expected (experts, in, out)"))),
-    };
-    if e >= ne {
-        return Err(invalid(st, format!("`{name}` holds {ne} experts; expert {e} asked for")));
-    }
-    let size = if t.dtype == DType::F32 { 4 } else { 2 };
-    // Output matrix (rows = out features, cols = in features), taking every `step`-th
-    // column of the stored (in, out) matrix from `first`.
-    let (step, first) = match part {
-        ExpertPart::Gate => (2, 0),
-        ExpertPart::Up => (2, 1),
-        ExpertPart::Down => (1, 0),
-    };
-    if step == 2 && cols_in % 2 != 0 {
-        return Err(invalid(st, format!("`{name}` has an odd number of gate/up columns ({cols_in})")));
-    }
-    let rows = cols_in / step;
-    let cols = rows_in;
-    let src = &t.data[e * rows_in * cols_in * size..(e + 1) * rows_in * cols_in * size];
-    let mut out = vec![0u8; rows * cols * size];
-    for i in 0..cols {
-        for r in 0..rows {
-            let s = (i * cols_in + r * step + first) * size;
-            let d = (r * cols + i) * size;
-            out[d..d + size].copy_from_slice(&src[s..s + size]);
-        }
-    }
+pub fn hf_expert(st: &SafetensorsModel, fused: &FusedExpert, part: ExpertPart) -> Result<TensorData> {
+    let raw: Vec<Blob> = fused
+        .sources
+        .iter()
+        .map(|r| {
+            let f = st.files.iter().find(|f| f.path == r.file).expect("located in this checkpoint");
+            f.range(r.offset as usize, r.len as usize)
+        })
+        .collect();
+    let slices: Vec<&[u8]> = raw.iter().map(|b| &b[..]).collect();
+    let mut out = vec![0u8; fused.bytes(part)];
+    fused.reform(part, &slices, &mut out).map_err(|m| invalid(st, m))?;
+    let (dtype, rows, cols) = fused.shape(part);
     Ok(TensorData {
-        name: format!("{name}[{e}].{part:?}"),
-        file: t.file,
-        dtype: t.dtype,
+        name: format!("{}[{}].{part:?}", fused.names[(part == ExpertPart::Down) as usize], fused.expert),
+        file: fused.sources[0].file.clone(),
+        dtype,
         shape: vec![rows, cols],
         data: Blob::from_vec(out),
     })
 }
 
-/// MXFP4: rows are output rows (gate and up alternate in gate_up), each `groups` blocks of 32
-/// codes (16 bytes, element 2i in byte i's low nibble, 2i+1 in its high one) with one E8M0
-/// scale byte apiece. GGUF's block puts the scale first and element j, j+16 in byte j's low
-/// and high nibbles.
-fn mxfp4_expert(st: &SafetensorsModel, base: &str, part: ExpertPart, e: usize) -> Result<TensorData> {
-    let (bname, sname) = (format!("{base}_blocks"), format!("{base}_scales"));
-    let (blocks, binfo) = st.raw(&bname)?;
-    let (scales, sinfo) = st.raw(&sname)?;
-    if binfo.dtype != "U8" || sinfo.dtype != "U8" {
-        return Err(invalid(st, format!("`{bname}`/`{sname}` must be U8, found {}/{}", binfo.dtype, sinfo.dtype)));
-    }
-    let [ne, rows_all, groups, sixteen] = match binfo.shape.as_slice() {
-        [a, b, c, d] => [*a, *b, *c, *d],
-        s => return Err(invalid(st, format!("`{bname}` has shape {s:?}, expected (experts, rows, groups, 16)"))),
-    };
-    if sixteen != 16 || sinfo.shape != [ne, rows_all, groups] {
-        return Err(invalid(
-            st,
-            format!("`{bname}` {:?} and `{sname}` {:?} do not describe MXFP4 blocks", binfo.shape, sinfo.shape),
-        ));
-    }
-    if e >= ne {
-        return Err(invalid(st, format!("`{bname}` holds {ne} experts; expert {e} asked for")));
-    }
-    let (step, first) = match part {
-        ExpertPart::Gate => (2, 0),
-        ExpertPart::Up => (2, 1),
-        ExpertPart::Down => (1, 0),
-    };
-    let rows = rows_all / step;
-    let mut out = vec![0u8; rows * groups * 17];
-    for r in 0..rows {
-        let src_row = e * rows_all + r * step + first;
-        for g in 0..groups {
-            let scale = scales[src_row * groups + g];
-            if scale == 0xFF {
-                return Err(invalid(
-                    st,
-                    format!(
-                        "`{sname}`: expert {e} row {src_row} block {g} has scale 0xFF, which MXFP4 does not define"
-                    ),
-                ));
-            }
-            let src = &blocks[(src_row * groups + g) * 16..][..16];
-            let dst = &mut out[(r * groups + g) * 17..][..17];
-            dst[0] = scale;
-            let code = |k: usize| if k & 1 == 0 { src[k / 2] & 0xF } else { src[k / 2] >> 4 };
-            for j in 0..16 {
-                dst[1 + j] = code(j) | (code(j + 16) << 4);
-            }
-        }
-    }
-    Ok(TensorData {
-        name: format!("{base}[{e}].{part:?}"),
-        file: st.file_of(&bname).expect("found").to_path_buf(),
-        dtype: DType::MXFP4,
-        shape: vec![rows, groups * 32],
-        data: Blob::from_vec(out),
-    })
+fn invalid(st: &SafetensorsModel, msg: String) -> ModelError {
+    ModelError::Invalid(format!("{}: {msg}", st.dir.display()))
 }
