@@ -1,6 +1,7 @@
 use crate::common::{parse_size, ModelArgs};
 use anyhow::{bail, Result};
-use sluice_server::ServerOptions;
+use sluice_runtime::{Engine, EngineOptions};
+use sluice_server::{ServerOptions, SpecMethod};
 use std::time::Duration;
 
 #[derive(clap::Args)]
@@ -44,11 +45,22 @@ pub struct Args {
     #[arg(long, default_value_t = 30)]
     shutdown_grace: u64,
     /// Speculative decoding for every request that does not say otherwise: `ngram` drafts by
-    /// looking up the request's latest n-gram earlier in its prompt and output, and the batch
-    /// step verifies the drafts (greedy requests: the same tokens and log-probabilities as
-    /// without). Without this flag only requests that ask (`"spec": "ngram"`) speculate.
-    #[arg(long, value_name = "ngram")]
+    /// looking up the request's latest n-gram earlier in its prompt and output, `draft` with
+    /// the --draft-model (run greedily on a state of its own per request); the batch step
+    /// verifies the drafts (greedy requests: the same tokens and log-probabilities as without;
+    /// sampled ones: plain sampling's distribution). Without this flag only requests that ask
+    /// (`"spec": "ngram"` or `"draft"`) speculate.
+    #[arg(long, value_name = "ngram|draft")]
     spec: Option<String>,
+    /// A smaller model with the target's vocabulary (e.g. a small quantization of it, or a
+    /// small model of the same family) that drafts for requests asking `"spec": "draft"`
+    /// (all of them with `--spec draft`). Loaded beside the target; each drafting request
+    /// keeps a state in it too.
+    #[arg(long, value_name = "PATH")]
+    draft_model: Option<std::path::PathBuf>,
+    /// The draft model stops drafting when its token's probability is below this.
+    #[arg(long, default_value_t = 0.5)]
+    draft_p_min: f32,
     /// The most tokens drafted a step (a request may set its own, `"draft_max"`, up to 64).
     #[arg(long, default_value_t = sluice_server::DEFAULT_DRAFT_MAX)]
     draft_max: usize,
@@ -67,15 +79,20 @@ pub fn main(a: Args) -> Result<()> {
     if !(1..=sluice_server::api::DRAFT_MAX_LIMIT).contains(&a.draft_max) {
         bail!("--draft-max must be 1 to {}, got {}", sluice_server::api::DRAFT_MAX_LIMIT, a.draft_max);
     }
+    if !(0.0..=1.0).contains(&a.draft_p_min) {
+        bail!("--draft-p-min must be a probability (0 to 1), got {}", a.draft_p_min);
+    }
     let spec = match a.spec.as_deref() {
         None => None,
-        Some("ngram") => Some(a.draft_max),
-        Some(m @ ("draft" | "mtp" | "self")) => {
+        Some("ngram") => Some(SpecMethod::Ngram),
+        Some("draft") if a.draft_model.is_none() => bail!("--spec draft needs --draft-model PATH"),
+        Some("draft") => Some(SpecMethod::Draft),
+        Some(m @ ("mtp" | "self")) => {
             bail!(
-                "--spec {m}: the server drafts by n-gram lookup only (`--spec ngram`); `sluice run --spec {m}` runs it"
+                "--spec {m}: the server drafts by n-gram lookup or with a draft model (`--spec ngram`, `--spec draft`); `sluice run --spec {m}` runs it"
             )
         }
-        Some(m) => bail!("--spec {m}: unknown method (the server has `ngram`)"),
+        Some(m) => bail!("--spec {m}: unknown method (the server has `ngram` and `draft`)"),
     };
     let model_id = a.alias.clone().unwrap_or_else(|| {
         model.model.file_name().map_or_else(|| model.model.display().to_string(), |n| n.to_string_lossy().into_owned())
@@ -94,7 +111,22 @@ pub fn main(a: Args) -> Result<()> {
         model_id,
         shutdown_grace: Duration::from_secs(a.shutdown_grace),
         spec,
+        draft_max: a.draft_max,
+        draft_p_min: a.draft_p_min,
     };
-    let loader: sluice_server::Loader = Box::new(move || model.load().map_err(|e| format!("{e:#}")));
+    let draft_path = a.draft_model;
+    let loader: sluice_server::Loader = Box::new(move || {
+        let target = model.load().map_err(|e| format!("{e:#}"))?;
+        let draft = match draft_path {
+            None => None,
+            Some(path) => {
+                let opts = EngineOptions { threads: model.threads, max_context: model.ctx, ..Default::default() };
+                let d = Engine::load(&path, opts)
+                    .map_err(|e| format!("loading the draft model {}: {e}", path.display()))?;
+                Some(d)
+            }
+        };
+        Ok(sluice_server::Loaded { target, draft })
+    });
     sluice_server::serve(opts, loader).map_err(anyhow::Error::msg)
 }

@@ -5,6 +5,7 @@ use crate::error::ApiError;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::Value;
+use sluice_runtime::spec::SpecMethod;
 use sluice_runtime::SamplerConfig;
 
 /// The fields of `/v1/chat/completions` and `/v1/completions` bodies (unknown fields are
@@ -39,8 +40,8 @@ pub struct RequestBody {
     pub response_format: Option<Value>,
     /// Keep generating past end-of-sequence and end-of-turn tokens (llama.cpp's extension).
     pub ignore_eos: Option<bool>,
-    /// Speculative decoding (sluice's extension): "ngram" or "none"; absent, the server's
-    /// default (`sluice serve --spec`).
+    /// Speculative decoding (sluice's extension): "ngram", "draft" (the server's draft model)
+    /// or "none"; absent, the server's default (`sluice serve --spec`).
     pub spec: Option<Value>,
     /// The most tokens drafted a step when speculating (sluice's extension).
     pub draft_max: Option<i64>,
@@ -82,8 +83,8 @@ pub struct Params {
     pub ignore_eos: bool,
     /// Pass the tools to the template (tool_choice is not "none").
     pub use_tools: bool,
-    /// Speculate (Some(true): n-gram drafting; Some(false): not); None: the server's default.
-    pub spec: Option<bool>,
+    /// Speculate by this method (Some(None): not); None: the server's default.
+    pub spec: Option<Option<SpecMethod>>,
     /// The most tokens drafted a step, if the request says.
     pub draft_max: Option<usize>,
 }
@@ -212,15 +213,16 @@ pub fn params(b: &RequestBody, chat: bool) -> Result<Params, ApiError> {
     }
     let spec = match &b.spec {
         None | Some(Value::Null) => None,
-        Some(Value::String(s)) if s == "ngram" => Some(true),
-        Some(Value::String(s)) if s == "none" => Some(false),
-        Some(Value::String(s)) if ["draft", "mtp", "self"].contains(&s.as_str()) => {
+        Some(Value::String(s)) if s == "ngram" => Some(Some(SpecMethod::Ngram)),
+        Some(Value::String(s)) if s == "draft" => Some(Some(SpecMethod::Draft)),
+        Some(Value::String(s)) if s == "none" => Some(None),
+        Some(Value::String(s)) if ["mtp", "self"].contains(&s.as_str()) => {
             return Err(ApiError::invalid(
                 "spec",
-                format!("`spec`: the server drafts by n-gram lookup only (\"ngram\" or \"none\"); \"{s}\" runs in `sluice run --spec {s}`"),
+                format!("`spec`: the server drafts by n-gram lookup or with its draft model (\"ngram\", \"draft\" or \"none\"); \"{s}\" runs in `sluice run --spec {s}`"),
             ));
         }
-        Some(_) => return Err(ApiError::invalid("spec", "`spec` must be \"ngram\" or \"none\"")),
+        Some(_) => return Err(ApiError::invalid("spec", "`spec` must be \"ngram\", \"draft\" or \"none\"")),
     };
     let draft_max = match b.draft_max {
         None => None,

@@ -18,6 +18,7 @@ use axum::{Json, Router};
 use serde_json::{json, Value};
 use sluice_formats::chat_template::{parse_tool_calls_offered, tool_names, JsonValue, Message, RenderOptions};
 use sluice_formats::Tokenizer;
+use sluice_runtime::spec::SpecMethod;
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::sync::atomic::Ordering;
@@ -379,7 +380,22 @@ fn make_job(
             (ctx.min(fit)).saturating_sub(n).max(1)
         }
     };
-    let reserve = cfg.state_bytes(n + max_tokens);
+    let spec = match params.spec.unwrap_or(app.opts.spec) {
+        None => None,
+        Some(SpecMethod::Draft) if ready.draft.is_none() => {
+            return Err(ApiError::invalid(
+                "spec",
+                "`spec`: \"draft\" needs a draft model, and this server has none (`sluice serve --draft-model PATH`)",
+            ));
+        }
+        Some(m) => Some((m, params.draft_max.unwrap_or(app.opts.draft_max))),
+    };
+    // A request drafting with the draft model keeps a state in it too.
+    let draft_state = match (&spec, &ready.draft) {
+        (Some((SpecMethod::Draft, k)), Some(d)) => d.model.cfg.state_bytes(n + max_tokens + k),
+        _ => 0,
+    };
+    let reserve = cfg.state_bytes(n + max_tokens) + draft_state;
     if reserve > ready.state_budget {
         return Err(ApiError::invalid(
             "max_tokens",
@@ -400,11 +416,7 @@ fn make_job(
         stop_tokens: p.stop_tokens.clone(),
         stop_strings: stop,
         logprobs: params.logprobs,
-        spec: match (params.spec, app.opts.spec) {
-            (Some(false), _) | (None, None) => None,
-            (Some(true), default) => Some(params.draft_max.or(default).unwrap_or(crate::DEFAULT_DRAFT_MAX)),
-            (None, Some(default)) => Some(params.draft_max.unwrap_or(default)),
-        },
+        spec,
         literal_tokens: p.literal_tokens.clone(),
         reserve,
         events: tx,

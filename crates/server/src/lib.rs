@@ -19,6 +19,7 @@ pub use error::{ApiError, ErrorKind};
 
 use metrics::Metrics;
 use scheduler::{Cmd, SchedulerConfig, Shared};
+pub use sluice_runtime::spec::SpecMethod;
 use sluice_runtime::Engine;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -50,9 +51,13 @@ pub struct ServerOptions {
     pub model_id: String,
     /// How long running requests may finish after SIGINT/SIGTERM.
     pub shutdown_grace: Duration,
-    /// Speculate by n-gram lookup unless a request says otherwise, drafting up to this many
-    /// tokens a step (None: only requests that ask, `"spec": "ngram"`).
-    pub spec: Option<usize>,
+    /// Speculate this way unless a request says otherwise (None: only requests that ask,
+    /// `"spec": "ngram"` or `"draft"`).
+    pub spec: Option<SpecMethod>,
+    /// The most tokens drafted a step, unless a request says (`"draft_max"`).
+    pub draft_max: usize,
+    /// The draft model stops drafting when its token's probability is below this.
+    pub draft_p_min: f32,
 }
 
 /// The most tokens drafted a step for a request that asks to speculate and does not say.
@@ -74,16 +79,32 @@ impl Default for ServerOptions {
             model_id: "model".into(),
             shutdown_grace: Duration::from_secs(30),
             spec: None,
+            draft_max: DEFAULT_DRAFT_MAX,
+            draft_p_min: 0.5,
         }
     }
 }
 
 /// Loads the model (runs on a thread of its own while the server answers).
-pub type Loader = Box<dyn FnOnce() -> Result<Engine, String> + Send>;
+pub type Loader = Box<dyn FnOnce() -> Result<Loaded, String> + Send>;
+
+/// What a `Loader` loads: the model served and, for speculation, a draft model.
+pub struct Loaded {
+    pub target: Engine,
+    /// A smaller model of the same vocabulary that drafts for requests asking `"spec": "draft"`.
+    pub draft: Option<Engine>,
+}
+
+impl From<Engine> for Loaded {
+    fn from(target: Engine) -> Loaded {
+        Loaded { target, draft: None }
+    }
+}
 
 /// The loaded model and its scheduler.
 pub(crate) struct Ready {
     pub engine: Arc<Engine>,
+    pub draft: Option<Arc<Engine>>,
     pub tx: std::sync::mpsc::Sender<Cmd>,
     pub ctx_size: usize,
     pub state_budget: u64,
@@ -123,8 +144,17 @@ impl App {
         *self.status.write().unwrap_or_else(|e| e.into_inner()) = s;
     }
 
-    fn loaded(&self, engine: Engine) {
-        let engine = Arc::new(engine);
+    fn loaded(&self, loaded: Loaded) {
+        if let Some(d) = &loaded.draft {
+            if let Err(e) = sluice_runtime::spec::draft::check_vocab(&loaded.target, d) {
+                return self.failed(e.to_string());
+            }
+        }
+        if self.opts.spec == Some(SpecMethod::Draft) && loaded.draft.is_none() {
+            return self.failed("speculation by a draft model by default needs a draft model".into());
+        }
+        let engine = Arc::new(loaded.target);
+        let draft = loaded.draft.map(Arc::new);
         let cfg = &engine.model.cfg;
         let max = cfg.max_position.max(1);
         let ctx_size = match self.opts.ctx_size {
@@ -147,8 +177,9 @@ impl App {
             prefix_cache_bytes: self.opts.prefix_cache_bytes,
             prefix_cache_entries: if self.opts.prefix_cache_bytes == 0 { 0 } else { 4 * self.opts.parallel.max(4) },
             shutdown_grace: self.opts.shutdown_grace,
+            draft_p_min: self.opts.draft_p_min,
         };
-        match scheduler::spawn(engine.clone(), scfg, self.shared.clone(), self.metrics.clone()) {
+        match scheduler::spawn(engine.clone(), draft.clone(), scfg, self.shared.clone(), self.metrics.clone()) {
             Ok((tx, thread)) => {
                 eprintln!(
                     "sluice: serving {} ({} positions per sequence, {} in parallel, {:.2} GiB for sequence state)",
@@ -157,8 +188,12 @@ impl App {
                     self.opts.parallel.max(1),
                     state_budget as f64 / (1u64 << 30) as f64
                 );
+                if let Some(d) = &draft {
+                    eprintln!("sluice: drafting with {} for requests that ask (\"spec\": \"draft\")", d.path.display());
+                }
                 self.set_status(Status::Ready(Arc::new(Ready {
                     engine,
+                    draft,
                     tx,
                     ctx_size,
                     state_budget,
@@ -232,7 +267,7 @@ async fn run(
     let a = app.clone();
     tokio::spawn(async move {
         match load_rx.await {
-            Ok(Ok(engine)) => a.loaded(engine),
+            Ok(Ok(loaded)) => a.loaded(loaded),
             Ok(Err(e)) => a.failed(e),
             Err(_) => a.failed("the loader went away".into()),
         }

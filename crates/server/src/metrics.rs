@@ -123,7 +123,7 @@ impl Metrics {
             generated_tokens: counter("sluice_generated_tokens_total", "Tokens generated"),
             spec_drafted_tokens: counter(
                 "sluice_spec_drafted_tokens_total",
-                "Tokens drafted by n-gram lookup for speculating requests",
+                "Tokens drafted for speculating requests (n-gram lookup or the draft model)",
             ),
             spec_accepted_tokens: counter("sluice_spec_accepted_tokens_total", "Drafted tokens the model kept"),
             cancelled: counter(

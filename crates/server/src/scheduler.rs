@@ -8,7 +8,8 @@
 //! and each request samples with its own sampler and generator: its tokens do not depend on
 //! what runs beside it.
 //!
-//! A request that speculates (`spec`) runs its last token and its n-gram drafts as one item of
+//! A request that speculates (`spec`) runs its last token and its drafts (n-gram lookup, or the
+//! draft model run on the request's own draft state, before the step) as one item of
 //! the step, and keeps the drafts the verifier accepts (see `spec`): several tokens a step,
 //! the same tokens and log-probabilities as plain decode for greedy requests.
 //!
@@ -24,6 +25,7 @@ use crate::text::{Chunk, OutputText, TokenInfo};
 use sluice_model::Snapshot;
 use sluice_model::{BatchItem, Logits, SeqState};
 use sluice_runtime::spec::verify;
+use sluice_runtime::spec::SpecMethod;
 use sluice_runtime::{Engine, Sampled, Sampler, SamplerConfig};
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -47,8 +49,8 @@ pub struct Job {
     pub literal_tokens: Vec<(u32, String)>,
     /// Report log-probabilities with this many top tokens.
     pub logprobs: Option<usize>,
-    /// Draft up to this many tokens a step by n-gram lookup (None: plain decode).
-    pub spec: Option<usize>,
+    /// Draft up to this many tokens a step, this way (None: plain decode).
+    pub spec: Option<(SpecMethod, usize)>,
     /// Bytes of sequence state reserved for it while it runs.
     pub reserve: u64,
     pub events: UnboundedSender<Event>,
@@ -126,6 +128,8 @@ pub struct SchedulerConfig {
     pub prefix_cache_entries: usize,
     /// How long running requests may go on after a shutdown request.
     pub shutdown_grace: Duration,
+    /// The draft model stops drafting when its token's probability is below this.
+    pub draft_p_min: f32,
 }
 
 /// Counters the HTTP side reads.
@@ -167,6 +171,8 @@ struct Seq {
 
 pub struct Scheduler {
     engine: Arc<Engine>,
+    /// The draft model of requests that draft with one.
+    draft: Option<Arc<Engine>>,
     cfg: SchedulerConfig,
     shared: Arc<Shared>,
     metrics: Arc<Metrics>,
@@ -179,6 +185,7 @@ pub struct Scheduler {
 /// Starts the scheduler thread.
 pub fn spawn(
     engine: Arc<Engine>,
+    draft: Option<Arc<Engine>>,
     cfg: SchedulerConfig,
     shared: Arc<Shared>,
     metrics: Arc<Metrics>,
@@ -187,6 +194,7 @@ pub fn spawn(
     let prefix = PrefixCache::new(cfg.prefix_cache_bytes, cfg.prefix_cache_entries);
     let s = Scheduler {
         engine,
+        draft,
         cfg,
         shared,
         metrics,
@@ -323,7 +331,9 @@ impl Scheduler {
             self.metrics.prompt_tokens.inc_by(job.prompt.len() as u64);
             self.metrics.reused_prompt_tokens.inc_by(cached as u64);
             let sampler = Sampler::new(job.sampler.clone());
-            let spec = job.spec.map(|k| SeqSpec::new(k, job.sampler.temperature == 0.0));
+            let greedy = job.sampler.temperature == 0.0;
+            let draft = self.draft.as_ref().map(|d| (d, self.cfg.ctx_size, self.cfg.draft_p_min));
+            let spec = job.spec.map(|(m, k)| SeqSpec::new(m, k, greedy, draft));
             let out = OutputText::with_literals(job.stop_strings.clone(), job.literal_tokens.clone());
             self.active.push(Seq {
                 job,

@@ -1,27 +1,43 @@
-//! Speculative decoding in the server. A request that drafts looks up the latest n-gram of its
-//! text (prompt and output) earlier in that text and proposes what followed; the batch step
-//! then runs its last token and the drafts as one item beside every other sequence's tokens,
-//! and the verifier keeps the drafts the target agrees with (`sluice_runtime::spec::verify`).
-//! A verify pass's rows are the bits of plain decode's (the kernels are batch-invariant), so a
+//! Speculative decoding in the server. A request that drafts proposes a few tokens to follow
+//! its text — by looking up the latest n-gram of its text (prompt and output) earlier in that
+//! text and taking what followed (`ngram`), or with the server's draft model, a smaller model
+//! of the same vocabulary run greedily on the request's own state (`draft`) — and the batch
+//! step runs its last token and the drafts as one item beside every other sequence's tokens;
+//! the verifier keeps the drafts the target agrees with (`sluice_runtime::spec::verify`). A
+//! verify pass's rows are the bits of plain decode's (the kernels are batch-invariant), so a
 //! greedy request gets plain decode's tokens and log-probabilities exactly, and a sampled one
-//! plain sampling's distribution (the rejection rule for a deterministic draft).
+//! plain sampling's distribution (both proposers are deterministic: the one-hot rejection
+//! rule applies).
 //!
 //! Draft length: a greedy request's adapts each round (the controller of `sluice run --spec`,
 //! fed the step's wall time), since its tokens do not depend on it. A sampled request drafts
-//! what the lookup finds up to its `draft_max`, a length that depends on its own text only:
+//! what the proposer gives up to its `draft_max`, a length that depends on its own text only:
 //! what it draws from its generator, and so its output, is then the same alone or in any
 //! batch and from run to run, which a length chosen from measured times would not be.
 
 use sluice_model::Snapshot;
 use sluice_runtime::spec::adapt::Adapt;
-use sluice_runtime::spec::ngram;
+use sluice_runtime::spec::draft::DraftModel;
+use sluice_runtime::spec::{ngram, Draft, Proposer, SpecMethod};
+use sluice_runtime::Engine;
+use std::sync::Arc;
 
 /// The n-gram lengths looked up, longest first (those of `sluice run --spec ngram`).
 const NGRAM_MIN: usize = 2;
 const NGRAM_MAX: usize = 4;
 
+/// Where a sequence's drafts come from.
+enum Source {
+    Ngram,
+    /// Its own state in the server's draft model (boxed: a state is large).
+    Draft(Box<DraftModel>),
+    /// The draft model failed on this sequence: it decodes plainly from then on.
+    Failed,
+}
+
 /// A drafting sequence's speculation state.
 pub struct SeqSpec {
+    source: Source,
     /// The draft-length controller (greedy requests), else a fixed `draft_max`.
     adapt: Option<Adapt>,
     draft_max: usize,
@@ -35,8 +51,23 @@ pub struct SeqSpec {
 }
 
 impl SeqSpec {
-    pub fn new(draft_max: usize, greedy: bool) -> SeqSpec {
+    /// Speculation by `method`: n-gram lookup, or `draft`, the server's draft model (`draft`:
+    /// the model, the positions of this sequence's state in it, and the probability below
+    /// which it stops drafting).
+    pub fn new(
+        method: SpecMethod,
+        draft_max: usize,
+        greedy: bool,
+        draft: Option<(&Arc<Engine>, usize, f32)>,
+    ) -> SeqSpec {
+        let source = match (method, draft) {
+            (SpecMethod::Draft, Some((d, max_len, p_min))) => {
+                Source::Draft(Box::new(DraftModel::greedy(d.clone(), max_len, p_min)))
+            }
+            _ => Source::Ngram,
+        };
         SeqSpec {
+            source,
             adapt: greedy.then(|| Adapt::new(0, draft_max, true)),
             draft_max,
             batch: Vec::new(),
@@ -45,8 +76,8 @@ impl SeqSpec {
         }
     }
 
-    /// Plans a step: `batch` becomes the last generated token and up to `room` drafts looked
-    /// up in `prompt` + `generated`. Returns how many were drafted.
+    /// Plans a step: `batch` becomes the last generated token and up to `room` drafts to
+    /// follow `prompt` + `generated`. Returns how many were drafted.
     pub fn plan(&mut self, prompt: &[u32], generated: &[u32], room: usize) -> usize {
         let k = match self.adapt.as_mut() {
             Some(a) => a.choose(room).0,
@@ -55,9 +86,23 @@ impl SeqSpec {
         self.batch.clear();
         self.batch.push(*generated.last().expect("a decoding sequence has generated a token"));
         self.snap = None;
-        if k > 0 {
-            let ctx: Vec<u32> = prompt.iter().chain(generated).copied().collect();
-            self.batch.extend_from_slice(ngram::lookup(&ctx, NGRAM_MIN, NGRAM_MAX, k));
+        if k == 0 {
+            return 0;
+        }
+        let ctx: Vec<u32> = prompt.iter().chain(generated).copied().collect();
+        match &mut self.source {
+            Source::Ngram => self.batch.extend_from_slice(ngram::lookup(&ctx, NGRAM_MIN, NGRAM_MAX, k)),
+            Source::Draft(m) => {
+                let mut d = Draft::default();
+                match m.propose(&ctx, k, &mut d) {
+                    Ok(()) => self.batch.extend_from_slice(&d.tokens[..d.tokens.len().min(k)]),
+                    Err(e) => {
+                        eprintln!("sluice: the draft model failed on a request ({e}); it decodes without drafts");
+                        self.source = Source::Failed;
+                    }
+                }
+            }
+            Source::Failed => {}
         }
         self.batch.len() - 1
     }
@@ -67,11 +112,16 @@ impl SeqSpec {
         self.batch.get(1..).unwrap_or(&[])
     }
 
-    /// Tells the controller how the step went: `drafted` drafts, `kept` of them kept, the
-    /// step took `secs`.
+    /// Tells the proposer and the controller how the step went: `drafted` drafts, `kept` of
+    /// them kept, the step took `secs`.
     pub fn observe(&mut self, drafted: usize, kept: usize, secs: f64) {
         if let Some(a) = self.adapt.as_mut() {
             a.observe(drafted, kept, secs, 0.0);
+        }
+        if let Source::Draft(m) = &mut self.source {
+            if m.accepted(kept, None).is_err() {
+                self.source = Source::Failed;
+            }
         }
     }
 }
@@ -84,7 +134,7 @@ mod tests {
     fn drafts_what_followed_the_last_ngram_within_the_room() {
         // "5 6" was followed by "7 8 9 2" in the prompt.
         let prompt = [1, 5, 6, 7, 8, 9, 2, 3];
-        let mut s = SeqSpec::new(4, false);
+        let mut s = SeqSpec::new(SpecMethod::Ngram, 4, false, None);
         assert_eq!(s.plan(&prompt, &[5, 6], 8), 4);
         assert_eq!(s.batch, vec![6, 7, 8, 9, 2]);
         assert_eq!(s.drafts(), &[7, 8, 9, 2]);

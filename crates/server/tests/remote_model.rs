@@ -27,7 +27,7 @@ async fn a_served_remote_model_answers_as_the_local_file_and_reports_its_tiers()
         let m = sluice_remote::open(&url, &o).map_err(|e| e.to_string())?;
         let opts =
             EngineOptions { threads: 2, experts: streamed(IoKind::Ranges(m.reader.clone())), ..Default::default() };
-        Engine::load(&m.local, opts).map_err(|e| e.to_string())
+        Engine::load(&m.local, opts).map(Into::into).map_err(|e| e.to_string())
     });
     let srv = start_with(opts(), loader).await;
     let local = start(golden("gguf/olmoe-bf16.gguf"), opts(), streamed(IoKind::Auto)).await;

@@ -6,7 +6,7 @@ mod common;
 use common::*;
 use serde_json::{json, Value};
 use sluice_runtime::placement::{ExpertMode, ExpertOptions};
-use sluice_server::ServerOptions;
+use sluice_server::{Loaded, ServerOptions, SpecMethod};
 use std::time::{Duration, Instant};
 
 const CHAT: &str = "/v1/chat/completions";
@@ -213,7 +213,7 @@ async fn health_is_503_while_loading_and_requests_wait_for_nothing() {
     let model = golden("qwen3_moe");
     let loader: sluice_server::Loader = Box::new(move || {
         std::thread::sleep(Duration::from_millis(1500));
-        load(model, resident())
+        load(model, resident()).map(Into::into)
     });
     let handle = sluice_server::spawn(opts(), loader).unwrap();
     let base = format!("http://{}", handle.addr);
@@ -588,8 +588,8 @@ async fn speculating_requests_get_plain_decode_bits() {
         s.shutdown();
     }
     // A server speculating by default: a request may turn it off; bad values are named.
-    let s =
-        start(golden("qwen3_moe"), ServerOptions { spec: Some(4), prefix_cache_bytes: 0, ..opts() }, resident()).await;
+    let s = ServerOptions { spec: Some(SpecMethod::Ngram), draft_max: 4, prefix_cache_bytes: 0, ..opts() };
+    let s = start(golden("qwen3_moe"), s, resident()).await;
     let (p, b) = &repeating_requests()[0];
     let mut off = b.clone();
     off["spec"] = json!("none");
@@ -599,8 +599,9 @@ async fn speculating_requests_get_plain_decode_bits() {
     assert_eq!(complete(&s, p, b).await, plain);
     assert!(s.metric("sluice_spec_drafted_tokens_total", &[]).await > d0, "the server's default did not draft");
     for (field, value, says) in [
-        ("spec", json!("draft"), "n-gram lookup only"),
-        ("spec", json!(3), "\"ngram\" or \"none\""),
+        ("spec", json!("draft"), "this server has none"),
+        ("spec", json!("mtp"), "with its draft model"),
+        ("spec", json!(3), "\"ngram\", \"draft\" or \"none\""),
         ("draft_max", json!(0), "1 to 64"),
         ("draft_max", json!(65), "1 to 64"),
     ] {
@@ -612,4 +613,71 @@ async fn speculating_requests_get_plain_decode_bits() {
         assert!(v["error"]["message"].as_str().unwrap().contains(says), "{v}");
     }
     s.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn requests_drafting_with_a_draft_model_get_plain_decode_bits() {
+    // The q8_0 conversion drafts for the bf16 one: close, not the same model, so drafts are
+    // both kept and refused. A hybrid: the draft's own state rewinds by snapshot.
+    let (target, draft) = (golden("gguf/qwen3_next-bf16.gguf"), golden("gguf/qwen3_next-q8_0.gguf"));
+    // A random tiny model is never confident: draft whatever the probability.
+    let o = ServerOptions { prefix_cache_bytes: 0, draft_p_min: 0.0, draft_max: 6, ..opts() };
+    let (t, d) = (target.clone(), draft.clone());
+    let loader: sluice_server::Loader =
+        Box::new(move || Ok(Loaded { target: load(t, resident())?, draft: Some(load(d, resident())?) }));
+    let s = start_with(o, loader).await;
+    let completions = || {
+        repeating_requests()
+            .into_iter()
+            .chain(mixed_requests().into_iter().filter(|(p, _)| *p == COMP))
+            .collect::<Vec<_>>()
+    };
+    let drafting = |b: &Value| {
+        let mut b = b.clone();
+        b["spec"] = json!("draft");
+        b
+    };
+    let reqs: Vec<_> = completions().into_iter().filter(|(_, b)| b["temperature"] == json!(0.0)).collect();
+    let plain = run_alone(&s, &reqs).await;
+    let spec_reqs: Vec<_> = reqs.iter().map(|(p, b)| (*p, drafting(b))).collect();
+    let alone = run_alone(&s, &spec_reqs).await;
+    let mut mixed = spec_reqs.clone();
+    mixed.extend(reqs.iter().cloned());
+    let together = run_together(&s, &mixed).await;
+    for (i, p) in plain.iter().enumerate() {
+        assert_eq!(p, &alone[i], "request {i} drafting alone differs from plain decode");
+        assert_eq!(p, &together[i], "request {i} drafting in a batch differs from plain decode");
+        assert_eq!(p, &together[reqs.len() + i], "request {i} beside drafting requests differs");
+    }
+    let drafted = s.metric("sluice_spec_drafted_tokens_total", &[]).await;
+    let kept = s.metric("sluice_spec_accepted_tokens_total", &[]).await;
+    assert!(kept > 0.0 && kept < drafted, "drafted {drafted}, kept {kept}: drafts must be both kept and refused");
+    // Sampled: the same bits alone and in a batch.
+    let sampled: Vec<_> = completions()
+        .into_iter()
+        .map(|(p, mut b)| {
+            b["temperature"] = json!(0.8);
+            b["seed"] = json!(5);
+            (p, drafting(&b))
+        })
+        .collect();
+    let alone = run_alone(&s, &sampled).await;
+    let together = run_together(&s, &sampled).await;
+    assert_eq!(alone, together, "sampled drafting requests differ in a batch");
+    s.shutdown();
+
+    // A draft model of another vocabulary: the server does not start, and says why.
+    let (t, d) = (real_model("qwen2.5-coder-0.5b-q4_k_m.gguf"), target.clone());
+    let loader: sluice_server::Loader =
+        Box::new(move || Ok(Loaded { target: load(t, ExpertOptions::default())?, draft: Some(load(d, resident())?) }));
+    let handle = sluice_server::spawn(opts(), loader).unwrap();
+    let (c, url) = (reqwest::Client::new(), format!("http://{}/health", handle.addr));
+    for _ in 0..600 {
+        match c.get(&url).send().await {
+            Ok(r) if r.status() == 503 => tokio::time::sleep(Duration::from_millis(100)).await,
+            _ => break, // failed (500), or already stopped
+        }
+    }
+    let err = handle.shutdown().unwrap_err();
+    assert!(err.contains("vocabulary"), "{err}");
 }

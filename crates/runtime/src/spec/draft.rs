@@ -10,9 +10,10 @@ use crate::engine::Engine;
 use crate::error::{Result, RuntimeError};
 use crate::sampler::{Candidates, Sampler, SamplerConfig};
 use sluice_model::{Logits, SeqState, Snapshot};
+use std::sync::Arc;
 
 pub struct DraftModel {
-    engine: Engine,
+    engine: Arc<Engine>,
     state: SeqState,
     /// The tokens `state` holds.
     done: Vec<u32>,
@@ -28,20 +29,38 @@ pub struct DraftModel {
 
 impl DraftModel {
     /// Drafts with `draft` for `target`; refuses a draft whose vocabulary differs.
-    pub fn new(draft: Engine, target: &Engine, sampling: &SamplerConfig, spec: &SpecOptions) -> Result<DraftModel> {
+    pub fn new(
+        draft: impl Into<Arc<Engine>>,
+        target: &Engine,
+        sampling: &SamplerConfig,
+        spec: &SpecOptions,
+    ) -> Result<DraftModel> {
+        let draft = draft.into();
         check_vocab(target, &draft)?;
         let cfg = draft_sampling(sampling, spec, 0xD1B5_4A32_D192_ED03);
         let state = draft.new_state();
-        Ok(DraftModel {
-            engine: draft,
+        Ok(DraftModel::with_state(draft, state, cfg, spec.p_min))
+    }
+
+    /// Drafts greedily with `draft` (whose vocabulary the caller checked against the
+    /// target's, `check_vocab`), shared with other sequences, in a state of `max_len`
+    /// positions: a deterministic proposer, whose drafts depend on the context alone.
+    pub fn greedy(draft: Arc<Engine>, max_len: usize, p_min: f32) -> DraftModel {
+        let state = draft.model.new_state(max_len);
+        DraftModel::with_state(draft, state, SamplerConfig::default(), p_min)
+    }
+
+    fn with_state(engine: Arc<Engine>, state: SeqState, cfg: SamplerConfig, p_min: f32) -> DraftModel {
+        DraftModel {
+            engine,
             state,
             done: Vec::new(),
             snap: None,
             base: 0,
             proposed: false,
             sampler: Sampler::new(cfg),
-            p_min: spec.p_min,
-        })
+            p_min,
+        }
     }
 
     pub fn engine(&self) -> &Engine {

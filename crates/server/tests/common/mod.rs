@@ -35,7 +35,7 @@ pub struct Srv {
 
 /// Starts a server on `model` and waits until it is ready.
 pub async fn start(model: PathBuf, o: ServerOptions, experts: ExpertOptions) -> Srv {
-    start_with(o, Box::new(move || load(model, experts))).await
+    start_with(o, Box::new(move || load(model, experts).map(Into::into))).await
 }
 
 pub fn load(model: PathBuf, experts: ExpertOptions) -> Result<Engine, String> {
