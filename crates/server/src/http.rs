@@ -388,6 +388,12 @@ fn make_job(
                 "`spec`: \"draft\" needs a draft model, and this server has none (`sluice serve --draft-model PATH`)",
             ));
         }
+        Some(SpecMethod::Cached) if cfg.moe.is_none() => {
+            return Err(ApiError::invalid(
+                "spec",
+                "`spec`: \"self\" drafts with the experts the cache holds, and this model has no routed experts (\"ngram\" works for any model)",
+            ));
+        }
         Some(m) => Some((m, params.draft_max.unwrap_or(app.opts.draft_max))),
     };
     // A request drafting with the draft model keeps a state in it too.

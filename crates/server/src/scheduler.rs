@@ -332,8 +332,8 @@ impl Scheduler {
             self.metrics.reused_prompt_tokens.inc_by(cached as u64);
             let sampler = Sampler::new(job.sampler.clone());
             let greedy = job.sampler.temperature == 0.0;
-            let draft = self.draft.as_ref().map(|d| (d, self.cfg.ctx_size, self.cfg.draft_p_min));
-            let spec = job.spec.map(|(m, k)| SeqSpec::new(m, k, greedy, draft));
+            let draft = self.draft.as_ref().map(|d| (d, self.cfg.ctx_size));
+            let spec = job.spec.map(|(m, k)| SeqSpec::new(m, k, greedy, draft, self.cfg.draft_p_min));
             let out = OutputText::with_literals(job.stop_strings.clone(), job.literal_tokens.clone());
             self.active.push(Seq {
                 job,
@@ -394,10 +394,10 @@ impl Scheduler {
                     // positions.
                     let room =
                         s.job.max_tokens.saturating_sub(g + 1).min(s.state.max_len().saturating_sub(s.state.len() + 1));
-                    if sp.plan(&s.job.prompt, &s.generated, room) > 0 {
+                    if sp.plan(&self.engine, &mut s.state, &s.job.prompt, &s.generated, room) > 0 {
                         want = Logits::All;
                         sp.start = s.state.len();
-                        if s.state.rewinds_by_snapshot() {
+                        if s.state.rewinds_by_snapshot() && sp.snap.is_none() {
                             sp.snap = Some(s.state.snapshot());
                         }
                     }

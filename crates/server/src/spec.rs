@@ -1,13 +1,16 @@
 //! Speculative decoding in the server. A request that drafts proposes a few tokens to follow
 //! its text — by looking up the latest n-gram of its text (prompt and output) earlier in that
-//! text and taking what followed (`ngram`), or with the server's draft model, a smaller model
-//! of the same vocabulary run greedily on the request's own state (`draft`) — and the batch
-//! step runs its last token and the drafts as one item beside every other sequence's tokens;
+//! text and taking what followed (`ngram`), with the server's draft model, a smaller model of
+//! the same vocabulary run greedily on the request's own state (`draft`), or with the target
+//! itself on the request's state, each routed layer using only the experts the cache holds
+//! (`self`: drafting reads nothing, and the experts it had to leave out are handed to the
+//! prefetcher for the verify pass) — and the batch step runs its last token and the drafts as
+//! one item beside every other sequence's tokens;
 //! the verifier keeps the drafts the target agrees with (`sluice_runtime::spec::verify`). A
 //! verify pass's rows are the bits of plain decode's (the kernels are batch-invariant), so a
 //! greedy request gets plain decode's tokens and log-probabilities exactly, and a sampled one
-//! plain sampling's distribution (both proposers are deterministic: the one-hot rejection
-//! rule applies).
+//! plain sampling's distribution (every proposer here drafts greedily, so deterministically:
+//! the one-hot rejection rule applies).
 //!
 //! Draft length: a greedy request's adapts each round (the controller of `sluice run --spec`,
 //! fed the step's wall time), since its tokens do not depend on it. A sampled request drafts
@@ -15,11 +18,12 @@
 //! what it draws from its generator, and so its output, is then the same alone or in any
 //! batch and from run to run, which a length chosen from measured times would not be.
 
-use sluice_model::Snapshot;
+use sluice_model::{SeqState, Snapshot};
 use sluice_runtime::spec::adapt::Adapt;
+use sluice_runtime::spec::cached::CachedDraft;
 use sluice_runtime::spec::draft::DraftModel;
-use sluice_runtime::spec::{ngram, Draft, Proposer, SpecMethod};
-use sluice_runtime::Engine;
+use sluice_runtime::spec::{ngram, Draft, Proposer, SpecMethod, SpecOptions};
+use sluice_runtime::{Engine, SamplerConfig};
 use std::sync::Arc;
 
 /// The n-gram lengths looked up, longest first (those of `sluice run --spec ngram`).
@@ -31,8 +35,13 @@ enum Source {
     Ngram,
     /// Its own state in the server's draft model (boxed: a state is large).
     Draft(Box<DraftModel>),
-    /// The draft model failed on this sequence: it decodes plainly from then on.
-    Failed,
+    /// The target through the experts its cache holds, stopping below this confidence.
+    Cached(f32),
+    /// Not drafting: drafting failed on this sequence (it decodes plainly from then on), or a
+    /// sampled request asked for `self`, whose drafts depend on what the cache holds, and so
+    /// on the requests beside it: its output would no longer be the same bits alone and in a
+    /// batch (greedy output does not depend on the drafts).
+    Off,
 }
 
 /// A drafting sequence's speculation state.
@@ -51,19 +60,22 @@ pub struct SeqSpec {
 }
 
 impl SeqSpec {
-    /// Speculation by `method`: n-gram lookup, or `draft`, the server's draft model (`draft`:
-    /// the model, the positions of this sequence's state in it, and the probability below
-    /// which it stops drafting).
+    /// Speculation by `method`: n-gram lookup, `draft` (`draft`: the server's draft model
+    /// and the positions of this sequence's state in it) or `self`; a model drafting stops
+    /// when its token's probability is below `p_min`.
     pub fn new(
         method: SpecMethod,
         draft_max: usize,
         greedy: bool,
-        draft: Option<(&Arc<Engine>, usize, f32)>,
+        draft: Option<(&Arc<Engine>, usize)>,
+        p_min: f32,
     ) -> SeqSpec {
         let source = match (method, draft) {
-            (SpecMethod::Draft, Some((d, max_len, p_min))) => {
+            (SpecMethod::Draft, Some((d, max_len))) => {
                 Source::Draft(Box::new(DraftModel::greedy(d.clone(), max_len, p_min)))
             }
+            (SpecMethod::Cached, _) if greedy => Source::Cached(p_min),
+            (SpecMethod::Cached, _) => Source::Off,
             _ => Source::Ngram,
         };
         SeqSpec {
@@ -77,8 +89,17 @@ impl SeqSpec {
     }
 
     /// Plans a step: `batch` becomes the last generated token and up to `room` drafts to
-    /// follow `prompt` + `generated`. Returns how many were drafted.
-    pub fn plan(&mut self, prompt: &[u32], generated: &[u32], room: usize) -> usize {
+    /// follow `prompt` + `generated`, `state` (of `target`) holding all of it but the last
+    /// token; `state` is as it was after (a snapshot at its length may be left in `snap`).
+    /// Returns how many were drafted.
+    pub fn plan(
+        &mut self,
+        target: &Engine,
+        state: &mut SeqState,
+        prompt: &[u32],
+        generated: &[u32],
+        room: usize,
+    ) -> usize {
         let k = match self.adapt.as_mut() {
             Some(a) => a.choose(room).0,
             None => self.draft_max.min(room),
@@ -98,11 +119,24 @@ impl SeqSpec {
                     Ok(()) => self.batch.extend_from_slice(&d.tokens[..d.tokens.len().min(k)]),
                     Err(e) => {
                         eprintln!("sluice: the draft model failed on a request ({e}); it decodes without drafts");
-                        self.source = Source::Failed;
+                        self.source = Source::Off;
                     }
                 }
             }
-            Source::Failed => {}
+            Source::Cached(p_min) => {
+                let so = SpecOptions { p_min: *p_min, ..Default::default() };
+                let mut d = Draft::default();
+                let r = CachedDraft::new(target, &SamplerConfig::default(), &so, true)
+                    .and_then(|mut c| c.propose_on(state, &mut self.snap, &ctx, k, &mut d));
+                match r {
+                    Ok(()) => self.batch.extend_from_slice(&d.tokens[..d.tokens.len().min(k)]),
+                    Err(e) => {
+                        eprintln!("sluice: drafting from the cached experts failed on a request ({e}); it decodes without drafts");
+                        self.source = Source::Off;
+                    }
+                }
+            }
+            Source::Off => {}
         }
         self.batch.len() - 1
     }
@@ -120,7 +154,7 @@ impl SeqSpec {
         }
         if let Source::Draft(m) = &mut self.source {
             if m.accepted(kept, None).is_err() {
-                self.source = Source::Failed;
+                self.source = Source::Off;
             }
         }
     }
@@ -132,18 +166,23 @@ mod tests {
 
     #[test]
     fn drafts_what_followed_the_last_ngram_within_the_room() {
+        // Any model: n-gram lookup reads only the text.
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/golden/qwen3_moe");
+        let e = Engine::load(&dir, sluice_runtime::EngineOptions { threads: 1, ..Default::default() }).unwrap();
+        let mut st = e.new_state();
         // "5 6" was followed by "7 8 9 2" in the prompt.
         let prompt = [1, 5, 6, 7, 8, 9, 2, 3];
-        let mut s = SeqSpec::new(SpecMethod::Ngram, 4, false, None);
-        assert_eq!(s.plan(&prompt, &[5, 6], 8), 4);
+        let mut s = SeqSpec::new(SpecMethod::Ngram, 4, false, None, 0.5);
+        let mut plan = |s: &mut SeqSpec, generated: &[u32], room| s.plan(&e, &mut st, &prompt, generated, room);
+        assert_eq!(plan(&mut s, &[5, 6], 8), 4);
         assert_eq!(s.batch, vec![6, 7, 8, 9, 2]);
         assert_eq!(s.drafts(), &[7, 8, 9, 2]);
         // The room (max_tokens, context) bounds the drafts; no room: no drafts.
-        assert_eq!(s.plan(&prompt, &[5, 6], 2), 2);
+        assert_eq!(plan(&mut s, &[5, 6], 2), 2);
         assert_eq!(s.batch, vec![6, 7, 8]);
-        assert_eq!(s.plan(&prompt, &[5, 6], 0), 0);
+        assert_eq!(plan(&mut s, &[5, 6], 0), 0);
         assert_eq!(s.batch, vec![6]);
         // Nothing to look up.
-        assert_eq!(s.plan(&prompt, &[42], 8), 0);
+        assert_eq!(plan(&mut s, &[42], 8), 0);
     }
 }

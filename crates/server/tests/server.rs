@@ -601,7 +601,7 @@ async fn speculating_requests_get_plain_decode_bits() {
     for (field, value, says) in [
         ("spec", json!("draft"), "this server has none"),
         ("spec", json!("mtp"), "with its draft model"),
-        ("spec", json!(3), "\"ngram\", \"draft\" or \"none\""),
+        ("spec", json!(3), "\"ngram\", \"draft\", \"self\" or \"none\""),
         ("draft_max", json!(0), "1 to 64"),
         ("draft_max", json!(65), "1 to 64"),
     ] {
@@ -680,4 +680,48 @@ async fn requests_drafting_with_a_draft_model_get_plain_decode_bits() {
     }
     let err = handle.shutdown().unwrap_err();
     assert!(err.contains("vocabulary"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn requests_drafting_from_the_cached_experts_get_plain_decode_bits() {
+    // Streamed through a cache that holds a few experts, so drafts leave experts out and
+    // differ from the model's own choices; a hybrid whose state rewinds by snapshot too.
+    for model in ["qwen3_moe", "qwen3_next"] {
+        let streamed = ExpertOptions { mode: ExpertMode::Stream, cache_bytes: Some(96 << 10), ..Default::default() };
+        let o = ServerOptions { prefix_cache_bytes: 0, draft_p_min: 0.0, draft_max: 4, ..opts() };
+        let s = start(golden(model), o, streamed).await;
+        let drafting = |b: &Value| {
+            let mut b = b.clone();
+            b["spec"] = json!("self");
+            b
+        };
+        let mut reqs = repeating_requests();
+        reqs.extend(mixed_requests().into_iter().filter(|(_, b)| b["temperature"] == json!(0.0)));
+        let plain = run_alone(&s, &reqs).await;
+        let spec_reqs: Vec<_> = reqs.iter().map(|(p, b)| (*p, drafting(b))).collect();
+        let alone = run_alone(&s, &spec_reqs).await;
+        let mut mixed = spec_reqs.clone();
+        mixed.extend(reqs.iter().cloned());
+        let together = run_together(&s, &mixed).await;
+        for (i, p) in plain.iter().enumerate() {
+            assert_eq!(p, &alone[i], "{model}: request {i} drafting alone differs from plain decode");
+            assert_eq!(p, &together[i], "{model}: request {i} drafting in a batch differs from plain decode");
+            assert_eq!(p, &together[reqs.len() + i], "{model}: request {i} beside drafting requests differs");
+        }
+        let drafted = s.metric("sluice_spec_drafted_tokens_total", &[]).await;
+        let kept = s.metric("sluice_spec_accepted_tokens_total", &[]).await;
+        assert!(kept > 0.0 && kept < drafted, "{model}: drafted {drafted}, kept {kept}");
+        // Sampled requests decode plainly (drafts from the cache would make their bits depend
+        // on their neighbours): the bits of the same request without `spec`.
+        let sampled: Vec<_> = mixed_requests().into_iter().filter(|(_, b)| b["temperature"] != json!(0.0)).collect();
+        let plain = run_alone(&s, &sampled).await;
+        let spec_sampled: Vec<_> = sampled.iter().map(|(p, b)| (*p, drafting(b))).collect();
+        assert_eq!(run_together(&s, &spec_sampled).await, plain, "{model}: sampled \"self\" requests");
+        assert_eq!(
+            s.metric("sluice_spec_drafted_tokens_total", &[]).await,
+            drafted,
+            "{model}: a sampled request drafted"
+        );
+        s.shutdown();
+    }
 }
