@@ -539,10 +539,27 @@ fn repeating_requests() -> Vec<(&'static str, Value)> {
     v
 }
 
-fn speculating(b: &Value) -> Value {
-    let mut b = b.clone();
-    b["spec"] = json!("ngram");
-    b
+/// `req` asking to speculate by `method`.
+fn with_spec(req: &(&'static str, Value), method: &str) -> (&'static str, Value) {
+    let mut b = req.1.clone();
+    b["spec"] = json!(method);
+    (req.0, b)
+}
+
+/// Greedy `reqs` speculating by `method` get the bits they get without: alone, in a batch of
+/// speculating ones, and beside the plain ones.
+async fn assert_plain_bits(s: &Srv, what: &str, reqs: &[(&'static str, Value)], method: &str) {
+    let plain = run_alone(s, reqs).await;
+    let spec_reqs: Vec<_> = reqs.iter().map(|r| with_spec(r, method)).collect();
+    let alone = run_alone(s, &spec_reqs).await;
+    let mut mixed = spec_reqs.clone();
+    mixed.extend(reqs.iter().cloned());
+    let together = run_together(s, &mixed).await;
+    for (i, p) in plain.iter().enumerate() {
+        assert_eq!(p, &alone[i], "{what}: request {i} speculating alone differs from plain decode");
+        assert_eq!(p, &together[i], "{what}: request {i} speculating in a batch differs from plain decode");
+        assert_eq!(p, &together[reqs.len() + i], "{what}: request {i} beside speculating requests differs");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -553,22 +570,13 @@ async fn speculating_requests_get_plain_decode_bits() {
         // beside other requests (speculating or not).
         let mut reqs = repeating_requests();
         reqs.extend(mixed_requests().into_iter().filter(|(_, b)| b["temperature"] == json!(0.0)));
-        let plain = run_alone(&s, &reqs).await;
+        run_alone(&s, &reqs).await;
         let d0 = s.metric("sluice_spec_drafted_tokens_total", &[]).await;
-        let spec_reqs: Vec<_> = reqs.iter().map(|(p, b)| (*p, speculating(b))).collect();
-        let alone = run_alone(&s, &spec_reqs).await;
+        assert_plain_bits(&s, model, &reqs, "ngram").await;
         let (d1, a1) = (
             s.metric("sluice_spec_drafted_tokens_total", &[]).await,
             s.metric("sluice_spec_accepted_tokens_total", &[]).await,
         );
-        let mut mixed = spec_reqs.clone();
-        mixed.extend(reqs.iter().cloned());
-        let together = run_together(&s, &mixed).await;
-        for (i, p) in plain.iter().enumerate() {
-            assert_eq!(p, &alone[i], "{model}: request {i} speculating alone differs from plain decode");
-            assert_eq!(p, &together[i], "{model}: request {i} speculating in a batch differs from plain decode");
-            assert_eq!(p, &together[reqs.len() + i], "{model}: request {i} beside speculating requests differs");
-        }
         assert_eq!(d0, 0.0, "{model}: plain requests drafted");
         assert!(d1 > 0.0 && a1 > 0.0, "{model}: drafted {d1}, kept {a1}: nothing was verified");
         // Sampled: the same bits alone and in a batch (a fixed draft length: what a request
@@ -579,7 +587,7 @@ async fn speculating_requests_get_plain_decode_bits() {
             .map(|(p, mut b)| {
                 b["temperature"] = json!(0.8);
                 b["seed"] = json!(31);
-                (p, speculating(&b))
+                with_spec(&(p, b), "ngram")
             })
             .collect();
         let alone = run_alone(&s, &sampled).await;
@@ -632,23 +640,8 @@ async fn requests_drafting_with_a_draft_model_get_plain_decode_bits() {
             .chain(mixed_requests().into_iter().filter(|(p, _)| *p == COMP))
             .collect::<Vec<_>>()
     };
-    let drafting = |b: &Value| {
-        let mut b = b.clone();
-        b["spec"] = json!("draft");
-        b
-    };
     let reqs: Vec<_> = completions().into_iter().filter(|(_, b)| b["temperature"] == json!(0.0)).collect();
-    let plain = run_alone(&s, &reqs).await;
-    let spec_reqs: Vec<_> = reqs.iter().map(|(p, b)| (*p, drafting(b))).collect();
-    let alone = run_alone(&s, &spec_reqs).await;
-    let mut mixed = spec_reqs.clone();
-    mixed.extend(reqs.iter().cloned());
-    let together = run_together(&s, &mixed).await;
-    for (i, p) in plain.iter().enumerate() {
-        assert_eq!(p, &alone[i], "request {i} drafting alone differs from plain decode");
-        assert_eq!(p, &together[i], "request {i} drafting in a batch differs from plain decode");
-        assert_eq!(p, &together[reqs.len() + i], "request {i} beside drafting requests differs");
-    }
+    assert_plain_bits(&s, "draft model", &reqs, "draft").await;
     let drafted = s.metric("sluice_spec_drafted_tokens_total", &[]).await;
     let kept = s.metric("sluice_spec_accepted_tokens_total", &[]).await;
     assert!(kept > 0.0 && kept < drafted, "drafted {drafted}, kept {kept}: drafts must be both kept and refused");
@@ -658,7 +651,7 @@ async fn requests_drafting_with_a_draft_model_get_plain_decode_bits() {
         .map(|(p, mut b)| {
             b["temperature"] = json!(0.8);
             b["seed"] = json!(5);
-            (p, drafting(&b))
+            with_spec(&(p, b), "draft")
         })
         .collect();
     let alone = run_alone(&s, &sampled).await;
@@ -690,24 +683,9 @@ async fn requests_drafting_from_the_cached_experts_get_plain_decode_bits() {
         let streamed = ExpertOptions { mode: ExpertMode::Stream, cache_bytes: Some(96 << 10), ..Default::default() };
         let o = ServerOptions { prefix_cache_bytes: 0, draft_p_min: 0.0, draft_max: 4, ..opts() };
         let s = start(golden(model), o, streamed).await;
-        let drafting = |b: &Value| {
-            let mut b = b.clone();
-            b["spec"] = json!("self");
-            b
-        };
         let mut reqs = repeating_requests();
         reqs.extend(mixed_requests().into_iter().filter(|(_, b)| b["temperature"] == json!(0.0)));
-        let plain = run_alone(&s, &reqs).await;
-        let spec_reqs: Vec<_> = reqs.iter().map(|(p, b)| (*p, drafting(b))).collect();
-        let alone = run_alone(&s, &spec_reqs).await;
-        let mut mixed = spec_reqs.clone();
-        mixed.extend(reqs.iter().cloned());
-        let together = run_together(&s, &mixed).await;
-        for (i, p) in plain.iter().enumerate() {
-            assert_eq!(p, &alone[i], "{model}: request {i} drafting alone differs from plain decode");
-            assert_eq!(p, &together[i], "{model}: request {i} drafting in a batch differs from plain decode");
-            assert_eq!(p, &together[reqs.len() + i], "{model}: request {i} beside drafting requests differs");
-        }
+        assert_plain_bits(&s, model, &reqs, "self").await;
         let drafted = s.metric("sluice_spec_drafted_tokens_total", &[]).await;
         let kept = s.metric("sluice_spec_accepted_tokens_total", &[]).await;
         assert!(kept > 0.0 && kept < drafted, "{model}: drafted {drafted}, kept {kept}");
@@ -715,7 +693,7 @@ async fn requests_drafting_from_the_cached_experts_get_plain_decode_bits() {
         // on their neighbours): the bits of the same request without `spec`.
         let sampled: Vec<_> = mixed_requests().into_iter().filter(|(_, b)| b["temperature"] != json!(0.0)).collect();
         let plain = run_alone(&s, &sampled).await;
-        let spec_sampled: Vec<_> = sampled.iter().map(|(p, b)| (*p, drafting(b))).collect();
+        let spec_sampled: Vec<_> = sampled.iter().map(|r| with_spec(r, "self")).collect();
         assert_eq!(run_together(&s, &spec_sampled).await, plain, "{model}: sampled \"self\" requests");
         assert_eq!(
             s.metric("sluice_spec_drafted_tokens_total", &[]).await,
