@@ -46,13 +46,14 @@ pub struct Args {
     shutdown_grace: u64,
     /// Speculative decoding for every request that does not say otherwise: `ngram` drafts by
     /// looking up the request's latest n-gram earlier in its prompt and output, `draft` with
-    /// the --draft-model (run greedily on a state of its own per request), `self` with the
+    /// the --draft-model (run greedily on a state of its own per request), `mtp` with the
+    /// checkpoint's multi-token-prediction head (loaded for this), `self` with the
     /// model itself, each routed layer using only the experts the cache holds (drafting reads
     /// nothing; the experts it left out are prefetched for the verify pass); the batch step
     /// verifies the drafts (greedy requests: the same tokens and log-probabilities as without;
     /// sampled ones: plain sampling's distribution). Without this flag only requests that ask
-    /// (`"spec": "ngram"`, `"draft"` or `"self"`) speculate.
-    #[arg(long, value_name = "ngram|draft|self")]
+    /// (`"spec": "ngram"`, `"draft"`, `"mtp"` or `"self"`) speculate.
+    #[arg(long, value_name = "ngram|draft|mtp|self")]
     spec: Option<String>,
     /// A smaller model with the target's vocabulary (e.g. a small quantization of it, or a
     /// small model of the same family) that drafts for requests asking `"spec": "draft"`
@@ -90,10 +91,8 @@ pub fn main(a: Args) -> Result<()> {
         Some("draft") if a.draft_model.is_none() => bail!("--spec draft needs --draft-model PATH"),
         Some("draft") => Some(SpecMethod::Draft),
         Some("self") => Some(SpecMethod::Cached),
-        Some("mtp") => {
-            bail!("--spec mtp: the server drafts by n-gram lookup, with a draft model or from the cached experts (`--spec ngram|draft|self`); `sluice run --spec mtp` runs it")
-        }
-        Some(m) => bail!("--spec {m}: unknown method (the server has `ngram`, `draft` and `self`)"),
+        Some("mtp") => Some(SpecMethod::Mtp),
+        Some(m) => bail!("--spec {m}: unknown method (ngram, draft, mtp, self)"),
     };
     let model_id = a.alias.clone().unwrap_or_else(|| {
         model.model.file_name().map_or_else(|| model.model.display().to_string(), |n| n.to_string_lossy().into_owned())
@@ -117,7 +116,8 @@ pub fn main(a: Args) -> Result<()> {
     };
     let draft_path = a.draft_model;
     let loader: sluice_server::Loader = Box::new(move || {
-        let target = model.load().map_err(|e| format!("{e:#}"))?;
+        // The multi-token-prediction head is loaded for `--spec mtp` only (it takes memory).
+        let target = model.load_with_mtp(spec == Some(SpecMethod::Mtp)).map_err(|e| format!("{e:#}"))?;
         let draft = match draft_path {
             None => None,
             Some(path) => {

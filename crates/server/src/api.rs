@@ -41,8 +41,8 @@ pub struct RequestBody {
     /// Keep generating past end-of-sequence and end-of-turn tokens (llama.cpp's extension).
     pub ignore_eos: Option<bool>,
     /// Speculative decoding (sluice's extension): "ngram", "draft" (the server's draft model),
-    /// "self" (the model through its cached experts) or "none"; absent, the server's default
-    /// (`sluice serve --spec`).
+    /// "mtp" (the model's multi-token-prediction head), "self" (the model through its cached
+    /// experts) or "none"; absent, the server's default (`sluice serve --spec`).
     pub spec: Option<Value>,
     /// The most tokens drafted a step when speculating (sluice's extension).
     pub draft_max: Option<i64>,
@@ -216,15 +216,12 @@ pub fn params(b: &RequestBody, chat: bool) -> Result<Params, ApiError> {
         None | Some(Value::Null) => None,
         Some(Value::String(s)) if s == "ngram" => Some(Some(SpecMethod::Ngram)),
         Some(Value::String(s)) if s == "draft" => Some(Some(SpecMethod::Draft)),
+        Some(Value::String(s)) if s == "mtp" => Some(Some(SpecMethod::Mtp)),
         Some(Value::String(s)) if s == "self" => Some(Some(SpecMethod::Cached)),
         Some(Value::String(s)) if s == "none" => Some(None),
-        Some(Value::String(s)) if s == "mtp" => {
-            return Err(ApiError::invalid(
-                "spec",
-                "`spec`: the server drafts by n-gram lookup, with its draft model or from the cached experts (\"ngram\", \"draft\", \"self\" or \"none\"); \"mtp\" runs in `sluice run --spec mtp`",
-            ));
+        Some(_) => {
+            return Err(ApiError::invalid("spec", "`spec` must be \"ngram\", \"draft\", \"mtp\", \"self\" or \"none\""))
         }
-        Some(_) => return Err(ApiError::invalid("spec", "`spec` must be \"ngram\", \"draft\", \"self\" or \"none\"")),
     };
     let draft_max = match b.draft_max {
         None => None,

@@ -394,11 +394,26 @@ fn make_job(
                 "`spec`: \"self\" drafts with the experts the cache holds, and this model has no routed experts (\"ngram\" works for any model)",
             ));
         }
+        Some(SpecMethod::Mtp) if ready.engine.model.mtp.is_none() => {
+            return Err(ApiError::invalid(
+                "spec",
+                if cfg.mtp.is_some() {
+                    "`spec`: \"mtp\" needs the model's multi-token-prediction head, which this server did not load (`sluice serve --spec mtp` loads it)"
+                } else {
+                    "`spec`: \"mtp\" needs a multi-token-prediction head, and this model has none"
+                },
+            ));
+        }
         Some(m) => Some((m, params.draft_max.unwrap_or(app.opts.draft_max))),
     };
     // A request drafting with the draft model keeps a state in it too.
     let draft_state = match (&spec, &ready.draft) {
         (Some((SpecMethod::Draft, k)), Some(d)) => d.model.cfg.state_bytes(n + max_tokens + k),
+        // The head's cache: one attention layer's keys and values.
+        (Some((SpecMethod::Mtp, k)), _) => {
+            let (a, b) = (0..=cfg.n_layer).map(|l| cfg.kv_widths(l)).max_by_key(|(a, b)| a + b).unwrap_or((0, 0));
+            ((a + b) * (n + max_tokens + k) * 4) as u64
+        }
         _ => 0,
     };
     let reserve = cfg.state_bytes(n + max_tokens) + draft_state;

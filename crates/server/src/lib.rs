@@ -153,6 +153,10 @@ impl App {
         if self.opts.spec == Some(SpecMethod::Draft) && loaded.draft.is_none() {
             return self.failed("speculation by a draft model by default needs a draft model".into());
         }
+        if self.opts.spec == Some(SpecMethod::Mtp) && loaded.target.model.mtp.is_none() {
+            return self
+                .failed("--spec mtp needs a multi-token-prediction head, and this model has none loaded".into());
+        }
         if self.opts.spec == Some(SpecMethod::Cached) && loaded.target.model.cfg.moe.is_none() {
             return self.failed("--spec self drafts with the experts the cache holds, and this model has no routed experts (use --spec ngram or draft)".into());
         }

@@ -318,7 +318,10 @@ impl Scheduler {
             }
             let Some(job) = self.waiting.pop_front() else { break };
             self.shared.queued.fetch_sub(1, Ordering::SeqCst);
-            let reuse = self.prefix.take(&job.prompt);
+            // A head that reads the target's hidden rows needs every prompt position run: such
+            // a request does not continue from a cached prefix.
+            let mtp = job.spec.is_some_and(|(m, _)| m == SpecMethod::Mtp);
+            let reuse = if mtp { None } else { self.prefix.take(&job.prompt) };
             self.prefix.evict_to(self.cfg.state_budget.saturating_sub(held + job.reserve));
             let (state, cached, ready, prompt_end, mut checkpoints) = match reuse {
                 Some(r) => (r.state, r.len, r.logits, r.prompt_end, r.checkpoints),
@@ -332,8 +335,8 @@ impl Scheduler {
             self.metrics.reused_prompt_tokens.inc_by(cached as u64);
             let sampler = Sampler::new(job.sampler.clone());
             let greedy = job.sampler.temperature == 0.0;
-            let draft = self.draft.as_ref().map(|d| (d, self.cfg.ctx_size));
-            let spec = job.spec.map(|(m, k)| SeqSpec::new(m, k, greedy, draft, self.cfg.draft_p_min));
+            let (draft, ctx, p_min) = (self.draft.as_ref(), self.cfg.ctx_size, self.cfg.draft_p_min);
+            let spec = job.spec.map(|(m, k)| SeqSpec::new(m, k, greedy, &self.engine, draft, ctx, p_min));
             let out = OutputText::with_literals(job.stop_strings.clone(), job.literal_tokens.clone());
             self.active.push(Seq {
                 job,
@@ -385,7 +388,15 @@ impl Scheduler {
                 }
                 let end = (pos + budget).min(n);
                 budget -= end - pos;
-                plan.push((i, pos..end, true, if end == n { Logits::Last } else { Logits::None }));
+                let want = if s.spec.as_ref().is_some_and(|sp| sp.wants_hidden()) {
+                    // Every row's hidden state; the last row's logits are made from it.
+                    Logits::HiddenOnly
+                } else if end == n {
+                    Logits::Last
+                } else {
+                    Logits::None
+                };
+                plan.push((i, pos..end, true, want));
             } else {
                 let g = s.generated.len();
                 let mut want = Logits::Last;
@@ -405,7 +416,8 @@ impl Scheduler {
                 plan.push((i, g - 1..g, false, want));
             }
         }
-        let mut results: Vec<Option<Result<Vec<f32>, String>>> = (0..self.active.len()).map(|_| None).collect();
+        type Rows = (Vec<f32>, Vec<f32>);
+        let mut results: Vec<Option<Result<Rows, String>>> = (0..self.active.len()).map(|_| None).collect();
         if !plan.is_empty() {
             let tokens: usize = plan.iter().map(|p| p.1.len()).sum();
             self.metrics.batch_size.observe(plan.len() as f64);
@@ -413,8 +425,8 @@ impl Scheduler {
             self.shared.last_batch.store(plan.len(), Ordering::SeqCst);
             match self.forward(&plan) {
                 Ok(out) => {
-                    for ((i, ..), logits) in plan.iter().zip(out) {
-                        results[*i] = Some(Ok(logits));
+                    for ((i, ..), rows) in plan.iter().zip(out) {
+                        results[*i] = Some(Ok(rows));
                     }
                 }
                 Err(_) if plan.len() > 1 => {
@@ -429,8 +441,8 @@ impl Scheduler {
         }
         // Sample, emit, retire; walk backwards so removals keep indices valid.
         for i in (0..self.active.len()).rev() {
-            let logits = match results[i].take() {
-                Some(Ok(l)) => l,
+            let (mut logits, hidden) = match results[i].take() {
+                Some(Ok(rows)) => rows,
                 Some(Err(e)) => {
                     let s = self.active.swap_remove(i);
                     self.metrics.failed.inc();
@@ -438,20 +450,30 @@ impl Scheduler {
                     continue;
                 }
                 None => match self.active[i].ready.take() {
-                    Some(l) => l,
+                    Some(l) => (l, Vec::new()),
                     None => continue,
                 },
             };
+            let s = &mut self.active[i];
+            if let Some(sp) = s.spec.as_mut().filter(|sp| sp.wants_hidden() && s.generated.is_empty()) {
+                // A prompt chunk run for its hidden rows: they go to the head, and the
+                // prompt's last row's logits are made from its row (the same bits).
+                sp.feed(&hidden);
+                if s.state.len() == s.job.prompt.len() {
+                    let hd = self.engine.model.cfg.hidden;
+                    logits = self.engine.model.output_logits(&hidden[hidden.len() - hd..]);
+                }
+            }
             if logits.is_empty() {
                 continue; // a prefill chunk before the prompt's last
             }
             // Drafts planned for this step (None: it did not decode a speculating sequence).
             let drafted = self.active[i].spec.as_ref().and_then(|sp| sp.batch.len().checked_sub(1));
             let finished = match drafted {
-                Some(k) if k > 0 => self.verify(i, logits, t0.elapsed().as_secs_f64()),
+                Some(k) if k > 0 => self.verify(i, logits, &hidden, t0.elapsed().as_secs_f64()),
                 _ => {
                     if let Some(sp) = self.active[i].spec.as_mut().filter(|_| drafted.is_some()) {
-                        sp.observe(0, 0, t0.elapsed().as_secs_f64());
+                        sp.observe(0, 0, t0.elapsed().as_secs_f64(), &hidden);
                         sp.batch.clear();
                     }
                     self.sample(i, logits)
@@ -467,7 +489,12 @@ impl Scheduler {
     }
 
     /// Runs the planned rows as one batch; on an error (or a panic) every state is as before.
-    fn forward(&mut self, plan: &[(usize, std::ops::Range<usize>, bool, Logits)]) -> Result<Vec<Vec<f32>>, String> {
+    /// Returns each item's (logits, final-normed hidden rows), as `forward_batch` does.
+    #[allow(clippy::type_complexity)]
+    fn forward(
+        &mut self,
+        plan: &[(usize, std::ops::Range<usize>, bool, Logits)],
+    ) -> Result<Vec<(Vec<f32>, Vec<f32>)>, String> {
         let engine = &self.engine;
         let mut seqs: Vec<Option<&mut Seq>> = self.active.iter_mut().map(Some).collect();
         let mut items = Vec::with_capacity(plan.len());
@@ -486,7 +513,7 @@ impl Scheduler {
         }
         let r = catch_unwind(AssertUnwindSafe(|| engine.model.forward_batch(&mut items, None)));
         match r {
-            Ok(Ok(out)) => Ok(out.into_iter().map(|(l, _)| l).collect()),
+            Ok(Ok(out)) => Ok(out),
             Ok(Err(e)) => Err(e.to_string()),
             Err(p) => {
                 for it in items.iter_mut() {
@@ -517,7 +544,7 @@ impl Scheduler {
     /// Verifies the drafts of active sequence `i` against the step's `logits` (one row per
     /// position of its item), emits the tokens kept and the one drawn after them, and brings
     /// its state back to what they leave; returns whether it finished.
-    fn verify(&mut self, i: usize, logits: Vec<f32>, step_secs: f64) -> bool {
+    fn verify(&mut self, i: usize, logits: Vec<f32>, hidden: &[f32], step_secs: f64) -> bool {
         let engine = self.engine.clone();
         let vocab = engine.model.cfg.vocab_size;
         let Some(sp) = self.active[i].spec.as_mut() else { return self.sample(i, logits) };
@@ -543,7 +570,8 @@ impl Scheduler {
         self.metrics.spec_accepted_tokens.inc_by(kept as u64);
         let s = &mut self.active[i];
         if let Some(sp) = s.spec.as_mut() {
-            sp.observe(drafted, kept, step_secs);
+            let hd = engine.model.cfg.hidden;
+            sp.observe(drafted, kept, step_secs, &hidden[..(emitted * hd).min(hidden.len())]);
         }
         if let Err(e) = verify::rewind_target(&engine, &mut s.state, start + emitted, snap.as_ref(), &batch) {
             if !finished {

@@ -1,11 +1,12 @@
 //! Speculative decoding in the server. A request that drafts proposes a few tokens to follow
 //! its text — by looking up the latest n-gram of its text (prompt and output) earlier in that
 //! text and taking what followed (`ngram`), with the server's draft model, a smaller model of
-//! the same vocabulary run greedily on the request's own state (`draft`), or with the target
-//! itself on the request's state, each routed layer using only the experts the cache holds
-//! (`self`: drafting reads nothing, and the experts it had to leave out are handed to the
-//! prefetcher for the verify pass) — and the batch step runs its last token and the drafts as
-//! one item beside every other sequence's tokens;
+//! the same vocabulary run greedily on the request's own state (`draft`), with the
+//! checkpoint's multi-token-prediction head fed the target's hidden rows of the request
+//! (`mtp`), or with the target itself on the request's state, each routed layer using only the
+//! experts the cache holds (`self`: drafting reads nothing, and the experts it had to leave
+//! out are handed to the prefetcher for the verify pass) — and the batch step runs its last
+//! token and the drafts as one item beside every other sequence's tokens;
 //! the verifier keeps the drafts the target agrees with (`sluice_runtime::spec::verify`). A
 //! verify pass's rows are the bits of plain decode's (the kernels are batch-invariant), so a
 //! greedy request gets plain decode's tokens and log-probabilities exactly, and a sampled one
@@ -22,6 +23,7 @@ use sluice_model::{SeqState, Snapshot};
 use sluice_runtime::spec::adapt::Adapt;
 use sluice_runtime::spec::cached::CachedDraft;
 use sluice_runtime::spec::draft::DraftModel;
+use sluice_runtime::spec::mtp::MtpDrafter;
 use sluice_runtime::spec::{ngram, Draft, Proposer, SpecMethod, SpecOptions};
 use sluice_runtime::{Engine, SamplerConfig};
 use std::sync::Arc;
@@ -35,12 +37,15 @@ enum Source {
     Ngram,
     /// Its own state in the server's draft model (boxed: a state is large).
     Draft(Box<DraftModel>),
+    /// The target's multi-token-prediction head, with a cache of its own for this sequence.
+    Mtp(Box<MtpDrafter>),
     /// The target through the experts its cache holds, stopping below this confidence.
     Cached(f32),
-    /// Not drafting: drafting failed on this sequence (it decodes plainly from then on), or a
-    /// sampled request asked for `self`, whose drafts depend on what the cache holds, and so
-    /// on the requests beside it: its output would no longer be the same bits alone and in a
-    /// batch (greedy output does not depend on the drafts).
+    /// Not drafting: drafting failed on this sequence (it decodes plainly from then on), the
+    /// model has no head for `mtp`, or a sampled request asked for `self`, whose drafts
+    /// depend on what the cache holds, and so on the requests beside it: its output would no
+    /// longer be the same bits alone and in a batch (greedy output does not depend on the
+    /// drafts).
     Off,
 }
 
@@ -61,22 +66,26 @@ pub struct SeqSpec {
 
 impl SeqSpec {
     /// Speculation by `method`: n-gram lookup, `draft` (`draft`: the server's draft model
-    /// and the positions of this sequence's state in it) or `self`; a model drafting stops
-    /// when its token's probability is below `p_min`.
+    /// and the positions of this sequence's state in it), `mtp` (the target's head, with a
+    /// cache of `max_len` positions) or `self`; a model drafting stops when its token's
+    /// probability is below `p_min`.
     pub fn new(
         method: SpecMethod,
         draft_max: usize,
         greedy: bool,
-        draft: Option<(&Arc<Engine>, usize)>,
+        target: &Engine,
+        draft: Option<&Arc<Engine>>,
+        max_len: usize,
         p_min: f32,
     ) -> SeqSpec {
         let source = match (method, draft) {
-            (SpecMethod::Draft, Some((d, max_len))) => {
-                Source::Draft(Box::new(DraftModel::greedy(d.clone(), max_len, p_min)))
+            (SpecMethod::Draft, Some(d)) => Source::Draft(Box::new(DraftModel::greedy(d.clone(), max_len, p_min))),
+            (SpecMethod::Mtp, _) if target.model.mtp.is_some() => {
+                Source::Mtp(Box::new(MtpDrafter::new(&target.model, max_len, SamplerConfig::default(), p_min)))
             }
             (SpecMethod::Cached, _) if greedy => Source::Cached(p_min),
-            (SpecMethod::Cached, _) => Source::Off,
-            _ => Source::Ngram,
+            (SpecMethod::Ngram, _) => Source::Ngram,
+            _ => Source::Off,
         };
         SeqSpec {
             source,
@@ -85,6 +94,22 @@ impl SeqSpec {
             batch: Vec::new(),
             start: 0,
             snap: None,
+        }
+    }
+
+    /// Whether the proposer reads the target's hidden rows (`feed`, `observe`): every
+    /// position the target runs for this sequence, prompt included, must reach it.
+    pub fn wants_hidden(&self) -> bool {
+        matches!(self.source, Source::Mtp(_))
+    }
+
+    /// The target's final-normed hidden rows of positions it ran outside a verify step
+    /// (prompt chunks, plain decode steps), in order.
+    pub fn feed(&mut self, hidden: &[f32]) {
+        if let Source::Mtp(m) = &mut self.source {
+            if m.accepted(hidden).is_err() {
+                self.source = Source::Off;
+            }
         }
     }
 
@@ -111,32 +136,27 @@ impl SeqSpec {
             return 0;
         }
         let ctx: Vec<u32> = prompt.iter().chain(generated).copied().collect();
-        match &mut self.source {
-            Source::Ngram => self.batch.extend_from_slice(ngram::lookup(&ctx, NGRAM_MIN, NGRAM_MAX, k)),
-            Source::Draft(m) => {
-                let mut d = Draft::default();
-                match m.propose(&ctx, k, &mut d) {
-                    Ok(()) => self.batch.extend_from_slice(&d.tokens[..d.tokens.len().min(k)]),
-                    Err(e) => {
-                        eprintln!("sluice: the draft model failed on a request ({e}); it decodes without drafts");
-                        self.source = Source::Off;
-                    }
-                }
+        let mut d = Draft::default();
+        let r = match &mut self.source {
+            Source::Ngram => {
+                d.tokens.extend_from_slice(ngram::lookup(&ctx, NGRAM_MIN, NGRAM_MAX, k));
+                Ok(())
             }
+            Source::Draft(m) => m.propose(&ctx, k, &mut d),
+            Source::Mtp(m) => m.propose(&target.model, &ctx, k, &mut d),
             Source::Cached(p_min) => {
                 let so = SpecOptions { p_min: *p_min, ..Default::default() };
-                let mut d = Draft::default();
-                let r = CachedDraft::new(target, &SamplerConfig::default(), &so, true)
-                    .and_then(|mut c| c.propose_on(state, &mut self.snap, &ctx, k, &mut d));
-                match r {
-                    Ok(()) => self.batch.extend_from_slice(&d.tokens[..d.tokens.len().min(k)]),
-                    Err(e) => {
-                        eprintln!("sluice: drafting from the cached experts failed on a request ({e}); it decodes without drafts");
-                        self.source = Source::Off;
-                    }
-                }
+                CachedDraft::new(target, &SamplerConfig::default(), &so, true)
+                    .and_then(|mut c| c.propose_on(state, &mut self.snap, &ctx, k, &mut d))
             }
-            Source::Off => {}
+            Source::Off => Ok(()),
+        };
+        match r {
+            Ok(()) => self.batch.extend_from_slice(&d.tokens[..d.tokens.len().min(k)]),
+            Err(e) => {
+                eprintln!("sluice: drafting failed on a request ({e}); it decodes without drafts");
+                self.source = Source::Off;
+            }
         }
         self.batch.len() - 1
     }
@@ -147,15 +167,19 @@ impl SeqSpec {
     }
 
     /// Tells the proposer and the controller how the step went: `drafted` drafts, `kept` of
-    /// them kept, the step took `secs`.
-    pub fn observe(&mut self, drafted: usize, kept: usize, secs: f64) {
+    /// them kept, the step took `secs`; `hidden` holds the target's rows of the positions the
+    /// sequence keeps (when `wants_hidden`).
+    pub fn observe(&mut self, drafted: usize, kept: usize, secs: f64, hidden: &[f32]) {
         if let Some(a) = self.adapt.as_mut() {
             a.observe(drafted, kept, secs, 0.0);
         }
-        if let Source::Draft(m) = &mut self.source {
-            if m.accepted(kept, None).is_err() {
-                self.source = Source::Off;
-            }
+        let r = match &mut self.source {
+            Source::Draft(m) => m.accepted(kept, None),
+            Source::Mtp(m) => m.accepted(hidden),
+            _ => Ok(()),
+        };
+        if r.is_err() {
+            self.source = Source::Off;
         }
     }
 }
@@ -172,7 +196,7 @@ mod tests {
         let mut st = e.new_state();
         // "5 6" was followed by "7 8 9 2" in the prompt.
         let prompt = [1, 5, 6, 7, 8, 9, 2, 3];
-        let mut s = SeqSpec::new(SpecMethod::Ngram, 4, false, None, 0.5);
+        let mut s = SeqSpec::new(SpecMethod::Ngram, 4, false, &e, None, 0, 0.5);
         let mut plan = |s: &mut SeqSpec, generated: &[u32], room| s.plan(&e, &mut st, &prompt, generated, room);
         assert_eq!(plan(&mut s, &[5, 6], 8), 4);
         assert_eq!(s.batch, vec![6, 7, 8, 9, 2]);

@@ -6,6 +6,7 @@ mod common;
 use common::*;
 use serde_json::{json, Value};
 use sluice_runtime::placement::{ExpertMode, ExpertOptions};
+use sluice_runtime::{Engine, EngineOptions};
 use sluice_server::{Loaded, ServerOptions, SpecMethod};
 use std::time::{Duration, Instant};
 
@@ -608,8 +609,8 @@ async fn speculating_requests_get_plain_decode_bits() {
     assert!(s.metric("sluice_spec_drafted_tokens_total", &[]).await > d0, "the server's default did not draft");
     for (field, value, says) in [
         ("spec", json!("draft"), "this server has none"),
-        ("spec", json!("mtp"), "with its draft model"),
-        ("spec", json!(3), "\"ngram\", \"draft\", \"self\" or \"none\""),
+        ("spec", json!("mtp"), "this model has none"),
+        ("spec", json!(3), "\"ngram\", \"draft\", \"mtp\", \"self\" or \"none\""),
         ("draft_max", json!(0), "1 to 64"),
         ("draft_max", json!(65), "1 to 64"),
     ] {
@@ -700,6 +701,42 @@ async fn requests_drafting_from_the_cached_experts_get_plain_decode_bits() {
             drafted,
             "{model}: a sampled request drafted"
         );
+        s.shutdown();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn requests_drafting_with_the_mtp_head_get_plain_decode_bits() {
+    // The checkpoints' own heads: a hybrid (Qwen3-Next) and an MoE with dense first layers (GLM).
+    for model in ["qwen3_next", "glm4_moe_mtp"] {
+        let path = golden(model);
+        let loader: sluice_server::Loader = Box::new(move || {
+            let o = EngineOptions { threads: 2, experts: resident(), mtp: true, ..Default::default() };
+            Engine::load(&path, o).map(Into::into).map_err(|e| e.to_string())
+        });
+        let o = ServerOptions { prefix_cache_bytes: 0, draft_p_min: 0.0, draft_max: 4, ..opts() };
+        let s = start_with(o, loader).await;
+        let mut reqs = repeating_requests();
+        reqs.extend(mixed_requests().into_iter().filter(|(_, b)| b["temperature"] == json!(0.0)));
+        assert_plain_bits(&s, model, &reqs, "mtp").await;
+        let drafted = s.metric("sluice_spec_drafted_tokens_total", &[]).await;
+        assert!(drafted > 0.0, "{model}: the head drafted nothing");
+        // Sampled: the same bits alone and in a batch (the head drafts greedily). A random
+        // tiny head never agrees with its random model, so every draft is refused; a sampled
+        // request drafts a fixed length, so each of its steps after the first drafts up to 4
+        // tokens — unless the head lost track of the positions (it would stop drafting).
+        let sampled: Vec<_> = mixed_requests()
+            .into_iter()
+            .map(|(p, mut b)| {
+                b["temperature"] = json!(0.8);
+                with_spec(&(p, b), "mtp")
+            })
+            .collect();
+        let alone = run_alone(&s, &sampled).await;
+        let steps: f64 = sampled.iter().map(|(_, b)| b["max_tokens"].as_f64().unwrap() - 1.0).sum();
+        let d = s.metric("sluice_spec_drafted_tokens_total", &[]).await - drafted;
+        assert!(d >= 2.0 * steps, "{model}: {d} drafts over {steps} steps: the head stopped drafting");
+        assert_eq!(alone, run_together(&s, &sampled).await, "{model}: sampled mtp requests differ in a batch");
         s.shutdown();
     }
 }

@@ -12,8 +12,9 @@ use crate::error::{Result, RuntimeError};
 use crate::sampler::{Sampler, SamplerConfig};
 use sluice_model::{Logits, Model, SeqState};
 
-pub struct MtpProposer<'a> {
-    model: &'a Model,
+/// The head's drafting state for one sequence; the model is passed to each call, so that a
+/// server can keep one per sequence beside a shared model.
+pub struct MtpDrafter {
     /// The head's attention cache.
     state: SeqState,
     /// The target's hidden rows not yet fed to the head (positions `state.len()..`).
@@ -25,47 +26,32 @@ pub struct MtpProposer<'a> {
     p_min: f32,
 }
 
-impl<'a> MtpProposer<'a> {
-    pub fn new(target: &'a Engine, sampling: &SamplerConfig, spec: &SpecOptions) -> Result<MtpProposer<'a>> {
-        if target.model.mtp.is_none() {
-            return Err(RuntimeError::Input(format!(
-                "{}: --spec mtp needs a multi-token-prediction head, and this model has none loaded{}",
-                target.path.display(),
-                if target.model.cfg.mtp.is_none() { " (its checkpoint declares none)" } else { "" }
-            )));
-        }
-        let cfg = draft_sampling(sampling, spec, 0x94D0_49BB_1331_11EB);
-        Ok(MtpProposer {
-            model: &target.model,
-            state: target.model.new_mtp_state(target.options.max_context),
+impl MtpDrafter {
+    /// A drafter for `model`'s head (the caller checked it has one) with a cache of `max_len`
+    /// positions, drawing with `sampling` (greedy: deterministic drafts).
+    pub fn new(model: &Model, max_len: usize, sampling: SamplerConfig, p_min: f32) -> MtpDrafter {
+        MtpDrafter {
+            state: model.new_mtp_state(max_len),
             queue: Vec::new(),
             true_len: 0,
             drafted: false,
-            sampler: Sampler::new(cfg),
-            p_min: spec.p_min,
-        })
-    }
-}
-
-impl Proposer for MtpProposer<'_> {
-    fn method(&self) -> SpecMethod {
-        SpecMethod::Mtp
+            sampler: Sampler::new(sampling),
+            p_min,
+        }
     }
 
-    fn wants_hidden(&self) -> bool {
-        true
-    }
-
-    fn start(&mut self, _prompt_head: &[u32], prompt_hidden: Option<&[f32]>) -> Result<()> {
+    /// A new sequence: the target's hidden rows of the positions it ran.
+    pub fn start(&mut self, hidden: &[f32]) {
         self.state.reset();
         self.queue.clear();
-        self.queue.extend_from_slice(prompt_hidden.unwrap_or(&[]));
+        self.queue.extend_from_slice(hidden);
         self.drafted = false;
-        Ok(())
     }
 
-    fn propose(&mut self, context: &[u32], k: usize, out: &mut Draft) -> Result<()> {
-        let hd = self.model.cfg.hidden;
+    /// Up to `k` tokens to follow `context`, whose every position but the last the target ran
+    /// and handed over (`start`, `accepted`).
+    pub fn propose(&mut self, model: &Model, context: &[u32], k: usize, out: &mut Draft) -> Result<()> {
+        let hd = model.cfg.hidden;
         let rows = self.queue.len() / hd;
         if rows == 0 {
             out.stop = Some("no hidden state yet");
@@ -84,7 +70,7 @@ impl Proposer for MtpProposer<'_> {
         }
         // Feed the target's hidden rows, each with the token that followed it.
         let (mut logits, mut h) =
-            self.model.mtp_forward(&mut self.state, &self.queue, &context[a + 1..], Logits::Last, None)?;
+            model.mtp_forward(&mut self.state, &self.queue, &context[a + 1..], Logits::Last, None)?;
         self.queue.clear();
         self.true_len = self.state.len();
         self.drafted = true;
@@ -98,18 +84,64 @@ impl Proposer for MtpProposer<'_> {
             if i + 1 == k {
                 break;
             }
-            (logits, h) = self.model.mtp_forward(&mut self.state, &h, &[t], Logits::Last, None)?;
+            (logits, h) = model.mtp_forward(&mut self.state, &h, &[t], Logits::Last, None)?;
         }
         Ok(())
     }
 
-    fn accepted(&mut self, _kept: usize, hidden: Option<&[f32]>) -> Result<()> {
+    /// After a step: the head's cache is cut back to the entries made from the target's real
+    /// hidden states, and `hidden` (the rows of the positions the target ran and kept) waits
+    /// for the next draft.
+    pub fn accepted(&mut self, hidden: &[f32]) -> Result<()> {
         if self.drafted {
             // Entries past the real hidden states came from the head's own guesses.
             self.state.truncate(self.true_len)?;
             self.drafted = false;
         }
-        self.queue.extend_from_slice(hidden.unwrap_or(&[]));
+        self.queue.extend_from_slice(hidden);
         Ok(())
+    }
+}
+
+pub struct MtpProposer<'a> {
+    model: &'a Model,
+    head: MtpDrafter,
+}
+
+impl<'a> MtpProposer<'a> {
+    pub fn new(target: &'a Engine, sampling: &SamplerConfig, spec: &SpecOptions) -> Result<MtpProposer<'a>> {
+        if target.model.mtp.is_none() {
+            return Err(RuntimeError::Input(format!(
+                "{}: --spec mtp needs a multi-token-prediction head, and this model has none loaded{}",
+                target.path.display(),
+                if target.model.cfg.mtp.is_none() { " (its checkpoint declares none)" } else { "" }
+            )));
+        }
+        let cfg = draft_sampling(sampling, spec, 0x94D0_49BB_1331_11EB);
+        let head = MtpDrafter::new(&target.model, target.options.max_context, cfg, spec.p_min);
+        Ok(MtpProposer { model: &target.model, head })
+    }
+}
+
+impl Proposer for MtpProposer<'_> {
+    fn method(&self) -> SpecMethod {
+        SpecMethod::Mtp
+    }
+
+    fn wants_hidden(&self) -> bool {
+        true
+    }
+
+    fn start(&mut self, _prompt_head: &[u32], prompt_hidden: Option<&[f32]>) -> Result<()> {
+        self.head.start(prompt_hidden.unwrap_or(&[]));
+        Ok(())
+    }
+
+    fn propose(&mut self, context: &[u32], k: usize, out: &mut Draft) -> Result<()> {
+        self.head.propose(self.model, context, k, out)
+    }
+
+    fn accepted(&mut self, _kept: usize, hidden: Option<&[f32]>) -> Result<()> {
+        self.head.accepted(hidden.unwrap_or(&[]))
     }
 }
