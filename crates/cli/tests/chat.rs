@@ -50,7 +50,7 @@ fn run_chat_wraps_the_prompt_in_the_template() {
     assert!(c > p && s > c, "plain {p}, chat {c}, with system {s}");
 
     // --chat-template: a file, or llama.cpp's ChatML.
-    let dir = std::env::temp_dir().join(format!("sluice-cli-chat-{}", std::process::id()));
+    let dir = sluice_formats::scratch_root().join(format!("sluice-cli-chat-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let f = dir.join("t.jinja");
     std::fs::write(&f, "{{ messages[0].content }}").unwrap();

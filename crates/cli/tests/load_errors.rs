@@ -10,7 +10,7 @@ fn golden(fam: &str) -> PathBuf {
 
 /// A scratch copy of a golden model directory.
 fn copy_model(fam: &str, tag: &str) -> PathBuf {
-    let dst = std::env::temp_dir().join(format!("sluice-err-{tag}-{}", std::process::id()));
+    let dst = sluice_formats::scratch_root().join(format!("sluice-err-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dst);
     std::fs::create_dir_all(&dst).unwrap();
     for e in std::fs::read_dir(golden(fam)).unwrap() {
@@ -193,7 +193,7 @@ fn absurd_dimensions_in_config_json_are_refused_before_allocating() {
 fn edited_gguf(name: &str, tag: &str, edit: impl FnOnce(&mut sluice_formats::gguf::GgufWriter)) -> PathBuf {
     let src = golden("gguf").join(name);
     let f = sluice_formats::gguf::GgufFile::open(&src).unwrap();
-    let dst = std::env::temp_dir().join(format!("sluice-err-{tag}-{}.gguf", std::process::id()));
+    let dst = sluice_formats::scratch_root().join(format!("sluice-err-{tag}-{}.gguf", std::process::id()));
     sluice_formats::gguf::rewrite(&f, &dst, edit).unwrap();
     dst
 }
@@ -229,7 +229,7 @@ fn a_huge_vocabulary_in_the_embedding_shape_is_refused() {
     w.tensors = src.tensors.iter().map(|t| (t.name.clone(), t.dims.clone(), t.dtype)).collect();
     let t = w.tensors.iter_mut().find(|t| t.0 == "token_embd.weight").unwrap();
     t.1 = vec![t.1[0], 1 << 34];
-    let p = std::env::temp_dir().join(format!("sluice-err-vocab-{}.gguf", std::process::id()));
+    let p = sluice_formats::scratch_root().join(format!("sluice-err-vocab-{}.gguf", std::process::id()));
     let mut f = std::fs::File::create(&p).unwrap();
     // The writer refuses to finish a file without the data; its header is already out.
     assert!(w.write(&mut f, |_, _| Ok(())).is_err());
@@ -253,7 +253,7 @@ fn header_only_with(dtype: sluice_kernels::DType, dims: Vec<u64>, tag: &str) -> 
     let mut t = w.tensors.remove(i);
     (t.1, t.2) = (dims, dtype);
     w.tensors.insert(0, t);
-    let p = std::env::temp_dir().join(format!("sluice-err-{tag}-{}.gguf", std::process::id()));
+    let p = sluice_formats::scratch_root().join(format!("sluice-err-{tag}-{}.gguf", std::process::id()));
     let mut f = std::fs::File::create(&p).unwrap();
     // The writer refuses to finish a file without the data; its header is already out.
     assert!(w.write(&mut f, |_, _| Ok(())).is_err());
@@ -402,7 +402,7 @@ fn an_mxfp4_scale_outside_the_format_is_named() {
     let n_exp = *t.dims.last().unwrap() as usize;
     let (start, per_expert) = (t.offset as usize, t.size as usize / n_exp);
     drop(f);
-    let dst = std::env::temp_dir().join(format!("sluice-err-mxfp4-{}.gguf", std::process::id()));
+    let dst = sluice_formats::scratch_root().join(format!("sluice-err-mxfp4-{}.gguf", std::process::id()));
     std::fs::copy(&src, &dst).unwrap();
     for e in 0..n_exp {
         poke(&dst.clone(), &dst, start + e * per_expert + 17 * 3, 0xFF);

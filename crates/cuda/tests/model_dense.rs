@@ -18,7 +18,7 @@ use std::sync::Arc;
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --ignored on a CUDA machine"]
 fn dense_weights_in_vram_give_the_cpu_logits() {
-    let dir = std::env::temp_dir().join(format!("sluice-gpu-dense-{}", std::process::id()));
+    let dir = sluice_formats::scratch_root().join(format!("sluice-gpu-dense-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let gpu = Arc::new(Gpu::open(0).unwrap());
     for arch in [SynthArch::Qwen3Moe, SynthArch::Glm4Moe] {

@@ -17,7 +17,7 @@ use std::sync::Arc;
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --ignored on a CUDA machine"]
 fn gpu_experts_give_the_cpu_logits_at_every_quota() {
-    let dir = std::env::temp_dir().join(format!("sluice-gpu-experts-{}", std::process::id()));
+    let dir = sluice_formats::scratch_root().join(format!("sluice-gpu-experts-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = write_synth(SynthArch::Qwen3Moe, &dir);
     for mode in [ExpertMode::Resident, ExpertMode::Stream] {

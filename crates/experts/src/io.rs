@@ -667,7 +667,7 @@ mod tests {
     use super::*;
 
     fn file_of(len: usize, tag: &str) -> (PathBuf, Vec<u8>) {
-        let path = std::env::temp_dir().join(format!("sluice-io-{tag}-{}.bin", std::process::id()));
+        let path = sluice_formats::scratch_root().join(format!("sluice-io-{tag}-{}.bin", std::process::id()));
         let data: Vec<u8> = (0..len).map(|i| (i * 31 + (i >> 12)) as u8).collect();
         std::fs::write(&path, &data).unwrap();
         (path, data)

@@ -44,7 +44,7 @@ fn write_store(dir: &Path) -> Layout {
 }
 
 fn scratch(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("sluice-conc-{tag}-{}", std::process::id()));
+    let d = sluice_formats::scratch_root().join(format!("sluice-conc-{tag}-{}", std::process::id()));
     std::fs::create_dir_all(&d).unwrap();
     d
 }

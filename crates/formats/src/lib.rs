@@ -15,3 +15,25 @@ pub use chat_template::{ChatTemplate, ChatTemplateError, Message, RenderOptions,
 pub use error::{FormatError, Result};
 pub use json_config::JsonConfig;
 pub use tokenizer::{TextStream, Tokenizer};
+
+static SCRATCH_ROOT: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+
+extern "C" fn remove_scratch_root() {
+    if let Some(d) = SCRATCH_ROOT.get() {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}
+
+/// Scratch space for the tests: `$TMPDIR/sluice-<pid>`, made on first use and removed when the
+/// process exits (whether its tests passed or failed), so that test runs leave nothing behind.
+#[doc(hidden)]
+pub fn scratch_root() -> &'static std::path::Path {
+    SCRATCH_ROOT.get_or_init(|| {
+        let d = std::env::temp_dir().join(format!("sluice-{}", std::process::id()));
+        let _ = std::fs::create_dir_all(&d);
+        // SAFETY: registers a function that takes nothing and touches only a `OnceLock` that
+        // is set by then; `exit` runs it once, after the tests.
+        unsafe { libc::atexit(remove_scratch_root) };
+        d
+    })
+}

@@ -291,7 +291,7 @@ mod tests {
     use super::*;
 
     fn tmpdir(tag: &str) -> PathBuf {
-        let d = std::env::temp_dir().join(format!("sluice-st-{tag}-{}", std::process::id()));
+        let d = crate::scratch_root().join(format!("sluice-st-{tag}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&d);
         std::fs::create_dir_all(&d).unwrap();
         d

@@ -208,7 +208,7 @@ fn chatml_is_llama_cpps_fallback() {
 }
 
 fn scratch(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("sluice-chat-template-{}-{name}", std::process::id()));
+    let d = sluice_formats::scratch_root().join(format!("sluice-chat-template-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     d

@@ -392,7 +392,7 @@ mod tests {
     use super::*;
 
     fn tmpdir(name: &str) -> PathBuf {
-        let d = std::env::temp_dir().join(format!("sluice-disk-{name}-{}", std::process::id()));
+        let d = sluice_formats::scratch_root().join(format!("sluice-disk-{name}-{}", std::process::id()));
         let _ = fs::remove_dir_all(&d);
         d
     }

@@ -59,7 +59,7 @@ fn bits(e: &Engine) -> Vec<u32> {
 
 /// Runs `s` plain and through the stand-in; returns the calls it saw: (weights, taken).
 fn through_the_seam(s: &SynthSpec, tag: &str) -> Vec<(usize, bool)> {
-    let dir = std::env::temp_dir().join(format!("sluice-dense-seam-{tag}-{}", std::process::id()));
+    let dir = sluice_formats::scratch_root().join(format!("sluice-dense-seam-{tag}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("m.gguf");
     let mut f = std::io::BufWriter::new(std::fs::File::create(&path).unwrap());

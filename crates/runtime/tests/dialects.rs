@@ -18,7 +18,7 @@ fn logits(dir: &Path) -> Vec<f32> {
 
 /// Copies a golden and rewrites its config.json into the hub-era dialect.
 fn hub_dialect(fam: &str) -> PathBuf {
-    let dst = std::env::temp_dir().join(format!("sluice-dialect-{fam}-{}", std::process::id()));
+    let dst = sluice_formats::scratch_root().join(format!("sluice-dialect-{fam}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dst);
     std::fs::create_dir_all(&dst).unwrap();
     for e in std::fs::read_dir(golden(fam)).unwrap() {
@@ -74,7 +74,7 @@ fn changing_rope_scaling_changes_the_output() {
 /// gate rows first) and `experts.down_proj` (experts, hidden, ff).
 fn fused_experts(fam: &str) -> PathBuf {
     let src = golden(fam);
-    let dst = std::env::temp_dir().join(format!("sluice-fused-{fam}-{}", std::process::id()));
+    let dst = sluice_formats::scratch_root().join(format!("sluice-fused-{fam}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dst);
     std::fs::create_dir_all(&dst).unwrap();
     for e in std::fs::read_dir(&src).unwrap() {

@@ -87,7 +87,7 @@ fn logits(e: &Engine) -> Vec<u32> {
 
 #[test]
 fn experts_computed_through_the_seam_give_the_plain_logits() {
-    let dir = std::env::temp_dir().join(format!("sluice-expert-compute-{}", std::process::id()));
+    let dir = sluice_formats::scratch_root().join(format!("sluice-expert-compute-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let mut s = SynthSpec::named("tiny-moe").expect("built in");
     s.n_layer = 3;

@@ -40,7 +40,7 @@ fn logits(e: &Engine, tokens: &[u32]) -> Vec<f32> {
 /// A copy of a golden GGUF with `edit` applied to its metadata and tensor list.
 fn edited(name: &str, tag: &str, edit: impl FnOnce(&mut sluice_formats::gguf::GgufWriter)) -> PathBuf {
     let f = GgufFile::open(&root().join("gguf").join(name)).unwrap();
-    let dst = std::env::temp_dir().join(format!("sluice-fam-{tag}-{}.gguf", std::process::id()));
+    let dst = sluice_formats::scratch_root().join(format!("sluice-fam-{tag}-{}.gguf", std::process::id()));
     rewrite(&f, &dst, edit).unwrap();
     dst
 }

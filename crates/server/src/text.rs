@@ -181,7 +181,7 @@ mod tests {
         // A file per call: tests run in parallel.
         static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
         let n = N.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        let dir = std::env::temp_dir().join(format!("sluice-text-test-{}-{n}", std::process::id()));
+        let dir = sluice_formats::scratch_root().join(format!("sluice-text-test-{}-{n}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let p = dir.join("tokenizer.json");
         std::fs::write(&p, j.to_string()).unwrap();

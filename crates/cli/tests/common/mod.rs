@@ -33,7 +33,7 @@ pub fn s(p: &Path) -> String {
 
 /// A fresh scratch directory for one test.
 pub fn scratch(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("sluice-{tag}-{}", std::process::id()));
+    let d = sluice_formats::scratch_root().join(format!("sluice-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     d

@@ -293,7 +293,7 @@ mod tests {
 
     #[test]
     fn round_trips_and_groups_layer_calls() {
-        let dir = std::env::temp_dir().join(format!("sluice-trace-{}", std::process::id()));
+        let dir = sluice_formats::scratch_root().join(format!("sluice-trace-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let p = dir.join("t.trace");
         let h = TraceHeader {

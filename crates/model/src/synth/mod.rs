@@ -1304,7 +1304,7 @@ mod tests {
         use crate::config::{FfnKind, Gating, MixerKind, Score};
         use crate::gguf::GgufCheckpoint;
         use crate::rope::RopeScaling;
-        let dir = std::env::temp_dir().join(format!("sluice-synth-new-{}", std::process::id()));
+        let dir = sluice_formats::scratch_root().join(format!("sluice-synth-new-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         for (i, s) in [
             tiny("gpt-oss-20b", 2, 4, 4),

@@ -17,7 +17,7 @@ pub fn tests_dir() -> PathBuf {
 
 /// A fresh, empty scratch directory.
 pub fn scratch(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("sluice-remote-{name}-{}", std::process::id()));
+    let d = sluice_formats::scratch_root().join(format!("sluice-remote-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     d

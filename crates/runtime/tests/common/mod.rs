@@ -13,7 +13,7 @@ pub fn tests_dir() -> PathBuf {
 }
 
 pub fn scratch(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("sluice-test-{tag}-{}", std::process::id()));
+    let d = sluice_formats::scratch_root().join(format!("sluice-test-{tag}-{}", std::process::id()));
     std::fs::create_dir_all(&d).unwrap();
     d
 }
