@@ -214,7 +214,11 @@ pub unsafe fn gemm<const R: usize>(dtype: DType, w: &[u8], row_bytes: usize, ps:
         DType::Q4_K => gemm_q4k::<R, false>(w, row_bytes, ps, out),
         DType::Q5_K => gemm_q4k::<R, true>(w, row_bytes, ps, out),
         DType::Q8_0 => gemm_q8::<R>(w, row_bytes, ps, out),
-        _ => gemm32::<R>(dtype, w, row_bytes, ps, out),
+        DType::Q4_0 => gemm32::<R, { DType::Q4_0.ggml_id() }>(w, row_bytes, ps, out),
+        DType::Q4_1 => gemm32::<R, { DType::Q4_1.ggml_id() }>(w, row_bytes, ps, out),
+        DType::Q5_0 => gemm32::<R, { DType::Q5_0.ggml_id() }>(w, row_bytes, ps, out),
+        DType::Q5_1 => gemm32::<R, { DType::Q5_1.ggml_id() }>(w, row_bytes, ps, out),
+        _ => gemm32::<R, { DType::MXFP4.ggml_id() }>(w, row_bytes, ps, out),
     }
 }
 
@@ -271,7 +275,15 @@ unsafe fn store<const R: usize>(accf: &Acc<R>, n: usize, out: &mut Out) {
 ///
 /// As `gemm`.
 #[inline(always)]
-unsafe fn gemm32<const R: usize>(dtype: DType, w: &[u8], row_bytes: usize, ps: &[Panel], out: &mut Out) {
+unsafe fn gemm32<const R: usize, const DT: u32>(w: &[u8], row_bytes: usize, ps: &[Panel], out: &mut Out) {
+    // One copy per format: the format's branches fold away.
+    let dtype = match DT {
+        2 => DType::Q4_0,
+        3 => DType::Q4_1,
+        6 => DType::Q5_0,
+        7 => DType::Q5_1,
+        _ => DType::MXFP4,
+    };
     let bb = dtype.block_bytes();
     let mxfp4 = super::mxfp4_x86::table();
     let mut accf: Acc<R> = [[[_mm256_setzero_ps(); 2]; R]; PANELS];
