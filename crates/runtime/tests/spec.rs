@@ -485,3 +485,51 @@ fn synthetic_384() -> PathBuf {
     drop(f);
     path
 }
+
+#[test]
+fn every_golden_family_speculates_losslessly() {
+    // Each golden checkpoint with each proposer that applies to it, greedy: n-gram lookup
+    // (resident, and streamed through one expert for MoE models), drafting from the cached
+    // experts (MoE, streamed), and its own q8_0 conversion drafting for its bf16 one where
+    // llama.cpp converted it. (The heads: `mtp_greedy_is_lossless`.)
+    let n = 24;
+    let mut fams: Vec<String> = std::fs::read_dir(tests_dir().join("golden"))
+        .unwrap()
+        .map(|e| e.unwrap())
+        .filter(|e| e.path().join("config.json").exists())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    fams.sort();
+    assert!(fams.len() >= 15, "golden checkpoints missing: {fams:?}");
+    let so = SpecOptions { p_min: 0.0, ..fixed(4) };
+    // A random model's text need not repeat itself: n-gram drafts happen for most families,
+    // not necessarily all.
+    let mut ngram_drafted = 0;
+    for m in &fams {
+        let path = golden(m);
+        let e = engine(&path, false, false);
+        let prompt = repetitive_prompt(e.model.cfg.vocab_size as u32);
+        let plain = plain_greedy(&e, &prompt, n);
+        let got = spec_greedy(&e, &prompt, n, SpecMethod::Ngram, None, &so);
+        assert_lossless(&format!("{m} ngram"), &plain, &got);
+        ngram_drafted += usize::from(got.2.drafted > 0);
+        if e.model.cfg.moe.is_some() {
+            let s = engine(&path, true, false);
+            let got = spec_greedy(&s, &prompt, n, SpecMethod::Ngram, None, &so);
+            assert_lossless(&format!("{m} ngram (streamed)"), &plain, &got);
+            let got = spec_greedy(&s, &prompt, n, SpecMethod::Cached, None, &so);
+            assert_lossless(&format!("{m} self (streamed)"), &plain, &got);
+            assert!(got.2.drafted > 0, "{m}: self drafted nothing: {:?}", got.2);
+        }
+        let (bf16, q8) = (golden(&format!("gguf/{m}-bf16.gguf")), golden(&format!("gguf/{m}-q8_0.gguf")));
+        if bf16.exists() && q8.exists() {
+            let t = engine(&bf16, false, false);
+            let plain = plain_greedy(&t, &prompt, n);
+            let got = spec_greedy(&t, &prompt, n, SpecMethod::Draft, Some(engine(&q8, false, false)), &so);
+            assert_lossless(&format!("{m} draft (q8_0 for bf16)"), &plain, &got);
+            assert!(got.2.drafted > 0, "{m}: the draft model drafted nothing: {:?}", got.2);
+        }
+    }
+    eprintln!("n-gram drafts in {ngram_drafted} of {} families", fams.len());
+    assert!(2 * ngram_drafted >= fams.len(), "n-gram drafts in {ngram_drafted} of {} families", fams.len());
+}
