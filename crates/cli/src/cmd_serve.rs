@@ -1,6 +1,5 @@
-use crate::common::{parse_size, ModelArgs};
+use crate::common::{load_draft_model, parse_size, ModelArgs};
 use anyhow::{bail, Result};
-use sluice_runtime::{Engine, EngineOptions};
 use sluice_server::{ServerOptions, SpecMethod};
 use std::time::Duration;
 
@@ -118,15 +117,10 @@ pub fn main(a: Args) -> Result<()> {
     let loader: sluice_server::Loader = Box::new(move || {
         // The multi-token-prediction head is loaded for `--spec mtp` only (it takes memory).
         let target = model.load_with_mtp(spec == Some(SpecMethod::Mtp)).map_err(|e| format!("{e:#}"))?;
-        let draft = match draft_path {
-            None => None,
-            Some(path) => {
-                let opts = EngineOptions { threads: model.threads, max_context: model.ctx, ..Default::default() };
-                let d = Engine::load(&path, opts)
-                    .map_err(|e| format!("loading the draft model {}: {e}", path.display()))?;
-                Some(d)
-            }
-        };
+        let draft = draft_path
+            .map(|path| load_draft_model(&path, model.threads, model.ctx))
+            .transpose()
+            .map_err(|e| format!("{e:#}"))?;
         Ok(sluice_server::Loaded { target, draft })
     });
     sluice_server::serve(opts, loader).map_err(anyhow::Error::msg)

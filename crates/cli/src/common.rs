@@ -247,16 +247,15 @@ impl SpecArgs {
     /// the target's context.
     pub fn load_draft(&self, model: &ModelArgs, target: &Engine) -> Result<Option<Engine>> {
         let Some(path) = &self.draft_model else { return Ok(None) };
-        let args = ModelArgs { model: path.clone(), ctx: target.new_state().max_len(), ..model.clone() };
-        let opts = EngineOptions {
-            threads: args.threads,
-            max_context: args.ctx,
-            experts: ExpertOptions::default(),
-            mtp: false,
-        };
-        let e = Engine::load(path, opts).with_context(|| format!("loading the draft model {}", path.display()))?;
-        Ok(Some(e))
+        load_draft_model(path, model.threads, target.new_state().max_len()).map(Some)
     }
+}
+
+/// Loads a draft model: `threads` kernel threads, `ctx` positions, its experts placed by the
+/// default rule (a draft model is small), no head of its own.
+pub fn load_draft_model(path: &std::path::Path, threads: usize, ctx: usize) -> Result<Engine> {
+    let opts = EngineOptions { threads, max_context: ctx, experts: ExpertOptions::default(), mtp: false };
+    Engine::load(path, opts).with_context(|| format!("loading the draft model {}", path.display()))
 }
 
 /// Flags of the commands that talk to a model through its chat template (`run --chat`, `chat`).

@@ -382,29 +382,12 @@ fn make_job(
     };
     let spec = match params.spec.unwrap_or(app.opts.spec) {
         None => None,
-        Some(SpecMethod::Draft) if ready.draft.is_none() => {
-            return Err(ApiError::invalid(
-                "spec",
-                "`spec`: \"draft\" needs a draft model, and this server has none (`sluice serve --draft-model PATH`)",
-            ));
+        Some(m) => {
+            if let Some(why) = crate::spec::unavailable(m, &ready.engine, ready.draft.as_deref()) {
+                return Err(ApiError::invalid("spec", format!("`spec`: {why}")));
+            }
+            Some((m, params.draft_max.unwrap_or(app.opts.draft_max)))
         }
-        Some(SpecMethod::Cached) if cfg.moe.is_none() => {
-            return Err(ApiError::invalid(
-                "spec",
-                "`spec`: \"self\" drafts with the experts the cache holds, and this model has no routed experts (\"ngram\" works for any model)",
-            ));
-        }
-        Some(SpecMethod::Mtp) if ready.engine.model.mtp.is_none() => {
-            return Err(ApiError::invalid(
-                "spec",
-                if cfg.mtp.is_some() {
-                    "`spec`: \"mtp\" needs the model's multi-token-prediction head, which this server did not load (`sluice serve --spec mtp` loads it)"
-                } else {
-                    "`spec`: \"mtp\" needs a multi-token-prediction head, and this model has none"
-                },
-            ));
-        }
-        Some(m) => Some((m, params.draft_max.unwrap_or(app.opts.draft_max))),
     };
     // A request drafting with the draft model keeps a state in it too.
     let draft_state = match (&spec, &ready.draft) {

@@ -150,15 +150,10 @@ impl App {
                 return self.failed(e.to_string());
             }
         }
-        if self.opts.spec == Some(SpecMethod::Draft) && loaded.draft.is_none() {
-            return self.failed("speculation by a draft model by default needs a draft model".into());
-        }
-        if self.opts.spec == Some(SpecMethod::Mtp) && loaded.target.model.mtp.is_none() {
-            return self
-                .failed("--spec mtp needs a multi-token-prediction head, and this model has none loaded".into());
-        }
-        if self.opts.spec == Some(SpecMethod::Cached) && loaded.target.model.cfg.moe.is_none() {
-            return self.failed("--spec self drafts with the experts the cache holds, and this model has no routed experts (use --spec ngram or draft)".into());
+        if let Some(m) = self.opts.spec {
+            if let Some(why) = spec::unavailable(m, &loaded.target, loaded.draft.as_ref()) {
+                return self.failed(format!("--spec {}: {why}", m.as_str()));
+            }
         }
         let engine = Arc::new(loaded.target);
         let draft = loaded.draft.map(Arc::new);

@@ -8,10 +8,10 @@
 //! and each request samples with its own sampler and generator: its tokens do not depend on
 //! what runs beside it.
 //!
-//! A request that speculates (`spec`) runs its last token and its drafts (n-gram lookup, or the
-//! draft model run on the request's own draft state, before the step) as one item of
-//! the step, and keeps the drafts the verifier accepts (see `spec`): several tokens a step,
-//! the same tokens and log-probabilities as plain decode for greedy requests.
+//! A request that speculates (`spec`) runs its last token and the drafts its proposer made
+//! before the step (n-gram lookup, the draft model, the MTP head or the cached experts: see
+//! `spec`) as one item of the step, and keeps the drafts the verifier accepts: several tokens a
+//! step, the same tokens and log-probabilities as plain decode for greedy requests.
 //!
 //! The scheduler knows nothing of HTTP: jobs arrive on a channel with a channel for their
 //! events; a job whose event receiver is gone (the client left) is cancelled and its slot and
@@ -34,6 +34,9 @@ use std::sync::mpsc::{Receiver, Sender, TryRecvError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc::UnboundedSender;
+
+/// One batch item's results: its logits and its final-normed hidden rows.
+type Rows = (Vec<f32>, Vec<f32>);
 
 /// A request, as the scheduler sees it.
 pub struct Job {
@@ -416,7 +419,6 @@ impl Scheduler {
                 plan.push((i, g - 1..g, false, want));
             }
         }
-        type Rows = (Vec<f32>, Vec<f32>);
         let mut results: Vec<Option<Result<Rows, String>>> = (0..self.active.len()).map(|_| None).collect();
         if !plan.is_empty() {
             let tokens: usize = plan.iter().map(|p| p.1.len()).sum();
@@ -490,11 +492,7 @@ impl Scheduler {
 
     /// Runs the planned rows as one batch; on an error (or a panic) every state is as before.
     /// Returns each item's (logits, final-normed hidden rows), as `forward_batch` does.
-    #[allow(clippy::type_complexity)]
-    fn forward(
-        &mut self,
-        plan: &[(usize, std::ops::Range<usize>, bool, Logits)],
-    ) -> Result<Vec<(Vec<f32>, Vec<f32>)>, String> {
+    fn forward(&mut self, plan: &[(usize, std::ops::Range<usize>, bool, Logits)]) -> Result<Vec<Rows>, String> {
         let engine = &self.engine;
         let mut seqs: Vec<Option<&mut Seq>> = self.active.iter_mut().map(Some).collect();
         let mut items = Vec::with_capacity(plan.len());

@@ -32,6 +32,25 @@ use std::sync::Arc;
 const NGRAM_MIN: usize = 2;
 const NGRAM_MAX: usize = 4;
 
+/// Why this server cannot draft by `method` (`target` served, `draft` its draft model), if it
+/// cannot: the one rule behind a request's 400 and a refused `--spec` default.
+pub fn unavailable(method: SpecMethod, target: &Engine, draft: Option<&Engine>) -> Option<&'static str> {
+    match method {
+        SpecMethod::Draft if draft.is_none() => {
+            Some("\"draft\" needs a draft model, and this server has none (`sluice serve --draft-model PATH`)")
+        }
+        SpecMethod::Cached if target.model.cfg.moe.is_none() => Some(
+            "\"self\" drafts with the experts the cache holds, and this model has no routed experts (\"ngram\" works for any model)",
+        ),
+        SpecMethod::Mtp if target.model.mtp.is_none() => Some(if target.model.cfg.mtp.is_some() {
+            "\"mtp\" needs the model's multi-token-prediction head, which this server did not load (`sluice serve --spec mtp` loads it)"
+        } else {
+            "\"mtp\" needs a multi-token-prediction head, and this model has none"
+        }),
+        _ => None,
+    }
+}
+
 /// Where a sequence's drafts come from.
 enum Source {
     Ngram,

@@ -547,6 +547,27 @@ fn with_spec(req: &(&'static str, Value), method: &str) -> (&'static str, Value)
     (req.0, b)
 }
 
+/// The greedy requests the speculation tests run: ones that repeat their prompt's phrases, and
+/// the greedy ones of `mixed_requests`.
+fn greedy_requests() -> Vec<(&'static str, Value)> {
+    let mut reqs = repeating_requests();
+    reqs.extend(mixed_requests().into_iter().filter(|(_, b)| b["temperature"] == json!(0.0)));
+    reqs
+}
+
+/// `reqs` sampled at temperature 0.8 (with `seed` where given) and speculating by `method`.
+fn sampled_with_spec(reqs: Vec<(&'static str, Value)>, seed: Option<u64>, method: &str) -> Vec<(&'static str, Value)> {
+    reqs.into_iter()
+        .map(|(p, mut b)| {
+            b["temperature"] = json!(0.8);
+            if let Some(seed) = seed {
+                b["seed"] = json!(seed);
+            }
+            with_spec(&(p, b), method)
+        })
+        .collect()
+}
+
 /// Greedy `reqs` speculating by `method` get the bits they get without: alone, in a batch of
 /// speculating ones, and beside the plain ones.
 async fn assert_plain_bits(s: &Srv, what: &str, reqs: &[(&'static str, Value)], method: &str) {
@@ -569,8 +590,7 @@ async fn speculating_requests_get_plain_decode_bits() {
         let s = start(golden(model), ServerOptions { prefix_cache_bytes: 0, ..opts() }, resident()).await;
         // Greedy: speculating gives plain decode's tokens and log-probabilities, alone and
         // beside other requests (speculating or not).
-        let mut reqs = repeating_requests();
-        reqs.extend(mixed_requests().into_iter().filter(|(_, b)| b["temperature"] == json!(0.0)));
+        let reqs = greedy_requests();
         run_alone(&s, &reqs).await;
         let d0 = s.metric("sluice_spec_drafted_tokens_total", &[]).await;
         assert_plain_bits(&s, model, &reqs, "ngram").await;
@@ -582,15 +602,8 @@ async fn speculating_requests_get_plain_decode_bits() {
         assert!(d1 > 0.0 && a1 > 0.0, "{model}: drafted {d1}, kept {a1}: nothing was verified");
         // Sampled: the same bits alone and in a batch (a fixed draft length: what a request
         // draws does not depend on timing or neighbours).
-        let sampled: Vec<_> = mixed_requests()
-            .into_iter()
-            .chain(repeating_requests())
-            .map(|(p, mut b)| {
-                b["temperature"] = json!(0.8);
-                b["seed"] = json!(31);
-                with_spec(&(p, b), "ngram")
-            })
-            .collect();
+        let sampled =
+            sampled_with_spec(mixed_requests().into_iter().chain(repeating_requests()).collect(), Some(31), "ngram");
         let alone = run_alone(&s, &sampled).await;
         let together = run_together(&s, &sampled).await;
         assert_eq!(alone, together, "{model}: sampled speculating requests differ in a batch");
@@ -647,14 +660,7 @@ async fn requests_drafting_with_a_draft_model_get_plain_decode_bits() {
     let kept = s.metric("sluice_spec_accepted_tokens_total", &[]).await;
     assert!(kept > 0.0 && kept < drafted, "drafted {drafted}, kept {kept}: drafts must be both kept and refused");
     // Sampled: the same bits alone and in a batch.
-    let sampled: Vec<_> = completions()
-        .into_iter()
-        .map(|(p, mut b)| {
-            b["temperature"] = json!(0.8);
-            b["seed"] = json!(5);
-            with_spec(&(p, b), "draft")
-        })
-        .collect();
+    let sampled = sampled_with_spec(completions(), Some(5), "draft");
     let alone = run_alone(&s, &sampled).await;
     let together = run_together(&s, &sampled).await;
     assert_eq!(alone, together, "sampled drafting requests differ in a batch");
@@ -684,8 +690,7 @@ async fn requests_drafting_from_the_cached_experts_get_plain_decode_bits() {
         let streamed = ExpertOptions { mode: ExpertMode::Stream, cache_bytes: Some(96 << 10), ..Default::default() };
         let o = ServerOptions { prefix_cache_bytes: 0, draft_p_min: 0.0, draft_max: 4, ..opts() };
         let s = start(golden(model), o, streamed).await;
-        let mut reqs = repeating_requests();
-        reqs.extend(mixed_requests().into_iter().filter(|(_, b)| b["temperature"] == json!(0.0)));
+        let reqs = greedy_requests();
         assert_plain_bits(&s, model, &reqs, "self").await;
         let drafted = s.metric("sluice_spec_drafted_tokens_total", &[]).await;
         let kept = s.metric("sluice_spec_accepted_tokens_total", &[]).await;
@@ -716,8 +721,7 @@ async fn requests_drafting_with_the_mtp_head_get_plain_decode_bits() {
         });
         let o = ServerOptions { prefix_cache_bytes: 0, draft_p_min: 0.0, draft_max: 4, ..opts() };
         let s = start_with(o, loader).await;
-        let mut reqs = repeating_requests();
-        reqs.extend(mixed_requests().into_iter().filter(|(_, b)| b["temperature"] == json!(0.0)));
+        let reqs = greedy_requests();
         assert_plain_bits(&s, model, &reqs, "mtp").await;
         let drafted = s.metric("sluice_spec_drafted_tokens_total", &[]).await;
         assert!(drafted > 0.0, "{model}: the head drafted nothing");
@@ -725,13 +729,7 @@ async fn requests_drafting_with_the_mtp_head_get_plain_decode_bits() {
         // tiny head never agrees with its random model, so every draft is refused; a sampled
         // request drafts a fixed length, so each of its steps after the first drafts up to 4
         // tokens — unless the head lost track of the positions (it would stop drafting).
-        let sampled: Vec<_> = mixed_requests()
-            .into_iter()
-            .map(|(p, mut b)| {
-                b["temperature"] = json!(0.8);
-                with_spec(&(p, b), "mtp")
-            })
-            .collect();
+        let sampled = sampled_with_spec(mixed_requests(), None, "mtp");
         let alone = run_alone(&s, &sampled).await;
         let steps: f64 = sampled.iter().map(|(_, b)| b["max_tokens"].as_f64().unwrap() - 1.0).sum();
         let d = s.metric("sluice_spec_drafted_tokens_total", &[]).await - drafted;
