@@ -68,6 +68,64 @@ unsafe fn rd_u16(p: *const u8) -> u32 {
     (p as *const u16).read_unaligned() as u32
 }
 
+/// Index `$w` (u16, little-endian) at byte `$o` (a constant) from `$p`, as a
+/// usize, read by one scalar load the compiler keeps as one. Codebook indices want integer
+/// loads; left to itself, the compiler forwards them out of a vector holding the same bytes
+/// with `vpextrw`, two operations a index on the vector ports these kernels are bound by.
+/// Safety: `$p + $o` is valid for reading the width's bytes.
+macro_rules! ld {
+    (u16, $p:expr, $o:expr) => {
+        ld!(@ "movzx {v:e}, word ptr [{p} + {o}]", $p, $o)
+    };
+    (@ $ins:literal, $p:expr, $o:expr) => {{
+        let v: u32;
+        // SAFETY: a read the caller vouches for (see above); nothing written, no stack used.
+        std::arch::asm!($ins, v = out(reg) v, p = in(reg) $p, o = const $o, options(pure, readonly, nostack, preserves_flags));
+        v as usize
+    }};
+}
+
+/// u64 lane `L` of `v`, moved to an integer register as a whole and opaque to the compiler,
+/// which would otherwise fold the shifts that split it into u16 fields back into one `vpextrw`
+/// per field (two operations each on the vector ports; a shift and a mask are integer ones).
+///
+/// # Safety
+///
+/// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
+#[inline(always)]
+unsafe fn words64(v: __m128i, lane: usize) -> u64 {
+    let mut x = if lane == 0 { _mm_cvtsi128_si64(v) } else { _mm_extract_epi64(v, 1) } as u64;
+    // SAFETY: an empty instruction that only hides where the value came from.
+    std::arch::asm!("/* {x} */", x = inout(reg) x, options(pure, nomem, nostack, preserves_flags));
+    x
+}
+
+/// The four u16 fields of u64 lane `Q` (0..4) of `v` — one group's codebook indices where a
+/// vector holds four groups' — through `words64`.
+///
+/// # Safety
+///
+/// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
+#[inline(always)]
+unsafe fn fields16<const Q: usize>(v: __m256i) -> [usize; 4] {
+    let h = if Q < 2 { _mm256_castsi256_si128(v) } else { _mm256_extracti128_si256(v, 1) };
+    let w = words64(h, Q % 2);
+    [(w & 0xffff) as usize, ((w >> 16) & 0xffff) as usize, ((w >> 32) & 0xffff) as usize, (w >> 48) as usize]
+}
+
+/// The four u32 fields of 128-bit half `H` of `v` — one group's codebook indices where a
+/// vector holds two groups' — through `words64`.
+///
+/// # Safety
+///
+/// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
+#[inline(always)]
+unsafe fn fields32<const H: usize>(v: __m256i) -> [usize; 4] {
+    let h = if H == 0 { _mm256_castsi256_si128(v) } else { _mm256_extracti128_si256(v, 1) };
+    let (a, b) = (words64(h, 0), words64(h, 1));
+    [(a & 0xffff_ffff) as usize, (a >> 32) as usize, (b & 0xffff_ffff) as usize, (b >> 32) as usize]
+}
+
 /// The little-endian u32 at `p`.
 ///
 /// # Safety
@@ -380,8 +438,9 @@ pub(super) unsafe fn for_groups<const DT: u32>(b: *const u8, mut f: impl FnMut(u
             let sg = halves_twice(with_parity(_mm256_permute4x64_epi64(s7, 0xD8)));
             let sc = odd_scale_bytes(b.add(66));
             unroll8!(K, {
-                let i = |l: usize| (rd_u16(b.add(2 + 8 * K + 2 * l)) & 511) as usize;
-                let mag = grid4(&IQ2XS_GRID, i(0), i(1), i(2), i(3));
+                let i =
+                    [ld!(u16, b, 2 + 8 * K), ld!(u16, b, 4 + 8 * K), ld!(u16, b, 6 + 8 * K), ld!(u16, b, 8 + 8 * K)];
+                let mag = grid4(&IQ2XS_GRID, i[0] & 511, i[1] & 511, i[2] & 511, i[3] & 511);
                 f(K, mag, group_signs::<K>(sg[K / 4]), pick_scales::<K>(sc));
             });
         }
@@ -402,14 +461,13 @@ pub(super) unsafe fn for_groups<const DT: u32>(b: *const u8, mut f: impl FnMut(u
             let hi = |sel: __m256i| _mm256_and_si256(_mm256_mullo_epi16(_mm256_shuffle_epi8(qh, sel), mul), m3);
             let lo0 = _mm256_cvtepu8_epi16(_mm_loadu_si128(b.add(2) as *const __m128i));
             let lo1 = _mm256_cvtepu8_epi16(_mm_loadu_si128(b.add(18) as *const __m128i));
-            let mut idx = [0u16; 32];
-            _mm256_storeu_si256(idx.as_mut_ptr() as *mut __m256i, _mm256_or_si256(lo0, hi(pick(0))));
-            _mm256_storeu_si256(idx.as_mut_ptr().add(16) as *mut __m256i, _mm256_or_si256(lo1, hi(pick(4))));
+            // Groups 0..4, then 4..8, four u16 indices each.
+            let idx = [_mm256_or_si256(lo0, hi(pick(0))), _mm256_or_si256(lo1, hi(pick(4)))];
             let sg = halves_twice(_mm256_loadu_si256(b.add(34) as *const __m256i));
             let sc = odd_scale_bytes(b.add(74));
             unroll8!(K, {
-                let i = |l: usize| idx[4 * K + l] as usize;
-                let mag = grid4(&IQ2S_GRID, i(0), i(1), i(2), i(3));
+                let i = fields16::<{ K % 4 }>(idx[K / 4]);
+                let mag = grid4(&IQ2S_GRID, i[0], i[1], i[2], i[3]);
                 f(K, mag, group_signs::<K>(sg[K / 4]), pick_scales::<K>(sc));
             });
         }
@@ -439,16 +497,20 @@ pub(super) unsafe fn for_groups<const DT: u32>(b: *const u8, mut f: impl FnMut(u
             };
             let mul = _mm256_setr_epi16(256, 128, 64, 32, 16, 8, 4, 2, 256, 128, 64, 32, 16, 8, 4, 2);
             let m1 = _mm256_set1_epi16(0x100);
-            let mut idx = [0u16; 64];
-            for p in 0..4 {
+            // Not `array::from_fn`: its closure would not inherit the caller's target features.
+            let mut idx = [_mm256_setzero_si256(); 4];
+            for (p, v) in idx.iter_mut().enumerate() {
                 let lo = _mm256_cvtepu8_epi16(_mm_loadu_si128(b.add(2 + 16 * p) as *const __m128i));
                 let hi = _mm256_and_si256(_mm256_mullo_epi16(_mm256_shuffle_epi8(qh, pick(2 * p as i8)), mul), m1);
-                _mm256_storeu_si256(idx.as_mut_ptr().add(16 * p) as *mut __m256i, _mm256_or_si256(lo, hi));
+                *v = _mm256_or_si256(lo, hi);
             }
             let sg = halves_twice(_mm256_loadu_si256(b.add(74) as *const __m256i));
             let sc = odd_scale_bytes4(rd_u32(b.add(106)));
             unroll8!(K, {
-                let mag = grid8(&IQ3S_GRID, |j| idx[8 * K + j] as usize);
+                // Group K's eight indices: 128-bit half K % 2 of vector K / 2.
+                let lo = fields16::<{ 2 * (K % 2) }>(idx[K / 2]);
+                let hi = fields16::<{ 2 * (K % 2) + 1 }>(idx[K / 2]);
+                let mag = grid8(&IQ3S_GRID, |j| if j < 4 { lo[j] } else { hi[j - 4] });
                 f(K, mag, group_signs::<K>(sg[K / 4]), pick_scale::<K>(sc));
             });
         }
@@ -456,16 +518,16 @@ pub(super) unsafe fn for_groups<const DT: u32>(b: *const u8, mut f: impl FnMut(u
             // Index = qs byte | 3 bits of the group's qh word (bits 3l..3l+3 for sub-block l),
             // in u32 lanes two groups at a time.
             let shifts = _mm256_set_epi32(9, 6, 3, 0, 9, 6, 3, 0);
-            let mut idx = [0u32; 32];
-            for p in 0..4 {
+            // Not `array::from_fn`: its closure would not inherit the caller's target features.
+            let mut idx = [_mm256_setzero_si256(); 4];
+            for (p, v) in idx.iter_mut().enumerate() {
                 let lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(b.add(2 + 8 * p) as *const __m128i));
                 let h = _mm256_set_m128i(
                     _mm_set1_epi32(rd_u16(b.add(36 + 4 * p)) as i32),
                     _mm_set1_epi32(rd_u16(b.add(34 + 4 * p)) as i32),
                 );
                 let hi = _mm256_and_si256(_mm256_srlv_epi32(h, shifts), _mm256_set1_epi32(7));
-                let v = _mm256_or_si256(lo, _mm256_slli_epi32(hi, 8));
-                _mm256_storeu_si256(idx.as_mut_ptr().add(8 * p) as *mut __m256i, v);
+                *v = _mm256_or_si256(lo, _mm256_slli_epi32(hi, 8));
             }
             // Per group the odd scale (lanes 0..8) and 2 where the delta is +1 (bit 15 clear),
             // 0 where −1 (lanes 8..16).
@@ -478,8 +540,8 @@ pub(super) unsafe fn for_groups<const DT: u32>(b: *const u8, mut f: impl FnMut(u
             );
             let dl = _mm256_set_m128i(dl, dl);
             unroll8!(K, {
-                let i = |l: usize| idx[4 * K + l] as usize;
-                let g = grid4(&IQ1S_GRID8, i(0), i(1), i(2), i(3));
+                let i = fields32::<{ K % 2 }>(idx[K / 2]);
+                let g = grid4(&IQ1S_GRID8, i[0], i[1], i[2], i[3]);
                 let u = _mm256_add_epi8(g, _mm256_shuffle_epi8(dl, _mm256_set1_epi8(8 + K as i8)));
                 f(K, u, one, pick_scale::<K>(dl));
             });
@@ -495,19 +557,19 @@ pub(super) unsafe fn for_groups<const DT: u32>(b: *const u8, mut f: impl FnMut(u
             let m7 = _mm256_set1_epi16(0x700);
             let h0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(dup));
             let h1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(dup, 1));
-            let mut idx = [0u16; 32];
-            let i0 = _mm256_or_si256(lo0, _mm256_and_si256(_mm256_mullo_epi16(h0, mul), m7));
-            let i1 = _mm256_or_si256(lo1, _mm256_and_si256(_mm256_mullo_epi16(h1, mul), m7));
-            _mm256_storeu_si256(idx.as_mut_ptr() as *mut __m256i, i0);
-            _mm256_storeu_si256(idx.as_mut_ptr().add(16) as *mut __m256i, i1);
+            // Groups 0..4, then 4..8, four u16 indices each.
+            let idx = [
+                _mm256_or_si256(lo0, _mm256_and_si256(_mm256_mullo_epi16(h0, mul), m7)),
+                _mm256_or_si256(lo1, _mm256_and_si256(_mm256_mullo_epi16(h1, mul), m7)),
+            ];
             // 2 where the delta is +1 (its sign bit clear), 0 where −1: a byte per sub-block.
             let dbit = _mm256_and_si256(dup, _mm256_set1_epi16(0x8008u16 as i16));
             let dsub =
                 halves_twice(_mm256_and_si256(_mm256_cmpeq_epi8(dbit, _mm256_setzero_si256()), _mm256_set1_epi8(2)));
             let sc = scale_bytes16(iq1m_scales(b));
             unroll8!(K, {
-                let i = |l: usize| idx[4 * K + l] as usize;
-                let g = grid4(&IQ1S_GRID8, i(0), i(1), i(2), i(3));
+                let i = fields16::<{ K % 4 }>(idx[K / 4]);
+                let g = grid4(&IQ1S_GRID8, i[0], i[1], i[2], i[3]);
                 let u = _mm256_add_epi8(g, spread4::<K>(dsub[K / 4]));
                 f(K, u, one, pick_scales::<K>(sc));
             });
