@@ -13,7 +13,10 @@
 //! Decode of these formats is bound by vector operations, not by memory: a block's sign bytes
 //! and scales stay in registers (one vector per four groups) and each group takes its own with
 //! one shuffle (`group_signs`, `pick_scale`), rather than through lane extractions and
-//! broadcasts; codebook indices are read with scalar loads where the format allows.
+//! broadcasts. Codebook indices reach the integer side without a lane extraction each: read
+//! from the block with scalar loads where they sit whole in it (`ld_u16!`, IQ2_XS; the
+//! compiler keeps IQ2_XXS's and IQ3_XXS's byte loads as they are), else assembled in vectors
+//! and moved over 64 bits at a time (`fields16`, `fields32`: IQ2_S, IQ3_S, IQ1_S, IQ1_M).
 //!
 //! Magnitudes stay where `vpmaddubsw` cannot saturate: a pair of products is at most
 //! 2·127·127 = 32258 (IQ4's levels), 2·62·127 (IQ3_XXS), less for the others. IQ1_S/IQ1_M codes
@@ -68,24 +71,27 @@ unsafe fn rd_u16(p: *const u8) -> u32 {
     (p as *const u16).read_unaligned() as u32
 }
 
-/// Index `$w` (u16, little-endian) at byte `$o` (a constant) from `$p`, as a
-/// usize, read by one scalar load the compiler keeps as one. Codebook indices want integer
-/// loads; left to itself, the compiler forwards them out of a vector holding the same bytes
-/// with `vpextrw`, two operations a index on the vector ports these kernels are bound by.
-/// Safety: `$p + $o` is valid for reading the width's bytes.
-macro_rules! ld {
-    (u16, $p:expr, $o:expr) => {
-        ld!(@ "movzx {v:e}, word ptr [{p} + {o}]", $p, $o)
-    };
-    (@ $ins:literal, $p:expr, $o:expr) => {{
+/// The little-endian u16 at byte `$o` (a constant) from `$p`, as a usize, read by one scalar
+/// load that the compiler keeps as one. Left to itself, it takes such reads out of a vector
+/// load of the same bytes with `vpextrw` — two operations per codebook index on the vector
+/// ports that bound these kernels, where one integer load does. Safety: `$p + $o` is valid
+/// for reading 2 bytes.
+macro_rules! ld_u16 {
+    ($p:expr, $o:expr) => {{
         let v: u32;
         // SAFETY: a read the caller vouches for (see above); nothing written, no stack used.
-        std::arch::asm!($ins, v = out(reg) v, p = in(reg) $p, o = const $o, options(pure, readonly, nostack, preserves_flags));
+        std::arch::asm!(
+            "movzx {v:e}, word ptr [{p} + {o}]",
+            v = out(reg) v,
+            p = in(reg) $p,
+            o = const $o,
+            options(pure, readonly, nostack, preserves_flags)
+        );
         v as usize
     }};
 }
 
-/// u64 lane `L` of `v`, moved to an integer register as a whole and opaque to the compiler,
+/// u64 lane `lane` (0 or 1) of `v`, moved to an integer register as a whole and opaque to the compiler,
 /// which would otherwise fold the shifts that split it into u16 fields back into one `vpextrw`
 /// per field (two operations each on the vector ports; a shift and a mask are integer ones).
 ///
@@ -438,8 +444,7 @@ pub(super) unsafe fn for_groups<const DT: u32>(b: *const u8, mut f: impl FnMut(u
             let sg = halves_twice(with_parity(_mm256_permute4x64_epi64(s7, 0xD8)));
             let sc = odd_scale_bytes(b.add(66));
             unroll8!(K, {
-                let i =
-                    [ld!(u16, b, 2 + 8 * K), ld!(u16, b, 4 + 8 * K), ld!(u16, b, 6 + 8 * K), ld!(u16, b, 8 + 8 * K)];
+                let i = [ld_u16!(b, 2 + 8 * K), ld_u16!(b, 4 + 8 * K), ld_u16!(b, 6 + 8 * K), ld_u16!(b, 8 + 8 * K)];
                 let mag = grid4(&IQ2XS_GRID, i[0] & 511, i[1] & 511, i[2] & 511, i[3] & 511);
                 f(K, mag, group_signs::<K>(sg[K / 4]), pick_scales::<K>(sc));
             });
