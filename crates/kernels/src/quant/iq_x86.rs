@@ -14,7 +14,7 @@
 //! and scales stay in registers (one vector per four groups) and each group takes its own with
 //! one shuffle (`group_signs`, `pick_scale`), rather than through lane extractions and
 //! broadcasts. Codebook indices reach the integer side without a lane extraction each: read
-//! from the block with scalar loads where they sit whole in it (`ld_u16!`, `ld_u8!`: IQ2_XS,
+//! from the block with scalar loads where they sit whole in it (`ld_index!`: IQ2_XS,
 //! IQ2_XXS; the compiler keeps IQ3_XXS's byte loads as they are), else assembled in vectors
 //! and moved over 64 bits at a time (`fields16`, `fields32`: IQ2_S, IQ3_S, IQ1_S, IQ1_M).
 //!
@@ -71,17 +71,17 @@ unsafe fn rd_u16(p: *const u8) -> u32 {
     (p as *const u16).read_unaligned() as u32
 }
 
-/// The little-endian u16 at byte `$o` (a constant) from `$p`, as a usize, read by one scalar
-/// load that the compiler keeps as one. Left to itself, it takes such reads out of a vector
-/// load of the same bytes with `vpextrw` — two operations per codebook index on the vector
-/// ports that bound these kernels, where one integer load does. Safety: `$p + $o` is valid
-/// for reading 2 bytes.
-macro_rules! ld_u16 {
-    ($p:expr, $o:expr) => {{
+/// The codebook index at byte `$o` (a constant) from `$p` — a little-endian u16 (`word`) or a
+/// byte (`byte`) — as a usize, read by one scalar load that the compiler keeps as one. Left to
+/// itself, it takes such reads out of a vector load of the same bytes with `vpextrw`/`vpextrb`
+/// — two operations per index on the vector ports that bound these kernels, where one integer
+/// load does. Safety: `$p + $o` is valid for reading the index's bytes.
+macro_rules! ld_index {
+    ($size:ident, $p:expr, $o:expr) => {{
         let v: u32;
         // SAFETY: a read the caller vouches for (see above); nothing written, no stack used.
         std::arch::asm!(
-            "movzx {v:e}, word ptr [{p} + {o}]",
+            concat!("movzx {v:e}, ", stringify!($size), " ptr [{p} + {o}]"),
             v = out(reg) v,
             p = in(reg) $p,
             o = const $o,
@@ -130,22 +130,6 @@ unsafe fn fields32<const H: usize>(v: __m256i) -> [usize; 4] {
     let h = if H == 0 { _mm256_castsi256_si128(v) } else { _mm256_extracti128_si256(v, 1) };
     let (a, b) = (words64(h, 0), words64(h, 1));
     [(a & 0xffff_ffff) as usize, (a >> 32) as usize, (b & 0xffff_ffff) as usize, (b >> 32) as usize]
-}
-
-/// The byte at `$o` (a constant) from `$p`, as `ld_u16!` reads a u16.
-macro_rules! ld_u8 {
-    ($p:expr, $o:expr) => {{
-        let v: u32;
-        // SAFETY: a read the caller vouches for; nothing written, no stack used.
-        std::arch::asm!(
-            "movzx {v:e}, byte ptr [{p} + {o}]",
-            v = out(reg) v,
-            p = in(reg) $p,
-            o = const $o,
-            options(pure, readonly, nostack, preserves_flags)
-        );
-        v as usize
-    }};
 }
 
 /// The little-endian u32 at `p`.
@@ -444,7 +428,12 @@ pub(super) unsafe fn for_groups<const DT: u32>(b: *const u8, mut f: impl FnMut(u
             let ls =
                 halves_twice(_mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(aux, 28), 1), _mm256_set1_epi32(1)));
             unroll8!(K, {
-                let i = [ld_u8!(b, 2 + 8 * K), ld_u8!(b, 3 + 8 * K), ld_u8!(b, 4 + 8 * K), ld_u8!(b, 5 + 8 * K)];
+                let i = [
+                    ld_index!(byte, b, 2 + 8 * K),
+                    ld_index!(byte, b, 3 + 8 * K),
+                    ld_index!(byte, b, 4 + 8 * K),
+                    ld_index!(byte, b, 5 + 8 * K),
+                ];
                 let mag = grid4(&IQ2XXS_GRID, i[0], i[1], i[2], i[3]);
                 f(K, mag, group_signs::<K>(sg[K / 4]), pick_scale::<{ 4 * (K % 4) }>(ls[K / 4]));
             });
@@ -459,7 +448,12 @@ pub(super) unsafe fn for_groups<const DT: u32>(b: *const u8, mut f: impl FnMut(u
             let sg = halves_twice(with_parity(_mm256_permute4x64_epi64(s7, 0xD8)));
             let sc = odd_scale_bytes(b.add(66));
             unroll8!(K, {
-                let i = [ld_u16!(b, 2 + 8 * K), ld_u16!(b, 4 + 8 * K), ld_u16!(b, 6 + 8 * K), ld_u16!(b, 8 + 8 * K)];
+                let i = [
+                    ld_index!(word, b, 2 + 8 * K),
+                    ld_index!(word, b, 4 + 8 * K),
+                    ld_index!(word, b, 6 + 8 * K),
+                    ld_index!(word, b, 8 + 8 * K),
+                ];
                 let mag = grid4(&IQ2XS_GRID, i[0] & 511, i[1] & 511, i[2] & 511, i[3] & 511);
                 f(K, mag, group_signs::<K>(sg[K / 4]), pick_scales::<K>(sc));
             });
