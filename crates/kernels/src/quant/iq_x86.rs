@@ -91,9 +91,10 @@ macro_rules! ld_index {
     }};
 }
 
-/// u64 lane `lane` (0 or 1) of `v`, moved to an integer register as a whole and opaque to the compiler,
-/// which would otherwise fold the shifts that split it into u16 fields back into one `vpextrw`
-/// per field (two operations each on the vector ports; a shift and a mask are integer ones).
+/// u64 lane `lane` (0 or 1) of `v`, moved to an integer register as a whole and opaque to the
+/// compiler, which would otherwise fold the shifts that split it into u16 fields back into one
+/// `vpextrw` per field (two operations each on the vector ports; a shift and a mask are integer
+/// ones).
 ///
 /// # Safety
 ///
