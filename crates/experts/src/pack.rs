@@ -99,7 +99,8 @@ pub fn write_pack(
             // A pack holds only what the kernels can take: no weight has an MXFP4 scale of 0xFF
             // (a rewritten expert was checked as it was rewritten).
             let [g, u, _] = plan.parts.each_ref().map(|p| p.len);
-            if let Some(m) = plan.reform.is_none().then(|| plan.check(&buf, &[0, g, g + u])).flatten() {
+            let bad = if plan.reform.is_some() { None } else { plan.check(&buf, &[0, g, g + u]) };
+            if let Some(m) = bad {
                 return Err(ExpertError::Model(format!(
                     "layer {} expert {}: {m}",
                     records[i].layer, records[i].expert
