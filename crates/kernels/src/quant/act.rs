@@ -11,9 +11,11 @@
 //!   activations' share negligible, at about the same cost (sign-extend the weights, one
 //!   `vpmaddwd` per 16 products).
 //!
-//! Quantization is per token row, so it never depends on the batch.
+//! Quantization is per token row, so it never depends on the batch. The SIMD levels quantize
+//! with `act_x86`, to the same bits.
 
 use super::blocks::{nearest_int, round_away};
+use crate::cpu::Isa;
 use crate::dtype::DType;
 use half::f16;
 
@@ -78,6 +80,11 @@ pub struct QuantAct {
 
 impl QuantAct {
     pub fn new(kind: ActKind, x: &[f32], rows: usize, cols: usize) -> QuantAct {
+        QuantAct::new_isa(crate::cpu::isa(), kind, x, rows, cols)
+    }
+
+    /// As `new`, with the instruction set named (the values do not depend on it).
+    pub fn new_isa(isa: Isa, kind: ActKind, x: &[f32], rows: usize, cols: usize) -> QuantAct {
         assert_eq!(x.len(), rows * cols);
         assert!(cols.is_multiple_of(kind.block()), "{cols} columns are not whole {kind:?} blocks");
         let bl = kind.block();
@@ -99,63 +106,77 @@ impl QuantAct {
         for (t, b) in (0..rows).flat_map(|t| (0..per_row).map(move |b| (t, b))) {
             let xs = &x[t * cols + b * bl..t * cols + (b + 1) * bl];
             let b = t * stride + b;
-            if kind == ActKind::Q16 {
-                let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
-                let d = amax / 32767.0;
-                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-                let q = &mut a.qs16[b * bl..(b + 1) * bl];
-                let mut sum = 0;
-                for (qv, xv) in q.iter_mut().zip(xs) {
-                    *qv = round_away(xv * id).clamp(-32767, 32767) as i16;
-                    sum += *qv as i32;
-                }
-                a.d[b] = d;
-                a.sum[b] = sum;
+            // SAFETY: the level was detected (or forced lower) by `cpu::isa()`; `xs` is one block
+            // and `b` indexes this row's block in arrays sized for every row's padded blocks.
+            #[cfg(target_arch = "x86_64")]
+            if isa >= Isa::Avx2 && unsafe { super::act_x86::quantize_block(&mut a, xs, b) } {
                 continue;
             }
-            let q = &mut a.qs[b * bl..(b + 1) * bl];
-            match kind {
-                ActKind::Q8_0 | ActKind::Q8_1 => {
-                    let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
-                    let d = amax / 127.0;
-                    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-                    let mut sum = 0;
-                    for (qv, xv) in q.iter_mut().zip(xs) {
-                        *qv = round_away(xv * id) as i8;
-                        sum += *qv as i32;
-                    }
-                    a.d[b] = f16::from_f32(d).to_f32();
-                    a.sum[b] = sum;
-                    if kind == ActKind::Q8_1 {
-                        a.s[b] = f16::from_f32(d * sum as f32).to_f32();
-                    }
-                }
-                ActKind::Q8_K => {
-                    let mut max = 0f32;
-                    let mut amax = 0f32;
-                    for v in xs {
-                        if v.abs() > amax {
-                            amax = v.abs();
-                            max = *v;
-                        }
-                    }
-                    if amax == 0.0 {
-                        continue;
-                    }
-                    let iscale = -127.0 / max;
-                    for (qv, xv) in q.iter_mut().zip(xs) {
-                        *qv = nearest_int(iscale * xv).min(127) as i8;
-                    }
-                    for g in 0..16 {
-                        a.bsums[b * 16 + g] = q[16 * g..16 * g + 16].iter().map(|v| *v as i16).sum();
-                    }
-                    a.sum[b] = a.bsums[b * 16..b * 16 + 16].iter().map(|v| *v as i32).sum();
-                    a.d[b] = 1.0 / iscale;
-                }
-                ActKind::Q16 => unreachable!("handled above"),
-            }
+            #[cfg(not(target_arch = "x86_64"))]
+            let _ = isa;
+            a.quantize_block(xs, b);
         }
         a
+    }
+
+    /// The scalar reference: block `b` from its values `xs`.
+    fn quantize_block(&mut self, xs: &[f32], b: usize) {
+        let bl = self.kind.block();
+        if self.kind == ActKind::Q16 {
+            let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let d = amax / 32767.0;
+            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            let q = &mut self.qs16[b * bl..(b + 1) * bl];
+            let mut sum = 0;
+            for (qv, xv) in q.iter_mut().zip(xs) {
+                *qv = round_away(xv * id).clamp(-32767, 32767) as i16;
+                sum += *qv as i32;
+            }
+            self.d[b] = d;
+            self.sum[b] = sum;
+            return;
+        }
+        let q = &mut self.qs[b * bl..(b + 1) * bl];
+        match self.kind {
+            ActKind::Q8_0 | ActKind::Q8_1 => {
+                let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let d = amax / 127.0;
+                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                let mut sum = 0;
+                for (qv, xv) in q.iter_mut().zip(xs) {
+                    *qv = round_away(xv * id) as i8;
+                    sum += *qv as i32;
+                }
+                self.d[b] = f16::from_f32(d).to_f32();
+                self.sum[b] = sum;
+                if self.kind == ActKind::Q8_1 {
+                    self.s[b] = f16::from_f32(d * sum as f32).to_f32();
+                }
+            }
+            ActKind::Q8_K => {
+                let mut max = 0f32;
+                let mut amax = 0f32;
+                for v in xs {
+                    if v.abs() > amax {
+                        amax = v.abs();
+                        max = *v;
+                    }
+                }
+                if amax == 0.0 {
+                    return;
+                }
+                let iscale = -127.0 / max;
+                for (qv, xv) in q.iter_mut().zip(xs) {
+                    *qv = nearest_int(iscale * xv).min(127) as i8;
+                }
+                for g in 0..16 {
+                    self.bsums[b * 16 + g] = q[16 * g..16 * g + 16].iter().map(|v| *v as i16).sum();
+                }
+                self.sum[b] = self.bsums[b * 16..b * 16 + 16].iter().map(|v| *v as i32).sum();
+                self.d[b] = 1.0 / iscale;
+            }
+            ActKind::Q16 => unreachable!("handled above"),
+        }
     }
 
     pub fn blocks_per_row(&self) -> usize {
@@ -211,6 +232,75 @@ mod tests {
             assert!((a.s[b] - a.d[b] * sum as f32).abs() <= 0.01 * a.s[b].abs().max(1.0));
             // Padding blocks are all zero.
             assert!(a.block_qs(t, 1).iter().all(|q| *q == 0) && a.d[a.idx(t, 7)] == 0.0);
+        }
+    }
+
+    /// Every field as integers (floats by their bits).
+    fn fields(a: &QuantAct) -> Vec<Vec<i64>> {
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits() as i64).collect();
+        let ints = |v: &mut dyn Iterator<Item = i64>| v.collect();
+        vec![
+            bits(&a.d),
+            bits(&a.s),
+            ints(&mut a.sum.iter().map(|v| *v as i64)),
+            ints(&mut a.bsums.iter().map(|v| *v as i64)),
+            ints(&mut a.qs.iter().map(|v| *v as i64)),
+            ints(&mut a.qs16.iter().map(|v| *v as i64)),
+        ]
+    }
+
+    #[test]
+    fn every_level_quantizes_to_the_scalar_bits() {
+        // Rows of 512 values, one kind of trouble per 32-value stretch (so every Q8_K block and
+        // several 32-value blocks meet several): ordinary values, exact halves after scaling (ties
+        // for both roundings), the largest magnitude twice with both signs in either order, zeros
+        // and negative zeros, an infinity, a NaN, subnormal values (their inverse scale
+        // overflows), huge ones.
+        let mut s = 0x9e37_79b9u32;
+        let mut rnd = move || {
+            s ^= s << 13;
+            s ^= s >> 17;
+            s ^= s << 5;
+            (s >> 8) as f32 / (1u32 << 24) as f32 - 0.5
+        };
+        let rows = 6;
+        let mut x = vec![0f32; rows * 512];
+        for (r, row) in x.chunks_exact_mut(512).enumerate() {
+            for (i, v) in row.iter_mut().enumerate() {
+                *v = match (i / 32 + r) % 10 {
+                    0 | 1 => rnd() * 8.0,
+                    // With 127 the largest magnitude, Q8_0's scale is 1 and Q8_K's −1 (or 1).
+                    2 => [127.0, 2.5, -3.5, 0.5, -0.5, 126.5, -126.5, 1.5][i % 8],
+                    3 => [-127.0, 2.5, -2.5, 4.5, 0.5, 1.0, -6.5, 0.0][i % 8],
+                    4 => match i % 32 {
+                        3 => -2.0,
+                        10 => 2.0,
+                        _ => rnd(),
+                    },
+                    5 => [0.0, -0.0][i % 2],
+                    6 if i % 32 == 7 => [f32::INFINITY, f32::NEG_INFINITY, f32::NAN][r % 3],
+                    7 => rnd() * 1e-39,
+                    8 => rnd() * 1e37,
+                    _ => rnd(),
+                };
+            }
+        }
+        // A Q8_K block of ties only, where the largest magnitude comes second with the other sign.
+        // A Q8_K block of subnormal values only.
+        x[5 * 512 + 256..6 * 512].iter_mut().for_each(|v| *v = rnd() * 1e-39);
+        x[512..768]
+            .iter_mut()
+            .enumerate()
+            .for_each(|(i, v)| *v = if i == 1 { 127.0 } else { [-127.0, 63.5, -0.5][i % 3] });
+        for kind in [ActKind::Q8_0, ActKind::Q8_1, ActKind::Q8_K, ActKind::Q16] {
+            let scalar = QuantAct::new_isa(Isa::Scalar, kind, &x, rows, 512);
+            for isa in Isa::supported().into_iter().filter(|i| *i != Isa::Scalar) {
+                let simd = QuantAct::new_isa(isa, kind, &x, rows, 512);
+                assert!(fields(&simd) == fields(&scalar), "{kind:?} at {isa:?} differs from the scalar reference");
+            }
+            // The data reaches the cases it is for.
+            let nonzero = scalar.d.iter().filter(|d| **d != 0.0).count();
+            assert!(nonzero > rows, "{kind:?}: {nonzero} blocks with a scale");
         }
     }
 }

@@ -7,6 +7,8 @@
 
 pub mod act;
 #[cfg(target_arch = "x86_64")]
+mod act_x86;
+#[cfg(target_arch = "x86_64")]
 mod block32_x86;
 pub mod blocks;
 pub mod dot_ref;
