@@ -108,8 +108,8 @@ pub unsafe fn gemm<const R: usize>(dtype: DType, w: &[u8], row_bytes: usize, p: 
     match dtype {
         DType::Q4_K | DType::Q5_K => gemm_q4k::<R>(dtype == DType::Q5_K, w, row_bytes, p, out),
         DType::Q6_K => gemm_q6k::<R>(w, row_bytes, p, out),
-        DType::Q2_K => gemm_k23::<R, false>(w, row_bytes, p, out),
-        DType::Q3_K => gemm_k23::<R, true>(w, row_bytes, p, out),
+        DType::Q2_K => gemm_q2k::<R>(w, row_bytes, p, out),
+        DType::Q3_K => gemm_q3k::<R>(w, row_bytes, p, out),
         DType::IQ2_XXS => gemm_iq::<R, 16>(w, row_bytes, p, out),
         DType::IQ2_XS => gemm_iq::<R, 17>(w, row_bytes, p, out),
         DType::IQ3_XXS => gemm_iq::<R, 18>(w, row_bytes, p, out),
@@ -314,10 +314,98 @@ unsafe fn gemm_offset16<const R: usize>(
     }
 }
 
-/// Q2_K and Q3_K (`Q3`): sixteen 16-value groups, each with its own scale. Q2_K's codes are
-/// 0..3 with a 4-bit scale and a 4-bit min per group (the min against the group's activation
-/// sum, like Q4_K's); Q3_K's are −4..3, unpacked as 0..7 (the +4 in their high bit), with a
-/// signed 6-bit scale per group and 4 · Σ scale · (group sum) taken off after (like Q6_K's
+/// Q2_K with each code multiplied by its group's scale before the dot products: a 2-bit code
+/// times a 4-bit scale is at most 45, still an unsigned byte, so one `vpdpbusd` chain per row
+/// sums Σ scale · (codes · activations) over the whole block, with no per-group multiply and add
+/// (`groups16`'s `vpmulld`, two operations on the port the dot products use, and `vpaddd` for
+/// every four `vpdpbusd`). The integer is the same, so are the float steps (`dot_ref`'s).
+///
+/// A group's four multiples come from a `vpshufb` table: each 128-bit half of a table holds four
+/// groups' [0, s, 2s, 3s] (half 0 the even groups of eight, half 1 the odd ones, as a code
+/// vector's halves hold groups 2k and 2k + 1), and a code picks its entry as code + 4·(k mod 4).
+///
+/// # Safety
+///
+/// The CPU supports the features named in `gemm`'s `target_feature` (AVX-512 VNNI; the
+/// dispatcher checks `cpu::isa()` and `cpu::has_vnni()` first); `w` holds R whole rows of
+/// `row_bytes` of Q2_K; the panel holds Q8_K activations of the rows' width.
+#[inline(always)]
+unsafe fn gemm_q2k<const R: usize>(w: &[u8], row_bytes: usize, p: &Panel, out: &mut [[f32; TILE]; ROWS]) {
+    let bb = DType::Q2_K.block_bytes();
+    let mut accf = [_mm512_setzero_ps(); R];
+    let mut codes = [[0u8; 256]; R];
+    let mut mins = [[0i32; 8]; R];
+    let mut d = [0f32; R];
+    let mut dmin = [0f32; R];
+    // Each half's bytes 4m..4m + 4 take the scale of group 2m (low half) or 2m + 1 (high half),
+    // of groups 0..7 (`spread[0]`) or 8..15 (`spread[1]`).
+    let spread = [
+        _mm256_setr_epi8(
+            0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6, 1, 1, 1, 1, 3, 3, 3, 3, 5, 5, 5, 5, 7, 7, 7, 7,
+        ),
+        _mm256_setr_epi8(
+            8, 8, 8, 8, 10, 10, 10, 10, 12, 12, 12, 12, 14, 14, 14, 14, 9, 9, 9, 9, 11, 11, 11, 11, 13, 13, 13, 13, 15,
+            15, 15, 15,
+        ),
+    ];
+    // 0, s, 2s, 3s as s·[0,1,1,1] + s·[0,0,1,1] + s·[0,0,0,1].
+    let m1 = _mm256_set1_epi32(0xFFFF_FF00u32 as i32);
+    let m2 = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
+    let m3 = _mm256_set1_epi32(0xFF00_0000u32 as i32);
+    let nib = _mm_set1_epi8(0x0F);
+    for b in 0..p.nb {
+        for r in 0..R {
+            let blk = w.as_ptr().add(r * row_bytes + b * bb);
+            let sm = _mm_loadu_si128(blk as *const __m128i);
+            let sc = _mm256_broadcastsi128_si256(_mm_and_si128(sm, nib));
+            let mut tab = [_mm256_setzero_si256(); 2];
+            for (t, sp) in tab.iter_mut().zip(spread) {
+                let s4 = _mm256_shuffle_epi8(sc, sp);
+                *t = _mm256_add_epi8(
+                    _mm256_add_epi8(_mm256_and_si256(s4, m1), _mm256_and_si256(s4, m2)),
+                    _mm256_and_si256(s4, m3),
+                );
+            }
+            let up = super::k23_x86::unpack::<false>(blk);
+            for (k, v) in up.u.iter().enumerate() {
+                let idx = _mm256_or_si256(*v, _mm256_set1_epi8(4 * (k % 4) as i8));
+                let scaled = _mm256_shuffle_epi8(tab[k / 4], idx);
+                _mm256_storeu_si256(codes[r].as_mut_ptr().add(32 * k) as *mut __m256i, scaled);
+            }
+            let wb = std::slice::from_raw_parts(blk, bb);
+            for j in 0..8 {
+                // The mins against the pair (Σ of values 32j..32j+16, Σ of 32j+16..32j+32).
+                mins[r][j] = (wb[2 * j] >> 4) as i32 | ((wb[2 * j + 1] >> 4) as i32) << 16;
+            }
+            d[r] = f16_to_f32(f16_bits(wb, 80));
+            dmin[r] = f16_to_f32(f16_bits(wb, 82));
+        }
+        // Two chains per row (even and odd dwords), so four rows keep eight dot products in flight.
+        let xc = p.codes.as_ptr().add(b * 64 * TILE);
+        let mut s0 = [_mm512_setzero_si512(); R];
+        let mut s1 = [_mm512_setzero_si512(); R];
+        for g in 0..32 {
+            let (x0, x1) = (ld(xc.add(2 * g * TILE)), ld(xc.add((2 * g + 1) * TILE)));
+            for r in 0..R {
+                s0[r] = _mm512_dpbusd_epi32(s0[r], bcast(codes[r].as_ptr().add(8 * g)), x0);
+                s1[r] = _mm512_dpbusd_epi32(s1[r], bcast(codes[r].as_ptr().add(8 * g + 4)), x1);
+            }
+        }
+        let s2 = pair_sums::<R>(p, b, &mins);
+        let dx = ldf(p.dx.as_ptr().add(b * TILE));
+        for r in 0..R {
+            let isum = _mm512_add_epi32(s0[r], s1[r]);
+            accf[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(d[r]), dx), _mm512_cvtepi32_ps(isum), accf[r]);
+            accf[r] = _mm512_fnmadd_ps(_mm512_mul_ps(_mm512_set1_ps(dmin[r]), dx), _mm512_cvtepi32_ps(s2[r]), accf[r]);
+        }
+    }
+    for r in 0..R {
+        _mm512_storeu_ps(out[r].as_mut_ptr(), accf[r]);
+    }
+}
+
+/// Q3_K: sixteen 16-value groups, each with its own signed 6-bit scale; codes −4..3, unpacked as
+/// 0..7 (the +4 in their high bit), with 4 · Σ scale · (group sum) taken off after (like Q6_K's
 /// +32). The same integer sums and float steps as `dot_ref`.
 ///
 /// # Safety
@@ -326,57 +414,35 @@ unsafe fn gemm_offset16<const R: usize>(
 /// `cpu::isa()` first), and the slices hold what the format implies: whole blocks per row
 /// (`MatRef::new` checked the sizes), activations and outputs for every token in range.
 #[inline(always)]
-unsafe fn gemm_k23<const R: usize, const Q3: bool>(
-    w: &[u8],
-    row_bytes: usize,
-    p: &Panel,
-    out: &mut [[f32; TILE]; ROWS],
-) {
-    let dtype = if Q3 { DType::Q3_K } else { DType::Q2_K };
-    let bb = dtype.block_bytes();
+unsafe fn gemm_q3k<const R: usize>(w: &[u8], row_bytes: usize, p: &Panel, out: &mut [[f32; TILE]; ROWS]) {
+    let bb = DType::Q3_K.block_bytes();
     let mut accf = [_mm512_setzero_ps(); R];
     let mut codes = [[0u8; 256]; R];
     let mut sc = [[0i32; 16]; R];
-    // Pairs of i16 against the panel's pairs of 16-value sums: Q2_K's mins, Q3_K's scales.
+    // The scales in pairs of i16, against the panel's pairs of 16-value sums.
     let mut pair = [[0i32; 8]; R];
     let mut d = [0f32; R];
-    let mut dmin = [0f32; R];
     for b in 0..p.nb {
         for r in 0..R {
             let blk = w.as_ptr().add(r * row_bytes + b * bb);
-            let up = super::k23_x86::unpack::<Q3>(blk);
+            let up = super::k23_x86::unpack::<true>(blk);
             for (k, v) in up.u.iter().enumerate() {
                 _mm256_storeu_si256(codes[r].as_mut_ptr().add(32 * k) as *mut __m256i, *v);
             }
             let wb = std::slice::from_raw_parts(blk, bb);
-            let (scales, second) = if Q3 {
-                let s = crate::quant::blocks::q3k_scales(&wb[96..108]).map(|v| v as i32);
-                (s, s)
-            } else {
-                (std::array::from_fn(|g| (wb[g] & 0xF) as i32), std::array::from_fn(|g| (wb[g] >> 4) as i32))
-            };
-            sc[r] = scales;
+            sc[r] = crate::quant::blocks::q3k_scales(&wb[96..108]).map(|v| v as i32);
             for j in 0..8 {
-                pair[r][j] = (second[2 * j] & 0xFFFF) | (second[2 * j + 1] << 16);
+                pair[r][j] = (sc[r][2 * j] & 0xFFFF) | (sc[r][2 * j + 1] << 16);
             }
-            d[r] = f16_to_f32(f16_bits(wb, if Q3 { 108 } else { 80 }));
-            if !Q3 {
-                dmin[r] = f16_to_f32(f16_bits(wb, 82));
-            }
+            d[r] = f16_to_f32(f16_bits(wb, 108));
         }
         let s1 = groups16::<R>(&codes, &sc, p.codes.as_ptr().add(b * 64 * TILE));
         let s2 = pair_sums::<R>(p, b, &pair);
         let dx = ldf(p.dx.as_ptr().add(b * TILE));
         for r in 0..R {
             let ddx = _mm512_mul_ps(_mm512_set1_ps(d[r]), dx);
-            if Q3 {
-                let isum = _mm512_sub_epi32(s1[r], _mm512_slli_epi32(s2[r], 2));
-                accf[r] = _mm512_fmadd_ps(ddx, _mm512_cvtepi32_ps(isum), accf[r]);
-            } else {
-                accf[r] = _mm512_fmadd_ps(ddx, _mm512_cvtepi32_ps(s1[r]), accf[r]);
-                accf[r] =
-                    _mm512_fnmadd_ps(_mm512_mul_ps(_mm512_set1_ps(dmin[r]), dx), _mm512_cvtepi32_ps(s2[r]), accf[r]);
-            }
+            let isum = _mm512_sub_epi32(s1[r], _mm512_slli_epi32(s2[r], 2));
+            accf[r] = _mm512_fmadd_ps(ddx, _mm512_cvtepi32_ps(isum), accf[r]);
         }
     }
     for r in 0..R {
