@@ -16,7 +16,8 @@ use half::f16;
 use std::arch::x86_64::*;
 
 /// Quantizes block `b` (values `xs`) of `a` into its slots, unless the block holds a value that
-/// is not finite: then it returns false and writes nothing.
+/// is not finite or its inverse scale overflows: then it returns false and writes nothing (the
+/// scalar code takes the block).
 ///
 /// # Safety
 ///
