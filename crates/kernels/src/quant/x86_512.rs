@@ -8,7 +8,7 @@
 //! Four rows run together so their dependency chains overlap.
 //!
 //! Formats: Q4_0, Q4_1, Q5_0, Q5_1, MXFP4, Q4_K, Q5_K, Q6_K, Q2_K, Q3_K and the IQ formats (their
-//! blocks unpacked by the AVX2 kernels' `iq_x86::for_groups`).
+//! blocks unpacked by the AVX2 kernels' `iq_x86::for_groups`, IQ3_S by its own AVX-512 code).
 //!
 //! Each lane then applies `dot_ref::accumulate`'s operations for its (row, token) pair, block
 //! after block, so results equal the scalar reference to the bit.
@@ -114,7 +114,7 @@ pub unsafe fn gemm<const R: usize>(dtype: DType, w: &[u8], row_bytes: usize, p: 
         DType::IQ2_XS => gemm_iq::<R, 17>(w, row_bytes, p, out),
         DType::IQ3_XXS => gemm_iq::<R, 18>(w, row_bytes, p, out),
         DType::IQ1_S => gemm_iq::<R, 19>(w, row_bytes, p, out),
-        DType::IQ3_S => gemm_iq::<R, 21>(w, row_bytes, p, out),
+        DType::IQ3_S => gemm_iq3s::<R>(w, row_bytes, p, out),
         DType::IQ2_S => gemm_iq::<R, 22>(w, row_bytes, p, out),
         DType::IQ4_XS => gemm_iq::<R, 23>(w, row_bytes, p, out),
         DType::IQ1_M => gemm_iq::<R, 29>(w, row_bytes, p, out),
@@ -480,6 +480,91 @@ unsafe fn gemm_iq<const R: usize, const DT: u32>(w: &[u8], row_bytes: usize, p: 
         });
         f16_to_f32(d_bits::<DT>(blk)) * factor
     });
+}
+
+/// Per lane (token): Σ over a 256-value block's eight 32-value groups of the group's scale ·
+/// (its codes · the panel's activation codes), for R rows (`codes[r]`, `sc[r]`): `groups16` for
+/// the formats with one scale per 32 values, half the multiplies and adds.
+///
+/// # Safety
+///
+/// `xc` is valid for 64 · TILE dwords; the CPU has AVX-512 VNNI (checked by `cpu::isa()` and
+/// `cpu::has_vnni()`).
+#[inline(always)]
+unsafe fn groups32<const R: usize>(codes: &[[u8; 256]; R], sc: &[[i32; 8]; R], xc: *const u32) -> [__m512i; R] {
+    let mut s1 = [_mm512_setzero_si512(); R];
+    for gi in 0..8 {
+        let mut raw = [_mm512_setzero_si512(); R];
+        for g in 0..8 {
+            let xv = ld(xc.add((8 * gi + g) * TILE));
+            for r in 0..R {
+                raw[r] = _mm512_dpbusd_epi32(raw[r], bcast(codes[r].as_ptr().add(32 * gi + 4 * g)), xv);
+            }
+        }
+        for r in 0..R {
+            s1[r] = _mm512_add_epi32(s1[r], _mm512_mullo_epi32(raw[r], _mm512_set1_epi32(sc[r][gi])));
+        }
+    }
+    s1
+}
+
+/// IQ3_S unpacked with AVX-512 whole blocks at a time, where `gemm_iq` goes through the AVX2
+/// kernels' 32-value groups (a scalar load and an insert per codebook entry, two extracts per
+/// scale). The 64 nine-bit indices are the 64 `qs` bytes with bit i of the 8 `qh` bytes (read
+/// as one little-endian u64) as bit 8 of index i, set by a masked OR; sixteen entries at a time
+/// come from the codebook by one gather (each is four values, bytes 0..4); the block's 256 sign
+/// bits, in value order, are four 64-bit byte masks for a masked subtract: 128 + m where the bit
+/// is clear, 128 − m where set — the unsigned codes `gemm_iq` makes, so the same integers
+/// (Σ over 32-value groups of the odd scale 1 + 2·nibble · codes · activations, less 128 · Σ
+/// scale · activation sums) and the same float step.
+///
+/// # Safety
+///
+/// The CPU supports the features named in `gemm`'s `target_feature` (AVX-512 VNNI; the
+/// dispatcher checks `cpu::isa()` and `cpu::has_vnni()` first); `w` holds R whole rows of
+/// `row_bytes` of IQ3_S; the panel holds Q8_K activations of the rows' width.
+#[inline(always)]
+unsafe fn gemm_iq3s<const R: usize>(w: &[u8], row_bytes: usize, p: &Panel, out: &mut [[f32; TILE]; ROWS]) {
+    use super::iq_tables::IQ3S_GRID;
+    let bb = DType::IQ3_S.block_bytes();
+    let mut accf = [_mm512_setzero_ps(); R];
+    let mut codes = [[0u8; 256]; R];
+    let mut sc = [[0i32; 8]; R];
+    let mut sp = [[0i32; 8]; R];
+    let mut d = [0f32; R];
+    let (bit8, c128) = (_mm512_set1_epi32(256), _mm512_set1_epi8(-128));
+    for b in 0..p.nb {
+        for r in 0..R {
+            let blk = w.as_ptr().add(r * row_bytes + b * bb);
+            let qh = (blk.add(66) as *const u64).read_unaligned();
+            for c in 0..4 {
+                let lo = _mm512_cvtepu8_epi32(_mm_loadu_si128(blk.add(2 + 16 * c) as *const __m128i));
+                let idx = _mm512_mask_or_epi32(lo, (qh >> (16 * c)) as u16, lo, bit8);
+                // Every index has nine bits: inside the 512-entry codebook.
+                let mag = _mm512_i32gather_epi32::<4>(idx, IQ3S_GRID.as_ptr() as *const i32);
+                let signs = (blk.add(74 + 8 * c) as *const u64).read_unaligned();
+                // Magnitudes are at most 15: 128 ± m is a byte either way.
+                let u = _mm512_mask_sub_epi8(_mm512_add_epi8(mag, c128), signs, c128, mag);
+                _mm512_storeu_si512(codes[r].as_mut_ptr().add(64 * c) as *mut _, u);
+            }
+            let nib = (blk.add(106) as *const u32).read_unaligned();
+            for k in 0..8 {
+                sc[r][k] = 1 + 2 * ((nib >> (4 * k)) & 15) as i32;
+                sp[r][k] = sc[r][k] | (sc[r][k] << 16);
+            }
+            d[r] = f16_to_f32((blk as *const u16).read_unaligned()) * super::iq::scale_factor(DType::IQ3_S);
+        }
+        let s1 = groups32::<R>(&codes, &sc, p.codes.as_ptr().add(b * 64 * TILE));
+        let corr = pair_sums::<R>(p, b, &sp);
+        let dx = ldf(p.dx.as_ptr().add(b * TILE));
+        for r in 0..R {
+            let isum = _mm512_sub_epi32(s1[r], _mm512_slli_epi32(corr[r], 7));
+            accf[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(d[r]), dx), _mm512_cvtepi32_ps(isum), accf[r]);
+        }
+    }
+    for r in 0..R {
+        _mm512_storeu_ps(out[r].as_mut_ptr(), accf[r]);
+    }
 }
 
 /// Pairs of a K-quant block's unpacked 32-value code vectors and their scale vectors
