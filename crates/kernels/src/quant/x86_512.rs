@@ -404,45 +404,102 @@ unsafe fn gemm_q2k<const R: usize>(w: &[u8], row_bytes: usize, p: &Panel, out: &
     }
 }
 
-/// Q3_K: sixteen 16-value groups, each with its own signed 6-bit scale; codes −4..3, unpacked as
-/// 0..7 (the +4 in their high bit), with 4 · Σ scale · (group sum) taken off after (like Q6_K's
-/// +32). The same integer sums and float steps as `dot_ref`.
+/// Q3_K with each code multiplied by its group's scale while unpacking, as Q2_K's kernel does,
+/// but signed: a code c (−4..3) times a 6-bit scale s (−32..31) lies in −124..128, one value
+/// past a signed byte, so the bytes are −c·s (−128..124, always a byte), and the activations,
+/// `vpdpbusd`'s unsigned operand, go in as x + 128 (their sign bit flipped; Q8_K's are
+/// −128..127). The dot product of a row is then −Σ x·c·s − 128·Σ c·s, and the block's integer
+/// Σ x·c·s is 128·W − dot, W = Σ −c·s over the block (the row's own, from `vpsadbw`). No
+/// per-group multiply and add (`groups16`'s), no activation sums; the same integer as
+/// `dot_ref`'s and the same float step.
+///
+/// Unpacking with AVX-512: 64 values at a time, one 16-value group per 128-bit lane. Each
+/// group's eight products −c·s for the eight codes (c + 4 = 0..7) are eight bytes of a `vpshufb`
+/// table, built from the sixteen scales by masked adds of s, 2s and 4s and a masked negation;
+/// lane i of table t holds group 8t + i in bytes 0..8 and group 8t + 4 + i in bytes 8..16, so
+/// the four chunks of a block use two tables, the odd chunks with the index plus 8. Value
+/// 128h + 32j + l's code is bits 2j..2j + 2 of `qs` byte 32h + l, plus 4 when bit 4h + j of
+/// `hmask` byte l is set.
 ///
 /// # Safety
 ///
-/// The CPU supports the features named in `target_feature` (AVX-512; the dispatcher checks
-/// `cpu::isa()` first), and the slices hold what the format implies: whole blocks per row
-/// (`MatRef::new` checked the sizes), activations and outputs for every token in range.
+/// The CPU supports the features named in `gemm`'s `target_feature` (AVX-512 VNNI; the
+/// dispatcher checks `cpu::isa()` and `cpu::has_vnni()` first); `w` holds R whole rows of
+/// `row_bytes` of Q3_K; the panel holds Q8_K activations of the rows' width.
 #[inline(always)]
 unsafe fn gemm_q3k<const R: usize>(w: &[u8], row_bytes: usize, p: &Panel, out: &mut [[f32; TILE]; ROWS]) {
     let bb = DType::Q3_K.block_bytes();
     let mut accf = [_mm512_setzero_ps(); R];
     let mut codes = [[0u8; 256]; R];
-    let mut sc = [[0i32; 16]; R];
-    // The scales in pairs of i16, against the panel's pairs of 16-value sums.
-    let mut pair = [[0i32; 8]; R];
+    let mut wsum = [0i32; R];
     let mut d = [0f32; R];
+    let flip = _mm512_set1_epi8(-128);
+    let zero = _mm512_setzero_si512();
+    // Byte e of lane i of table t belongs to group 8t + i (e < 8) or 8t + 4 + i and to code
+    // index k = e % 8, whose multiple of s is 4 − k: s where 4 − k is odd, plus 2s where
+    // |4 − k| is 2 or 3, plus 4s where it is 4, negated where k > 4.
+    let rep: [__m512i; 2] = std::array::from_fn(|t| {
+        let e: [u8; 64] = std::array::from_fn(|e| (8 * t + e / 16 + 4 * (e % 16 / 8)) as u8);
+        _mm512_loadu_si512(e.as_ptr() as *const _)
+    });
+    let (m1, m2, m4, neg) =
+        (0xAAAA_AAAA_AAAA_AAAAu64, 0xC6C6_C6C6_C6C6_C6C6u64, 0x0101_0101_0101_0101u64, 0xE0E0_E0E0_E0E0_E0E0u64);
+    // Chunk c (values 64c..64c + 64, h = c / 2, j = 2(c % 2) and j + 1): the bit of `hmask` and
+    // the shift of `qs` for each half.
+    let hbit: [__m512i; 4] = std::array::from_fn(|c| {
+        let b0 = 1u8 << (4 * (c / 2) + 2 * (c % 2));
+        let e: [u8; 64] = std::array::from_fn(|i| if i < 32 { b0 } else { b0 << 1 });
+        _mm512_loadu_si512(e.as_ptr() as *const _)
+    });
+    let shift: [__m512i; 2] = std::array::from_fn(|m| {
+        let e: [u16; 32] = std::array::from_fn(|i| if i < 16 { 4 * m as u16 } else { 4 * m as u16 + 2 });
+        _mm512_loadu_si512(e.as_ptr() as *const _)
+    });
+    let base = [_mm512_setzero_si512(), _mm512_set1_epi8(8)];
     for b in 0..p.nb {
         for r in 0..R {
             let blk = w.as_ptr().add(r * row_bytes + b * bb);
-            let up = super::k23_x86::unpack::<true>(blk);
-            for (k, v) in up.u.iter().enumerate() {
-                _mm256_storeu_si256(codes[r].as_mut_ptr().add(32 * k) as *mut __m256i, *v);
+            let sz = _mm512_broadcast_i32x4(super::k23_x86::q3_scales(blk.add(96)));
+            let tab: [__m512i; 2] = std::array::from_fn(|t| {
+                let s1 = _mm512_shuffle_epi8(sz, rep[t]);
+                let s2 = _mm512_add_epi8(s1, s1);
+                let s4 = _mm512_add_epi8(s2, s2);
+                let v = _mm512_maskz_mov_epi8(m1, s1);
+                let v = _mm512_mask_add_epi8(v, m2, v, s2);
+                let v = _mm512_mask_add_epi8(v, m4, v, s4);
+                _mm512_mask_sub_epi8(v, neg, zero, v)
+            });
+            let hm = _mm512_broadcast_i64x4(_mm256_loadu_si256(blk as *const __m256i));
+            let mut sum = zero;
+            for c in 0..4 {
+                let q = _mm512_broadcast_i64x4(_mm256_loadu_si256(blk.add(32 + 32 * (c / 2)) as *const __m256i));
+                let low = _mm512_and_si512(_mm512_srlv_epi16(q, shift[c % 2]), _mm512_set1_epi8(3));
+                let idx = _mm512_or_si512(low, base[c % 2]);
+                let idx = _mm512_mask_add_epi8(idx, _mm512_test_epi8_mask(hm, hbit[c]), idx, _mm512_set1_epi8(4));
+                let v = _mm512_shuffle_epi8(tab[c / 2], idx);
+                _mm512_storeu_si512(codes[r].as_mut_ptr().add(64 * c) as *mut _, v);
+                sum = _mm512_add_epi64(sum, _mm512_sad_epu8(_mm512_xor_si512(v, flip), zero));
             }
-            let wb = std::slice::from_raw_parts(blk, bb);
-            sc[r] = crate::quant::blocks::q3k_scales(&wb[96..108]).map(|v| v as i32);
-            for j in 0..8 {
-                pair[r][j] = (sc[r][2 * j] & 0xFFFF) | (sc[r][2 * j + 1] << 16);
-            }
-            d[r] = f16_to_f32(f16_bits(wb, 108));
+            // Σ (−c·s + 128) over 256 values, less 128 · 256.
+            wsum[r] = _mm512_reduce_add_epi64(sum) as i32 - 128 * 256;
+            d[r] = f16_to_f32((blk.add(108) as *const u16).read_unaligned());
         }
-        let s1 = groups16::<R>(&codes, &sc, p.codes.as_ptr().add(b * 64 * TILE));
-        let s2 = pair_sums::<R>(p, b, &pair);
+        // Two chains per row (even and odd dwords), so four rows keep eight dot products in flight.
+        let xc = p.codes.as_ptr().add(b * 64 * TILE);
+        let mut s0 = [zero; R];
+        let mut s1 = [zero; R];
+        for g in 0..32 {
+            let x0 = _mm512_xor_si512(ld(xc.add(2 * g * TILE)), flip);
+            let x1 = _mm512_xor_si512(ld(xc.add((2 * g + 1) * TILE)), flip);
+            for r in 0..R {
+                s0[r] = _mm512_dpbusd_epi32(s0[r], x0, bcast(codes[r].as_ptr().add(8 * g)));
+                s1[r] = _mm512_dpbusd_epi32(s1[r], x1, bcast(codes[r].as_ptr().add(8 * g + 4)));
+            }
+        }
         let dx = ldf(p.dx.as_ptr().add(b * TILE));
         for r in 0..R {
-            let ddx = _mm512_mul_ps(_mm512_set1_ps(d[r]), dx);
-            let isum = _mm512_sub_epi32(s1[r], _mm512_slli_epi32(s2[r], 2));
-            accf[r] = _mm512_fmadd_ps(ddx, _mm512_cvtepi32_ps(isum), accf[r]);
+            let isum = _mm512_sub_epi32(_mm512_set1_epi32(wsum[r] << 7), _mm512_add_epi32(s0[r], s1[r]));
+            accf[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(d[r]), dx), _mm512_cvtepi32_ps(isum), accf[r]);
         }
     }
     for r in 0..R {
