@@ -320,9 +320,11 @@ unsafe fn gemm_offset16<const R: usize>(
 /// (`groups16`'s `vpmulld`, two operations on the port the dot products use, and `vpaddd` for
 /// every four `vpdpbusd`). The integer is the same, so are the float steps (`dot_ref`'s).
 ///
-/// A group's four multiples come from a `vpshufb` table: each 128-bit half of a table holds four
-/// groups' [0, s, 2s, 3s] (half 0 the even groups of eight, half 1 the odd ones, as a code
-/// vector's halves hold groups 2k and 2k + 1), and a code picks its entry as code + 4·(k mod 4).
+/// Unpacked with AVX-512 64 values at a time, one 16-value group per 128-bit lane (value
+/// 128h + 32j + l's code is bits 2j..2j + 2 of `qs` byte 32h + l). A group's four multiples
+/// [0, s, 2s, 3s] come from one `vpshufb` table per block, built by masked adds of s and 2s:
+/// lane i holds groups i, 4 + i, 8 + i and 12 + i, so chunk c's codes pick theirs as
+/// code + 4c.
 ///
 /// # Safety
 ///
@@ -337,40 +339,35 @@ unsafe fn gemm_q2k<const R: usize>(w: &[u8], row_bytes: usize, p: &Panel, out: &
     let mut mins = [[0i32; 8]; R];
     let mut d = [0f32; R];
     let mut dmin = [0f32; R];
-    // Each half's bytes 4m..4m + 4 take the scale of group 2m (low half) or 2m + 1 (high half),
-    // of groups 0..7 (`spread[0]`) or 8..15 (`spread[1]`).
-    let spread = [
-        _mm256_setr_epi8(
-            0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6, 1, 1, 1, 1, 3, 3, 3, 3, 5, 5, 5, 5, 7, 7, 7, 7,
-        ),
-        _mm256_setr_epi8(
-            8, 8, 8, 8, 10, 10, 10, 10, 12, 12, 12, 12, 14, 14, 14, 14, 9, 9, 9, 9, 11, 11, 11, 11, 13, 13, 13, 13, 15,
-            15, 15, 15,
-        ),
-    ];
-    // 0, s, 2s, 3s as s·[0,1,1,1] + s·[0,0,1,1] + s·[0,0,0,1].
-    let m1 = _mm256_set1_epi32(0xFFFF_FF00u32 as i32);
-    let m2 = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
-    let m3 = _mm256_set1_epi32(0xFF00_0000u32 as i32);
+    // Byte 4m + k of lane i: group 4m + i's scale (then times k: s where k is odd, plus 2s
+    // where k ≥ 2).
+    let rep = {
+        let e: [u8; 64] = std::array::from_fn(|e| (4 * (e % 16 / 4) + e / 16) as u8);
+        _mm512_loadu_si512(e.as_ptr() as *const _)
+    };
+    let (m1, m2) = (0xAAAA_AAAA_AAAA_AAAAu64, 0xCCCC_CCCC_CCCC_CCCCu64);
+    // Chunk c's shift of `qs` (2j, j = 2(c % 2) in bytes 0..32, j + 1 in 32..64).
+    let shift: [__m512i; 2] = std::array::from_fn(|m| {
+        let e: [u16; 32] = std::array::from_fn(|i| if i < 16 { 4 * m as u16 } else { 4 * m as u16 + 2 });
+        _mm512_loadu_si512(e.as_ptr() as *const _)
+    });
     let nib = _mm_set1_epi8(0x0F);
     for b in 0..p.nb {
         for r in 0..R {
             let blk = w.as_ptr().add(r * row_bytes + b * bb);
             let sm = _mm_loadu_si128(blk as *const __m128i);
-            let sc = _mm256_broadcastsi128_si256(_mm_and_si128(sm, nib));
-            let mut tab = [_mm256_setzero_si256(); 2];
-            for (t, sp) in tab.iter_mut().zip(spread) {
-                let s4 = _mm256_shuffle_epi8(sc, sp);
-                *t = _mm256_add_epi8(
-                    _mm256_add_epi8(_mm256_and_si256(s4, m1), _mm256_and_si256(s4, m2)),
-                    _mm256_and_si256(s4, m3),
-                );
-            }
-            let up = super::k23_x86::unpack::<false>(blk);
-            for (k, v) in up.u.iter().enumerate() {
-                let idx = _mm256_or_si256(*v, _mm256_set1_epi8(4 * (k % 4) as i8));
-                let scaled = _mm256_shuffle_epi8(tab[k / 4], idx);
-                _mm256_storeu_si256(codes[r].as_mut_ptr().add(32 * k) as *mut __m256i, scaled);
+            let s1 = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_and_si128(sm, nib)), rep);
+            let tab = _mm512_mask_add_epi8(
+                _mm512_maskz_mov_epi8(m1, s1),
+                m2,
+                _mm512_maskz_mov_epi8(m1, s1),
+                _mm512_add_epi8(s1, s1),
+            );
+            for c in 0..4 {
+                let q = _mm512_broadcast_i64x4(_mm256_loadu_si256(blk.add(16 + 32 * (c / 2)) as *const __m256i));
+                let low = _mm512_and_si512(_mm512_srlv_epi16(q, shift[c % 2]), _mm512_set1_epi8(3));
+                let v = _mm512_shuffle_epi8(tab, _mm512_or_si512(low, _mm512_set1_epi8(4 * c as i8)));
+                _mm512_storeu_si512(codes[r].as_mut_ptr().add(64 * c) as *mut _, v);
             }
             let wb = std::slice::from_raw_parts(blk, bb);
             for j in 0..8 {
