@@ -467,15 +467,18 @@ fn avx2_tiled_min_tokens(dtype: DType) -> usize {
     }
 }
 
-/// A tiled prefill: panels of 16 tokens, rows in blocks that stay in L2. The AVX2 kernel takes
-/// up to `tiled_avx2::PANELS` panels a call (each block of weights unpacked once for them all),
-/// the VNNI kernel one.
+// Both tiled kernels return their panels' results in one array type.
+#[cfg(target_arch = "x86_64")]
+const _: () = assert!(x86_512::PANELS == tiled_avx2::PANELS);
+
+/// A tiled prefill: panels of 16 tokens, rows in blocks that stay in L2. Each kernel takes up
+/// to `PANELS` panels a call (each block of weights unpacked once for them all).
 #[cfg(target_arch = "x86_64")]
 fn gemm_tiled(kernel: Tiled, pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, n: usize, o: SendPtr) {
     use panel::{Panel, ROWS, TILE};
     let panels: Vec<Panel> = (0..n).step_by(TILE).map(|t0| Panel::new(act, t0, (n - t0).min(TILE))).collect();
     let per_call = match kernel {
-        Tiled::Vnni => 1,
+        Tiled::Vnni => x86_512::PANELS,
         Tiled::Avx2 => tiled_avx2::PANELS,
     };
     let rb = w.row_bytes();
@@ -502,7 +505,7 @@ fn gemm_tiled(kernel: Tiled, pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, n
                     }
                     macro_rules! vnni {
                         ($r:literal) => {
-                            x86_512::gemm::<$r>(w.dtype, wr, rb, &ps[0], &mut vals[0])
+                            x86_512::gemm::<$r>(w.dtype, wr, rb, ps, &mut vals)
                         };
                     }
                     macro_rules! avx2 {

@@ -23,6 +23,29 @@ use std::arch::x86_64::*;
 
 use super::panel::{Panel, ROWS, TILE};
 
+/// Most panels one call takes: each block of the R rows is unpacked once for all of them.
+pub const PANELS: usize = 4;
+
+/// One call's results: `[panel][row][token]`.
+pub type Out = [[[f32; TILE]; ROWS]; PANELS];
+
+/// Float accumulators of R rows for each panel.
+type Acc<const R: usize> = [[__m512; R]; PANELS];
+
+/// Stores the accumulators of the `n` panels into `out`.
+///
+/// # Safety
+///
+/// The CPU has AVX-512 F (the caller, compiled for it, checked `cpu::isa()`).
+#[inline(always)]
+unsafe fn store<const R: usize>(accf: &Acc<R>, n: usize, out: &mut Out) {
+    for (pi, o) in out.iter_mut().enumerate().take(n) {
+        for r in 0..R {
+            _mm512_storeu_ps(o[r].as_mut_ptr(), accf[pi][r]);
+        }
+    }
+}
+
 /// # Safety
 ///
 /// The pointer must be valid for reading one block (or vector) of the format at hand; the CPU
@@ -48,6 +71,24 @@ unsafe fn ldf(p: *const f32) -> __m512 {
 #[inline(always)]
 unsafe fn bcast(p: *const u8) -> __m512i {
     _mm512_set1_epi32((p as *const i32).read_unaligned())
+}
+
+/// A 64-byte array (of bytes or u16) as a vector.
+///
+/// # Safety
+///
+/// The CPU has AVX-512 F (checked by `cpu::isa()`); inlined only into functions compiled for it.
+#[inline(always)]
+unsafe fn ld_bytes<T: Copy, const N: usize>(a: &[T; N]) -> __m512i {
+    const { assert!(std::mem::size_of::<[T; N]>() == 64) };
+    _mm512_loadu_si512(a.as_ptr() as *const _)
+}
+
+/// The `vpsrlvw` counts that take bits 2j..2j + 2 of each `qs` byte of a Q2_K/Q3_K half block
+/// to its bits 0..2, for a 64-value chunk c with c % 2 = m: j = 2m in its first 32 bytes, 2m + 1
+/// in the next 32.
+fn qs_shifts(m: usize) -> [u16; 32] {
+    std::array::from_fn(|i| if i < 16 { 4 * m as u16 } else { 4 * m as u16 + 2 })
 }
 
 /// Per lane (token): Σ over a 256-value block's sixteen 16-value groups of the group's scale ·
@@ -95,8 +136,10 @@ unsafe fn pair_sums<const R: usize>(p: &Panel, b: usize, pair: &[[i32; 8]; R]) -
     s2
 }
 
-/// Rows `rows` (R of them) of `w` (rows of `row_bytes`) against a panel; `out[r][c]` receives
-/// the dot product of row r with panel token c.
+/// Rows `w` (R of them, `row_bytes` apart) against panels `ps` (1 to `PANELS`, of the same
+/// width), each block of the rows unpacked once for all of them; `out[i][r][c]` receives the
+/// dot product of row r with token c of panel i (tokens past a panel's `n` are left
+/// unspecified).
 ///
 /// # Safety
 ///
@@ -104,21 +147,45 @@ unsafe fn pair_sums<const R: usize>(p: &Panel, b: usize, pair: &[[i32; 8]; R]) -
 /// `cpu::isa()` first), and the slices hold what the format implies: whole blocks per row
 /// (`MatRef::new` checked the sizes), activations and outputs for every token in range.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")]
-pub unsafe fn gemm<const R: usize>(dtype: DType, w: &[u8], row_bytes: usize, p: &Panel, out: &mut [[f32; TILE]; ROWS]) {
+pub unsafe fn gemm<const R: usize>(dtype: DType, w: &[u8], row_bytes: usize, ps: &[Panel], out: &mut Out) {
+    debug_assert!((1..=PANELS).contains(&ps.len()));
+    // The panel count a constant: a loop over a count known only at run time costs a single
+    // panel about a tenth (IQ3_S, 16 tokens).
+    match ps.len() {
+        1 => by_format::<R, 1>(dtype, w, row_bytes, ps, out),
+        2 => by_format::<R, 2>(dtype, w, row_bytes, ps, out),
+        3 => by_format::<R, 3>(dtype, w, row_bytes, ps, out),
+        _ => by_format::<R, 4>(dtype, w, row_bytes, ps, out),
+    }
+}
+
+/// `gemm` for P panels.
+///
+/// # Safety
+///
+/// As `gemm`, and `ps` holds at least P panels.
+#[inline(always)]
+unsafe fn by_format<const R: usize, const P: usize>(
+    dtype: DType,
+    w: &[u8],
+    row_bytes: usize,
+    ps: &[Panel],
+    out: &mut Out,
+) {
     match dtype {
-        DType::Q4_K | DType::Q5_K => gemm_q4k::<R>(dtype == DType::Q5_K, w, row_bytes, p, out),
-        DType::Q6_K => gemm_q6k::<R>(w, row_bytes, p, out),
-        DType::Q2_K => gemm_q2k::<R>(w, row_bytes, p, out),
-        DType::Q3_K => gemm_q3k::<R>(w, row_bytes, p, out),
-        DType::IQ2_XXS => gemm_iq::<R, 16>(w, row_bytes, p, out),
-        DType::IQ2_XS => gemm_iq::<R, 17>(w, row_bytes, p, out),
-        DType::IQ3_XXS => gemm_iq::<R, 18>(w, row_bytes, p, out),
-        DType::IQ1_S => gemm_iq::<R, 19>(w, row_bytes, p, out),
-        DType::IQ3_S => gemm_iq3s::<R>(w, row_bytes, p, out),
-        DType::IQ2_S => gemm_iq::<R, 22>(w, row_bytes, p, out),
-        DType::IQ4_XS => gemm_iq::<R, 23>(w, row_bytes, p, out),
-        DType::IQ1_M => gemm_iq::<R, 29>(w, row_bytes, p, out),
-        _ => gemm32::<R>(dtype, w, row_bytes, p, out),
+        DType::Q4_K | DType::Q5_K => gemm_q4k::<R, P>(dtype == DType::Q5_K, w, row_bytes, ps, out),
+        DType::Q6_K => gemm_q6k::<R, P>(w, row_bytes, ps, out),
+        DType::Q2_K => gemm_q2k::<R, P>(w, row_bytes, ps, out),
+        DType::Q3_K => gemm_q3k::<R, P>(w, row_bytes, ps, out),
+        DType::IQ2_XXS => gemm_iq::<R, P, 16>(w, row_bytes, ps, out),
+        DType::IQ2_XS => gemm_iq::<R, P, 17>(w, row_bytes, ps, out),
+        DType::IQ3_XXS => gemm_iq::<R, P, 18>(w, row_bytes, ps, out),
+        DType::IQ1_S => gemm_iq::<R, P, 19>(w, row_bytes, ps, out),
+        DType::IQ3_S => gemm_iq3s::<R, P>(w, row_bytes, ps, out),
+        DType::IQ2_S => gemm_iq::<R, P, 22>(w, row_bytes, ps, out),
+        DType::IQ4_XS => gemm_iq::<R, P, 23>(w, row_bytes, ps, out),
+        DType::IQ1_M => gemm_iq::<R, P, 29>(w, row_bytes, ps, out),
+        _ => gemm32::<R, P>(dtype, w, row_bytes, ps, out),
     }
 }
 
@@ -128,7 +195,13 @@ pub unsafe fn gemm<const R: usize>(dtype: DType, w: &[u8], row_bytes: usize, p: 
 /// `cpu::isa()` first), and the slices hold what the format implies: whole blocks per row
 /// (`MatRef::new` checked the sizes), activations and outputs for every token in range.
 #[inline(always)]
-unsafe fn gemm32<const R: usize>(dtype: DType, w: &[u8], row_bytes: usize, p: &Panel, out: &mut [[f32; TILE]; ROWS]) {
+unsafe fn gemm32<const R: usize, const P: usize>(
+    dtype: DType,
+    w: &[u8],
+    row_bytes: usize,
+    ps: &[Panel],
+    out: &mut Out,
+) {
     let bb = dtype.block_bytes();
     let has_m = matches!(dtype, DType::Q4_1 | DType::Q5_1);
     // Q8_0's and IQ4_NL's signed codes become unsigned by +128, MXFP4's doubled values by +12
@@ -141,11 +214,11 @@ unsafe fn gemm32<const R: usize>(dtype: DType, w: &[u8], row_bytes: usize, p: &P
         _ => 0,
     };
     let mxfp4 = super::mxfp4_x86::table();
-    let mut accf = [_mm512_setzero_ps(); R];
+    let mut accf: Acc<R> = [[_mm512_setzero_ps(); R]; PANELS];
     let mut codes = [[0u8; 32]; R];
     let mut d = [0f32; R];
     let mut m = [0f32; R];
-    for b in 0..p.nb {
+    for b in 0..ps[0].nb {
         for r in 0..R {
             let blk = w.as_ptr().add(r * row_bytes + b * bb);
             let mut u = _mm256_setzero_si256();
@@ -167,28 +240,29 @@ unsafe fn gemm32<const R: usize>(dtype: DType, w: &[u8], row_bytes: usize, p: &P
                 m[r] = f16_to_f32(f16_bits(wb, 2));
             }
         }
-        let mut acc = [_mm512_setzero_si512(); R];
-        let xc = p.codes.as_ptr().add(b * 8 * TILE);
-        for g in 0..8 {
-            let xv = ld(xc.add(g * TILE));
+        for (pi, p) in ps[..P].iter().enumerate() {
+            let accf = &mut accf[pi];
+            let mut acc = [_mm512_setzero_si512(); R];
+            let xc = p.codes.as_ptr().add(b * 8 * TILE);
+            for g in 0..8 {
+                let xv = ld(xc.add(g * TILE));
+                for r in 0..R {
+                    acc[r] = _mm512_dpbusd_epi32(acc[r], bcast(codes[r].as_ptr().add(4 * g)), xv);
+                }
+            }
+            let dx = ldf(p.dx.as_ptr().add(b * TILE));
+            let xs = _mm512_mullo_epi32(ld(p.xsum.as_ptr().add(b * TILE) as *const u32), _mm512_set1_epi32(bias));
             for r in 0..R {
-                acc[r] = _mm512_dpbusd_epi32(acc[r], bcast(codes[r].as_ptr().add(4 * g)), xv);
-            }
-        }
-        let dx = ldf(p.dx.as_ptr().add(b * TILE));
-        let xs = _mm512_mullo_epi32(ld(p.xsum.as_ptr().add(b * TILE) as *const u32), _mm512_set1_epi32(bias));
-        for r in 0..R {
-            let isum = if bias != 0 { _mm512_sub_epi32(acc[r], xs) } else { acc[r] };
-            let ddx = _mm512_mul_ps(_mm512_set1_ps(d[r]), dx);
-            accf[r] = _mm512_fmadd_ps(ddx, _mm512_cvtepi32_ps(isum), accf[r]);
-            if has_m {
-                accf[r] = _mm512_fmadd_ps(_mm512_set1_ps(m[r]), ldf(p.sx.as_ptr().add(b * TILE)), accf[r]);
+                let isum = if bias != 0 { _mm512_sub_epi32(acc[r], xs) } else { acc[r] };
+                let ddx = _mm512_mul_ps(_mm512_set1_ps(d[r]), dx);
+                accf[r] = _mm512_fmadd_ps(ddx, _mm512_cvtepi32_ps(isum), accf[r]);
+                if has_m {
+                    accf[r] = _mm512_fmadd_ps(_mm512_set1_ps(m[r]), ldf(p.sx.as_ptr().add(b * TILE)), accf[r]);
+                }
             }
         }
     }
-    for r in 0..R {
-        _mm512_storeu_ps(out[r].as_mut_ptr(), accf[r]);
-    }
+    store(&accf, P, out);
 }
 
 /// # Safety
@@ -197,16 +271,16 @@ unsafe fn gemm32<const R: usize>(dtype: DType, w: &[u8], row_bytes: usize, p: &P
 /// `cpu::isa()` first), and the slices hold what the format implies: whole blocks per row
 /// (`MatRef::new` checked the sizes), activations and outputs for every token in range.
 #[inline(always)]
-unsafe fn gemm_q4k<const R: usize>(q5: bool, w: &[u8], row_bytes: usize, p: &Panel, out: &mut [[f32; TILE]; ROWS]) {
+unsafe fn gemm_q4k<const R: usize, const P: usize>(q5: bool, w: &[u8], row_bytes: usize, ps: &[Panel], out: &mut Out) {
     let dtype = if q5 { DType::Q5_K } else { DType::Q4_K };
     let bb = dtype.block_bytes();
-    let mut accf = [_mm512_setzero_ps(); R];
+    let mut accf: Acc<R> = [[_mm512_setzero_ps(); R]; PANELS];
     let mut codes = [[0u8; 256]; R];
     let mut sc = [[0i32; 8]; R];
     let mut mp = [[0i32; 8]; R];
     let mut d = [0f32; R];
     let mut dmin = [0f32; R];
-    for b in 0..p.nb {
+    for b in 0..ps[0].nb {
         for r in 0..R {
             let blk = std::slice::from_raw_parts(w.as_ptr().add(r * row_bytes + b * bb), bb);
             for c in 0..4 {
@@ -223,30 +297,32 @@ unsafe fn gemm_q4k<const R: usize>(q5: bool, w: &[u8], row_bytes: usize, p: &Pan
             d[r] = f16_to_f32(f16_bits(blk, 0));
             dmin[r] = f16_to_f32(f16_bits(blk, 2));
         }
-        let xc = p.codes.as_ptr().add(b * 64 * TILE);
-        let mut s1 = [_mm512_setzero_si512(); R];
-        for j in 0..8 {
-            let mut raw = [_mm512_setzero_si512(); R];
-            for g in 0..8 {
-                let xv = ld(xc.add((8 * j + g) * TILE));
+        for (pi, p) in ps[..P].iter().enumerate() {
+            let accf = &mut accf[pi];
+            let xc = p.codes.as_ptr().add(b * 64 * TILE);
+            let mut s1 = [_mm512_setzero_si512(); R];
+            for j in 0..8 {
+                let mut raw = [_mm512_setzero_si512(); R];
+                for g in 0..8 {
+                    let xv = ld(xc.add((8 * j + g) * TILE));
+                    for r in 0..R {
+                        raw[r] = _mm512_dpbusd_epi32(raw[r], bcast(codes[r].as_ptr().add(32 * j + 4 * g)), xv);
+                    }
+                }
                 for r in 0..R {
-                    raw[r] = _mm512_dpbusd_epi32(raw[r], bcast(codes[r].as_ptr().add(32 * j + 4 * g)), xv);
+                    s1[r] = _mm512_add_epi32(s1[r], _mm512_mullo_epi32(raw[r], _mm512_set1_epi32(sc[r][j])));
                 }
             }
+            let s2 = pair_sums::<R>(p, b, &mp);
+            let dx = ldf(p.dx.as_ptr().add(b * TILE));
             for r in 0..R {
-                s1[r] = _mm512_add_epi32(s1[r], _mm512_mullo_epi32(raw[r], _mm512_set1_epi32(sc[r][j])));
+                accf[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(d[r]), dx), _mm512_cvtepi32_ps(s1[r]), accf[r]);
+                accf[r] =
+                    _mm512_fnmadd_ps(_mm512_mul_ps(_mm512_set1_ps(dmin[r]), dx), _mm512_cvtepi32_ps(s2[r]), accf[r]);
             }
         }
-        let s2 = pair_sums::<R>(p, b, &mp);
-        let dx = ldf(p.dx.as_ptr().add(b * TILE));
-        for r in 0..R {
-            accf[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(d[r]), dx), _mm512_cvtepi32_ps(s1[r]), accf[r]);
-            accf[r] = _mm512_fnmadd_ps(_mm512_mul_ps(_mm512_set1_ps(dmin[r]), dx), _mm512_cvtepi32_ps(s2[r]), accf[r]);
-        }
     }
-    for r in 0..R {
-        _mm512_storeu_ps(out[r].as_mut_ptr(), accf[r]);
-    }
+    store(&accf, P, out);
 }
 
 /// # Safety
@@ -255,10 +331,10 @@ unsafe fn gemm_q4k<const R: usize>(q5: bool, w: &[u8], row_bytes: usize, p: &Pan
 /// `cpu::isa()` first), and the slices hold what the format implies: whole blocks per row
 /// (`MatRef::new` checked the sizes), activations and outputs for every token in range.
 #[inline(always)]
-unsafe fn gemm_q6k<const R: usize>(w: &[u8], row_bytes: usize, p: &Panel, out: &mut [[f32; TILE]; ROWS]) {
+unsafe fn gemm_q6k<const R: usize, const P: usize>(w: &[u8], row_bytes: usize, ps: &[Panel], out: &mut Out) {
     let bb = DType::Q6_K.block_bytes();
     // Codes are q + 32.
-    gemm_offset16::<R>(p, out, 32, |r, b, codes, sc| {
+    gemm_offset16::<R, P>(ps, out, 32, |r, b, codes, sc| {
         let blk = std::slice::from_raw_parts(w.as_ptr().add(r * row_bytes + b * bb), bb);
         let u = codes_q6k(blk);
         for (j, v) in u.iter().enumerate() {
@@ -282,36 +358,37 @@ unsafe fn gemm_q6k<const R: usize>(w: &[u8], row_bytes: usize, p: &Panel, out: &
 /// The CPU has AVX-512 VNNI (the caller, compiled for it, was dispatched after `cpu::isa()`
 /// and `cpu::has_vnni()`); the panel holds Q8_K activations; `unpack` reads only whole blocks.
 #[inline(always)]
-unsafe fn gemm_offset16<const R: usize>(
-    p: &Panel,
-    out: &mut [[f32; TILE]; ROWS],
+unsafe fn gemm_offset16<const R: usize, const P: usize>(
+    ps: &[Panel],
+    out: &mut Out,
     bias: i32,
     mut unpack: impl FnMut(usize, usize, &mut [u8; 256], &mut [i32; 16]) -> f32,
 ) {
-    let mut accf = [_mm512_setzero_ps(); R];
+    let mut accf: Acc<R> = [[_mm512_setzero_ps(); R]; PANELS];
     let mut codes = [[0u8; 256]; R];
     let mut sc = [[0i32; 16]; R];
     let mut sp = [[0i32; 8]; R];
     let mut d = [0f32; R];
     let bias = _mm512_set1_epi32(bias);
-    for b in 0..p.nb {
+    for b in 0..ps[0].nb {
         for r in 0..R {
             d[r] = unpack(r, b, &mut codes[r], &mut sc[r]);
             for j in 0..8 {
                 sp[r][j] = (sc[r][2 * j] & 0xFFFF) | (sc[r][2 * j + 1] << 16);
             }
         }
-        let s1 = groups16::<R>(&codes, &sc, p.codes.as_ptr().add(b * 64 * TILE));
-        let corr = pair_sums::<R>(p, b, &sp);
-        let dx = ldf(p.dx.as_ptr().add(b * TILE));
-        for r in 0..R {
-            let isum = _mm512_sub_epi32(s1[r], _mm512_mullo_epi32(corr[r], bias));
-            accf[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(d[r]), dx), _mm512_cvtepi32_ps(isum), accf[r]);
+        for (pi, p) in ps[..P].iter().enumerate() {
+            let accf = &mut accf[pi];
+            let s1 = groups16::<R>(&codes, &sc, p.codes.as_ptr().add(b * 64 * TILE));
+            let corr = pair_sums::<R>(p, b, &sp);
+            let dx = ldf(p.dx.as_ptr().add(b * TILE));
+            for r in 0..R {
+                let isum = _mm512_sub_epi32(s1[r], _mm512_mullo_epi32(corr[r], bias));
+                accf[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(d[r]), dx), _mm512_cvtepi32_ps(isum), accf[r]);
+            }
         }
     }
-    for r in 0..R {
-        _mm512_storeu_ps(out[r].as_mut_ptr(), accf[r]);
-    }
+    store(&accf, P, out);
 }
 
 /// Q2_K with each code multiplied by its group's scale before the dot products: a 2-bit code
@@ -332,9 +409,9 @@ unsafe fn gemm_offset16<const R: usize>(
 /// dispatcher checks `cpu::isa()` and `cpu::has_vnni()` first); `w` holds R whole rows of
 /// `row_bytes` of Q2_K; the panel holds Q8_K activations of the rows' width.
 #[inline(always)]
-unsafe fn gemm_q2k<const R: usize>(w: &[u8], row_bytes: usize, p: &Panel, out: &mut [[f32; TILE]; ROWS]) {
+unsafe fn gemm_q2k<const R: usize, const P: usize>(w: &[u8], row_bytes: usize, ps: &[Panel], out: &mut Out) {
     let bb = DType::Q2_K.block_bytes();
-    let mut accf = [_mm512_setzero_ps(); R];
+    let mut accf: Acc<R> = [[_mm512_setzero_ps(); R]; PANELS];
     let mut codes = [[0u8; 256]; R];
     let mut mins = [[0i32; 8]; R];
     let mut d = [0f32; R];
@@ -343,16 +420,13 @@ unsafe fn gemm_q2k<const R: usize>(w: &[u8], row_bytes: usize, p: &Panel, out: &
     // where k ≥ 2).
     let rep = {
         let e: [u8; 64] = std::array::from_fn(|e| (4 * (e % 16 / 4) + e / 16) as u8);
-        _mm512_loadu_si512(e.as_ptr() as *const _)
+        ld_bytes(&e)
     };
     let (m1, m2) = (0xAAAA_AAAA_AAAA_AAAAu64, 0xCCCC_CCCC_CCCC_CCCCu64);
     // Chunk c's shift of `qs` (2j, j = 2(c % 2) in bytes 0..32, j + 1 in 32..64).
-    let shift: [__m512i; 2] = std::array::from_fn(|m| {
-        let e: [u16; 32] = std::array::from_fn(|i| if i < 16 { 4 * m as u16 } else { 4 * m as u16 + 2 });
-        _mm512_loadu_si512(e.as_ptr() as *const _)
-    });
+    let shift = [ld_bytes(&qs_shifts(0)), ld_bytes(&qs_shifts(1))];
     let nib = _mm_set1_epi8(0x0F);
-    for b in 0..p.nb {
+    for b in 0..ps[0].nb {
         for r in 0..R {
             let blk = w.as_ptr().add(r * row_bytes + b * bb);
             let sm = _mm_loadu_si128(blk as *const __m128i);
@@ -377,28 +451,30 @@ unsafe fn gemm_q2k<const R: usize>(w: &[u8], row_bytes: usize, p: &Panel, out: &
             d[r] = f16_to_f32(f16_bits(wb, 80));
             dmin[r] = f16_to_f32(f16_bits(wb, 82));
         }
-        // Two chains per row (even and odd dwords), so four rows keep eight dot products in flight.
-        let xc = p.codes.as_ptr().add(b * 64 * TILE);
-        let mut s0 = [_mm512_setzero_si512(); R];
-        let mut s1 = [_mm512_setzero_si512(); R];
-        for g in 0..32 {
-            let (x0, x1) = (ld(xc.add(2 * g * TILE)), ld(xc.add((2 * g + 1) * TILE)));
+        for (pi, p) in ps[..P].iter().enumerate() {
+            let accf = &mut accf[pi];
+            // Two chains per row (even and odd dwords), so four rows keep eight dot products in flight.
+            let xc = p.codes.as_ptr().add(b * 64 * TILE);
+            let mut s0 = [_mm512_setzero_si512(); R];
+            let mut s1 = [_mm512_setzero_si512(); R];
+            for g in 0..32 {
+                let (x0, x1) = (ld(xc.add(2 * g * TILE)), ld(xc.add((2 * g + 1) * TILE)));
+                for r in 0..R {
+                    s0[r] = _mm512_dpbusd_epi32(s0[r], bcast(codes[r].as_ptr().add(8 * g)), x0);
+                    s1[r] = _mm512_dpbusd_epi32(s1[r], bcast(codes[r].as_ptr().add(8 * g + 4)), x1);
+                }
+            }
+            let s2 = pair_sums::<R>(p, b, &mins);
+            let dx = ldf(p.dx.as_ptr().add(b * TILE));
             for r in 0..R {
-                s0[r] = _mm512_dpbusd_epi32(s0[r], bcast(codes[r].as_ptr().add(8 * g)), x0);
-                s1[r] = _mm512_dpbusd_epi32(s1[r], bcast(codes[r].as_ptr().add(8 * g + 4)), x1);
+                let isum = _mm512_add_epi32(s0[r], s1[r]);
+                accf[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(d[r]), dx), _mm512_cvtepi32_ps(isum), accf[r]);
+                accf[r] =
+                    _mm512_fnmadd_ps(_mm512_mul_ps(_mm512_set1_ps(dmin[r]), dx), _mm512_cvtepi32_ps(s2[r]), accf[r]);
             }
         }
-        let s2 = pair_sums::<R>(p, b, &mins);
-        let dx = ldf(p.dx.as_ptr().add(b * TILE));
-        for r in 0..R {
-            let isum = _mm512_add_epi32(s0[r], s1[r]);
-            accf[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(d[r]), dx), _mm512_cvtepi32_ps(isum), accf[r]);
-            accf[r] = _mm512_fnmadd_ps(_mm512_mul_ps(_mm512_set1_ps(dmin[r]), dx), _mm512_cvtepi32_ps(s2[r]), accf[r]);
-        }
     }
-    for r in 0..R {
-        _mm512_storeu_ps(out[r].as_mut_ptr(), accf[r]);
-    }
+    store(&accf, P, out);
 }
 
 /// Q3_K with each code multiplied by its group's scale while unpacking, as Q2_K's kernel does,
@@ -424,9 +500,9 @@ unsafe fn gemm_q2k<const R: usize>(w: &[u8], row_bytes: usize, p: &Panel, out: &
 /// dispatcher checks `cpu::isa()` and `cpu::has_vnni()` first); `w` holds R whole rows of
 /// `row_bytes` of Q3_K; the panel holds Q8_K activations of the rows' width.
 #[inline(always)]
-unsafe fn gemm_q3k<const R: usize>(w: &[u8], row_bytes: usize, p: &Panel, out: &mut [[f32; TILE]; ROWS]) {
+unsafe fn gemm_q3k<const R: usize, const P: usize>(w: &[u8], row_bytes: usize, ps: &[Panel], out: &mut Out) {
     let bb = DType::Q3_K.block_bytes();
-    let mut accf = [_mm512_setzero_ps(); R];
+    let mut accf: Acc<R> = [[_mm512_setzero_ps(); R]; PANELS];
     let mut codes = [[0u8; 256]; R];
     let mut wsum = [0i32; R];
     let mut d = [0f32; R];
@@ -435,37 +511,34 @@ unsafe fn gemm_q3k<const R: usize>(w: &[u8], row_bytes: usize, p: &Panel, out: &
     // Byte e of lane i of table t belongs to group 8t + i (e < 8) or 8t + 4 + i and to code
     // index k = e % 8, whose multiple of s is 4 − k: s where 4 − k is odd, plus 2s where
     // |4 − k| is 2 or 3, plus 4s where it is 4, negated where k > 4.
-    let rep: [__m512i; 2] = std::array::from_fn(|t| {
-        let e: [u8; 64] = std::array::from_fn(|e| (8 * t + e / 16 + 4 * (e % 16 / 8)) as u8);
-        _mm512_loadu_si512(e.as_ptr() as *const _)
-    });
+    let rep_bytes = |t: usize| -> [u8; 64] { std::array::from_fn(|e| (8 * t + e / 16 + 4 * (e % 16 / 8)) as u8) };
+    let rep = [ld_bytes(&rep_bytes(0)), ld_bytes(&rep_bytes(1))];
     let (m1, m2, m4, neg) =
         (0xAAAA_AAAA_AAAA_AAAAu64, 0xC6C6_C6C6_C6C6_C6C6u64, 0x0101_0101_0101_0101u64, 0xE0E0_E0E0_E0E0_E0E0u64);
     // Chunk c (values 64c..64c + 64, h = c / 2, j = 2(c % 2) and j + 1): the bit of `hmask` and
     // the shift of `qs` for each half.
-    let hbit: [__m512i; 4] = std::array::from_fn(|c| {
+    let hbit_bytes = |c: usize| -> [u8; 64] {
         let b0 = 1u8 << (4 * (c / 2) + 2 * (c % 2));
-        let e: [u8; 64] = std::array::from_fn(|i| if i < 32 { b0 } else { b0 << 1 });
-        _mm512_loadu_si512(e.as_ptr() as *const _)
-    });
-    let shift: [__m512i; 2] = std::array::from_fn(|m| {
-        let e: [u16; 32] = std::array::from_fn(|i| if i < 16 { 4 * m as u16 } else { 4 * m as u16 + 2 });
-        _mm512_loadu_si512(e.as_ptr() as *const _)
-    });
+        std::array::from_fn(|i| if i < 32 { b0 } else { b0 << 1 })
+    };
+    let hbit = [ld_bytes(&hbit_bytes(0)), ld_bytes(&hbit_bytes(1)), ld_bytes(&hbit_bytes(2)), ld_bytes(&hbit_bytes(3))];
+    let shift = [ld_bytes(&qs_shifts(0)), ld_bytes(&qs_shifts(1))];
     let base = [_mm512_setzero_si512(), _mm512_set1_epi8(8)];
-    for b in 0..p.nb {
+    for b in 0..ps[0].nb {
         for r in 0..R {
             let blk = w.as_ptr().add(r * row_bytes + b * bb);
             let sz = _mm512_broadcast_i32x4(super::k23_x86::q3_scales(blk.add(96)));
-            let tab: [__m512i; 2] = std::array::from_fn(|t| {
-                let s1 = _mm512_shuffle_epi8(sz, rep[t]);
+            // Not `array::from_fn`: its closure would not inherit this function's target features.
+            let mut tab = [zero; 2];
+            for (t, rep) in tab.iter_mut().zip(rep) {
+                let s1 = _mm512_shuffle_epi8(sz, rep);
                 let s2 = _mm512_add_epi8(s1, s1);
                 let s4 = _mm512_add_epi8(s2, s2);
                 let v = _mm512_maskz_mov_epi8(m1, s1);
                 let v = _mm512_mask_add_epi8(v, m2, v, s2);
                 let v = _mm512_mask_add_epi8(v, m4, v, s4);
-                _mm512_mask_sub_epi8(v, neg, zero, v)
-            });
+                *t = _mm512_mask_sub_epi8(v, neg, zero, v);
+            }
             let hm = _mm512_broadcast_i64x4(_mm256_loadu_si256(blk as *const __m256i));
             let mut sum = zero;
             for c in 0..4 {
@@ -481,27 +554,28 @@ unsafe fn gemm_q3k<const R: usize>(w: &[u8], row_bytes: usize, p: &Panel, out: &
             wsum[r] = _mm512_reduce_add_epi64(sum) as i32 - 128 * 256;
             d[r] = f16_to_f32((blk.add(108) as *const u16).read_unaligned());
         }
-        // Two chains per row (even and odd dwords), so four rows keep eight dot products in flight.
-        let xc = p.codes.as_ptr().add(b * 64 * TILE);
-        let mut s0 = [zero; R];
-        let mut s1 = [zero; R];
-        for g in 0..32 {
-            let x0 = _mm512_xor_si512(ld(xc.add(2 * g * TILE)), flip);
-            let x1 = _mm512_xor_si512(ld(xc.add((2 * g + 1) * TILE)), flip);
+        for (pi, p) in ps[..P].iter().enumerate() {
+            let accf = &mut accf[pi];
+            // Two chains per row (even and odd dwords), so four rows keep eight dot products in flight.
+            let xc = p.codes.as_ptr().add(b * 64 * TILE);
+            let mut s0 = [zero; R];
+            let mut s1 = [zero; R];
+            for g in 0..32 {
+                let x0 = _mm512_xor_si512(ld(xc.add(2 * g * TILE)), flip);
+                let x1 = _mm512_xor_si512(ld(xc.add((2 * g + 1) * TILE)), flip);
+                for r in 0..R {
+                    s0[r] = _mm512_dpbusd_epi32(s0[r], x0, bcast(codes[r].as_ptr().add(8 * g)));
+                    s1[r] = _mm512_dpbusd_epi32(s1[r], x1, bcast(codes[r].as_ptr().add(8 * g + 4)));
+                }
+            }
+            let dx = ldf(p.dx.as_ptr().add(b * TILE));
             for r in 0..R {
-                s0[r] = _mm512_dpbusd_epi32(s0[r], x0, bcast(codes[r].as_ptr().add(8 * g)));
-                s1[r] = _mm512_dpbusd_epi32(s1[r], x1, bcast(codes[r].as_ptr().add(8 * g + 4)));
+                let isum = _mm512_sub_epi32(_mm512_set1_epi32(wsum[r] << 7), _mm512_add_epi32(s0[r], s1[r]));
+                accf[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(d[r]), dx), _mm512_cvtepi32_ps(isum), accf[r]);
             }
         }
-        let dx = ldf(p.dx.as_ptr().add(b * TILE));
-        for r in 0..R {
-            let isum = _mm512_sub_epi32(_mm512_set1_epi32(wsum[r] << 7), _mm512_add_epi32(s0[r], s1[r]));
-            accf[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(d[r]), dx), _mm512_cvtepi32_ps(isum), accf[r]);
-        }
     }
-    for r in 0..R {
-        _mm512_storeu_ps(out[r].as_mut_ptr(), accf[r]);
-    }
+    store(&accf, P, out);
 }
 
 /// The IQ formats with 256-value blocks (IQ4_NL, a 32-value block, goes through `gemm32`):
@@ -517,13 +591,18 @@ unsafe fn gemm_q3k<const R: usize>(w: &[u8], row_bytes: usize, p: &Panel, out: &
 /// dispatcher checks `cpu::isa()` and `cpu::has_vnni()` first); `w` holds R whole rows of
 /// `row_bytes` of the format; the panel holds Q8_K activations of the rows' width.
 #[inline(always)]
-unsafe fn gemm_iq<const R: usize, const DT: u32>(w: &[u8], row_bytes: usize, p: &Panel, out: &mut [[f32; TILE]; ROWS]) {
+unsafe fn gemm_iq<const R: usize, const P: usize, const DT: u32>(
+    w: &[u8],
+    row_bytes: usize,
+    ps: &[Panel],
+    out: &mut Out,
+) {
     use super::iq_x86::{d_bits, dtype_const, for_groups, signed};
     let dt = const { dtype_const(DT) };
     let bb = dt.block_bytes();
     let factor = super::iq::scale_factor(dt);
     let flip = _mm256_set1_epi8(-128);
-    gemm_offset16::<R>(p, out, if signed(dt) { 128 } else { 9 }, |r, b, codes, sc| {
+    gemm_offset16::<R, P>(ps, out, if signed(dt) { 128 } else { 9 }, |r, b, codes, sc| {
         let blk = w.as_ptr().add(r * row_bytes + b * bb);
         for_groups::<DT>(blk, |k, mag, sgn, scl| {
             let u = if signed(dt) { _mm256_xor_si256(_mm256_sign_epi8(mag, sgn), flip) } else { mag };
@@ -578,16 +657,16 @@ unsafe fn groups32<const R: usize>(codes: &[[u8; 256]; R], sc: &[[i32; 8]; R], x
 /// dispatcher checks `cpu::isa()` and `cpu::has_vnni()` first); `w` holds R whole rows of
 /// `row_bytes` of IQ3_S; the panel holds Q8_K activations of the rows' width.
 #[inline(always)]
-unsafe fn gemm_iq3s<const R: usize>(w: &[u8], row_bytes: usize, p: &Panel, out: &mut [[f32; TILE]; ROWS]) {
+unsafe fn gemm_iq3s<const R: usize, const P: usize>(w: &[u8], row_bytes: usize, ps: &[Panel], out: &mut Out) {
     use super::iq_tables::IQ3S_GRID;
     let bb = DType::IQ3_S.block_bytes();
-    let mut accf = [_mm512_setzero_ps(); R];
+    let mut accf: Acc<R> = [[_mm512_setzero_ps(); R]; PANELS];
     let mut codes = [[0u8; 256]; R];
     let mut sc = [[0i32; 8]; R];
     let mut sp = [[0i32; 8]; R];
     let mut d = [0f32; R];
     let (bit8, c128) = (_mm512_set1_epi32(256), _mm512_set1_epi8(-128));
-    for b in 0..p.nb {
+    for b in 0..ps[0].nb {
         for r in 0..R {
             let blk = w.as_ptr().add(r * row_bytes + b * bb);
             let qh = (blk.add(66) as *const u64).read_unaligned();
@@ -608,17 +687,18 @@ unsafe fn gemm_iq3s<const R: usize>(w: &[u8], row_bytes: usize, p: &Panel, out: 
             }
             d[r] = f16_to_f32((blk as *const u16).read_unaligned()) * super::iq::scale_factor(DType::IQ3_S);
         }
-        let s1 = groups32::<R>(&codes, &sc, p.codes.as_ptr().add(b * 64 * TILE));
-        let corr = pair_sums::<R>(p, b, &sp);
-        let dx = ldf(p.dx.as_ptr().add(b * TILE));
-        for r in 0..R {
-            let isum = _mm512_sub_epi32(s1[r], _mm512_slli_epi32(corr[r], 7));
-            accf[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(d[r]), dx), _mm512_cvtepi32_ps(isum), accf[r]);
+        for (pi, p) in ps[..P].iter().enumerate() {
+            let accf = &mut accf[pi];
+            let s1 = groups32::<R>(&codes, &sc, p.codes.as_ptr().add(b * 64 * TILE));
+            let corr = pair_sums::<R>(p, b, &sp);
+            let dx = ldf(p.dx.as_ptr().add(b * TILE));
+            for r in 0..R {
+                let isum = _mm512_sub_epi32(s1[r], _mm512_slli_epi32(corr[r], 7));
+                accf[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(d[r]), dx), _mm512_cvtepi32_ps(isum), accf[r]);
+            }
         }
     }
-    for r in 0..R {
-        _mm512_storeu_ps(out[r].as_mut_ptr(), accf[r]);
-    }
+    store(&accf, P, out);
 }
 
 /// Pairs of a K-quant block's unpacked 32-value code vectors and their scale vectors
