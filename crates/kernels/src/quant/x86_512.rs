@@ -301,16 +301,41 @@ unsafe fn gemm_q4k<const R: usize, const P: usize>(q5: bool, w: &[u8], row_bytes
             let accf = &mut accf[pi];
             let xc = p.codes.as_ptr().add(b * 64 * TILE);
             let mut s1 = [_mm512_setzero_si512(); R];
-            for j in 0..8 {
-                let mut raw = [_mm512_setzero_si512(); R];
-                for g in 0..8 {
-                    let xv = ld(xc.add((8 * j + g) * TILE));
+            if q5 {
+                for j in 0..8 {
+                    let mut raw = [_mm512_setzero_si512(); R];
+                    for g in 0..8 {
+                        let xv = ld(xc.add((8 * j + g) * TILE));
+                        for r in 0..R {
+                            raw[r] = _mm512_dpbusd_epi32(raw[r], bcast(codes[r].as_ptr().add(32 * j + 4 * g)), xv);
+                        }
+                    }
                     for r in 0..R {
-                        raw[r] = _mm512_dpbusd_epi32(raw[r], bcast(codes[r].as_ptr().add(32 * j + 4 * g)), xv);
+                        s1[r] = _mm512_add_epi32(s1[r], _mm512_mullo_epi32(raw[r], _mm512_set1_epi32(sc[r][j])));
                     }
                 }
-                for r in 0..R {
-                    s1[r] = _mm512_add_epi32(s1[r], _mm512_mullo_epi32(raw[r], _mm512_set1_epi32(sc[r][j])));
+            } else {
+                // Q4_K: a 16-value sum of 4-bit codes times activations is within ±15·128·16 =
+                // ±30720, an i16, so the two halves of each 32-value group are packed into the
+                // i16 halves of each lane and one `vpdpwssd` against the scale in both halves
+                // adds scale · (both sums): one operation where `vpmulld` and `vpaddd` were three
+                // (two of them on the port the dot products use). The same integer.
+                for j in 0..8 {
+                    let mut lo = [_mm512_setzero_si512(); R];
+                    let mut hi = [_mm512_setzero_si512(); R];
+                    for g in 0..4 {
+                        let xa = ld(xc.add((8 * j + g) * TILE));
+                        let xb = ld(xc.add((8 * j + 4 + g) * TILE));
+                        for r in 0..R {
+                            let c = codes[r].as_ptr().add(32 * j + 4 * g);
+                            lo[r] = _mm512_dpbusd_epi32(lo[r], bcast(c), xa);
+                            hi[r] = _mm512_dpbusd_epi32(hi[r], bcast(c.add(16)), xb);
+                        }
+                    }
+                    for r in 0..R {
+                        let both = _mm512_mask_blend_epi16(0xAAAA_AAAA, lo[r], _mm512_slli_epi32(hi[r], 16));
+                        s1[r] = _mm512_dpwssd_epi32(s1[r], both, _mm512_set1_epi32(sc[r][j] * 0x1_0001));
+                    }
                 }
             }
             let s2 = pair_sums::<R>(p, b, &mp);
