@@ -151,7 +151,7 @@ unsafe fn rd_u32(p: *const u8) -> u32 {
 ///
 /// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
 #[inline(always)]
-unsafe fn sign_words(s: __m256i) -> __m256i {
+pub(super) unsafe fn sign_words(s: __m256i) -> __m256i {
     let f = |sh: i32, m: i32| _mm256_and_si256(_mm256_sllv_epi32(s, _mm256_set1_epi32(sh)), _mm256_set1_epi32(m));
     let x =
         _mm256_or_si256(_mm256_or_si256(f(0, 0x7f), f(1, 0x7f00)), _mm256_or_si256(f(2, 0x7f_0000), f(3, 0x7f00_0000)));

@@ -8,7 +8,7 @@
 //! Four rows run together so their dependency chains overlap.
 //!
 //! Formats: Q4_0, Q4_1, Q5_0, Q5_1, MXFP4, Q4_K, Q5_K, Q6_K, Q2_K, Q3_K and the IQ formats (their
-//! blocks unpacked by the AVX2 kernels' `iq_x86::for_groups`, IQ3_S by its own AVX-512 code).
+//! blocks unpacked by the AVX2 kernels' `iq_x86::for_groups`, IQ3_S and IQ3_XXS by their own AVX-512 code).
 //!
 //! Each lane then applies `dot_ref::accumulate`'s operations for its (row, token) pair, block
 //! after block, so results equal the scalar reference to the bit.
@@ -179,9 +179,9 @@ unsafe fn by_format<const R: usize, const P: usize>(
         DType::Q3_K => gemm_q3k::<R, P>(w, row_bytes, ps, out),
         DType::IQ2_XXS => gemm_iq::<R, P, 16>(w, row_bytes, ps, out),
         DType::IQ2_XS => gemm_iq::<R, P, 17>(w, row_bytes, ps, out),
-        DType::IQ3_XXS => gemm_iq::<R, P, 18>(w, row_bytes, ps, out),
+        DType::IQ3_XXS => gemm_iq3::<R, P, true>(w, row_bytes, ps, out),
         DType::IQ1_S => gemm_iq::<R, P, 19>(w, row_bytes, ps, out),
-        DType::IQ3_S => gemm_iq3s::<R, P>(w, row_bytes, ps, out),
+        DType::IQ3_S => gemm_iq3::<R, P, false>(w, row_bytes, ps, out),
         DType::IQ2_S => gemm_iq::<R, P, 22>(w, row_bytes, ps, out),
         DType::IQ4_XS => gemm_iq::<R, P, 23>(w, row_bytes, ps, out),
         DType::IQ1_M => gemm_iq::<R, P, 29>(w, row_bytes, ps, out),
@@ -666,25 +666,35 @@ unsafe fn groups32<const R: usize>(codes: &[[u8; 256]; R], sc: &[[i32; 8]; R], x
     s1
 }
 
-/// IQ3_S unpacked with AVX-512 whole blocks at a time, where `gemm_iq` goes through the AVX2
-/// kernels' 32-value groups (a scalar load and an insert per codebook entry, two extracts per
-/// scale). The 64 nine-bit indices are the 64 `qs` bytes with bit i of the 8 `qh` bytes (read
-/// as one little-endian u64) as bit 8 of index i, set by a masked OR; sixteen entries at a time
-/// come from the codebook by one gather (each is four values, bytes 0..4); the block's 256 sign
-/// bits, in value order, are four 64-bit byte masks for a masked subtract: 128 + m where the bit
-/// is clear, 128 − m where set — the unsigned codes `gemm_iq` makes, so the same integers
-/// (Σ over 32-value groups of the odd scale 1 + 2·nibble · codes · activations, less 128 · Σ
-/// scale · activation sums) and the same float step.
+/// IQ3_S and IQ3_XXS unpacked with AVX-512 whole blocks at a time, where `gemm_iq` goes
+/// through the AVX2 kernels' 32-value groups (a scalar load and an insert per codebook entry,
+/// two extracts per scale). Sixteen codebook entries (four values each, bytes 0..4) come at a
+/// time by one gather: IQ3_XXS's 64 indices are its `qs` bytes; IQ3_S's have nine bits, the
+/// `qs` bytes with bit i of the 8 `qh` bytes (read as one little-endian u64) as bit 8 of index
+/// i, set by a masked OR. The block's 256 sign bits in value order (IQ3_S's as stored, IQ3_XXS's
+/// widened from their 7-bit fields by `iq_x86::sign_words`) are four 64-bit byte masks for a
+/// masked subtract: 128 + m where the bit is clear, 128 − m where set — the unsigned codes
+/// `gemm_iq` makes, so the same integers (Σ over 32-value groups of the odd scale
+/// 1 + 2·nibble · codes · activations, less 128 · Σ scale · activation sums) and the same float
+/// step.
 ///
 /// # Safety
 ///
 /// The CPU supports the features named in `gemm`'s `target_feature` (AVX-512 VNNI; the
 /// dispatcher checks `cpu::isa()` and `cpu::has_vnni()` first); `w` holds R whole rows of
-/// `row_bytes` of IQ3_S; the panel holds Q8_K activations of the rows' width.
+/// `row_bytes` of the format (IQ3_XXS if `XXS`, else IQ3_S); the panel holds Q8_K activations
+/// of the rows' width.
 #[inline(always)]
-unsafe fn gemm_iq3s<const R: usize, const P: usize>(w: &[u8], row_bytes: usize, ps: &[Panel], out: &mut Out) {
-    use super::iq_tables::IQ3S_GRID;
-    let bb = DType::IQ3_S.block_bytes();
+unsafe fn gemm_iq3<const R: usize, const P: usize, const XXS: bool>(
+    w: &[u8],
+    row_bytes: usize,
+    ps: &[Panel],
+    out: &mut Out,
+) {
+    use super::iq_tables::{IQ3S_GRID, IQ3XXS_GRID};
+    let dt = if XXS { DType::IQ3_XXS } else { DType::IQ3_S };
+    let bb = dt.block_bytes();
+    let grid = if XXS { IQ3XXS_GRID.as_ptr() } else { IQ3S_GRID.as_ptr() } as *const i32;
     let mut accf: Acc<R> = [[_mm512_setzero_ps(); R]; PANELS];
     let mut codes = [[0u8; 256]; R];
     let mut sc = [[0i32; 8]; R];
@@ -694,23 +704,40 @@ unsafe fn gemm_iq3s<const R: usize, const P: usize>(w: &[u8], row_bytes: usize, 
     for b in 0..ps[0].nb {
         for r in 0..R {
             let blk = w.as_ptr().add(r * row_bytes + b * bb);
+            // IQ3_XXS: after `qs`, eight u32 of four 7-bit sign fields and a 4-bit scale.
+            let aux = _mm256_loadu_si256(blk.add(66) as *const __m256i);
+            let mut xxs_signs = [0u64; 4];
+            if XXS {
+                _mm256_storeu_si256(xxs_signs.as_mut_ptr() as *mut __m256i, super::iq_x86::sign_words(aux));
+            }
             let qh = (blk.add(66) as *const u64).read_unaligned();
             for c in 0..4 {
-                let lo = _mm512_cvtepu8_epi32(_mm_loadu_si128(blk.add(2 + 16 * c) as *const __m128i));
-                let idx = _mm512_mask_or_epi32(lo, (qh >> (16 * c)) as u16, lo, bit8);
-                // Every index has nine bits: inside the 512-entry codebook.
-                let mag = _mm512_i32gather_epi32::<4>(idx, IQ3S_GRID.as_ptr() as *const i32);
-                let signs = (blk.add(74 + 8 * c) as *const u64).read_unaligned();
-                // Magnitudes are at most 15: 128 ± m is a byte either way.
+                let mut idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(blk.add(2 + 16 * c) as *const __m128i));
+                if !XXS {
+                    idx = _mm512_mask_or_epi32(idx, (qh >> (16 * c)) as u16, idx, bit8);
+                }
+                // Every index has as many bits as the codebook has entries (8 or 9).
+                let mag = _mm512_i32gather_epi32::<4>(idx, grid);
+                // Magnitudes are at most 62: 128 ± m is a byte either way.
+                let signs = if XXS { xxs_signs[c] } else { (blk.add(74 + 8 * c) as *const u64).read_unaligned() };
                 let u = _mm512_mask_sub_epi8(_mm512_add_epi8(mag, c128), signs, c128, mag);
                 _mm512_storeu_si512(codes[r].as_mut_ptr().add(64 * c) as *mut _, u);
             }
-            let nib = (blk.add(106) as *const u32).read_unaligned();
-            for k in 0..8 {
-                sc[r][k] = 1 + 2 * ((nib >> (4 * k)) & 15) as i32;
-                sp[r][k] = sc[r][k] | (sc[r][k] << 16);
+            if XXS {
+                let mut ls = [0u32; 8];
+                _mm256_storeu_si256(ls.as_mut_ptr() as *mut __m256i, _mm256_srli_epi32(aux, 28));
+                for k in 0..8 {
+                    sc[r][k] = 1 + 2 * ls[k] as i32;
+                    sp[r][k] = sc[r][k] | (sc[r][k] << 16);
+                }
+            } else {
+                let nib = (blk.add(106) as *const u32).read_unaligned();
+                for k in 0..8 {
+                    sc[r][k] = 1 + 2 * ((nib >> (4 * k)) & 15) as i32;
+                    sp[r][k] = sc[r][k] | (sc[r][k] << 16);
+                }
             }
-            d[r] = f16_to_f32((blk as *const u16).read_unaligned()) * super::iq::scale_factor(DType::IQ3_S);
+            d[r] = f16_to_f32((blk as *const u16).read_unaligned()) * super::iq::scale_factor(dt);
         }
         for (pi, p) in ps[..P].iter().enumerate() {
             let accf = &mut accf[pi];
