@@ -166,7 +166,7 @@ pub(super) unsafe fn sign_words(s: __m256i) -> __m256i {
 ///
 /// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
 #[inline(always)]
-unsafe fn with_parity(x: __m256i) -> __m256i {
+pub(super) unsafe fn with_parity(x: __m256i) -> __m256i {
     let mut p = _mm256_xor_si256(x, _mm256_srli_epi32(x, 4));
     p = _mm256_xor_si256(p, _mm256_srli_epi32(p, 2));
     p = _mm256_xor_si256(p, _mm256_srli_epi32(p, 1));

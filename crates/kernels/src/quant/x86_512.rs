@@ -178,7 +178,7 @@ unsafe fn by_format<const R: usize, const P: usize>(
         DType::Q2_K => gemm_q2k::<R, P>(w, row_bytes, ps, out),
         DType::Q3_K => gemm_q3k::<R, P>(w, row_bytes, ps, out),
         DType::IQ2_XXS => gemm_iq::<R, P, 16>(w, row_bytes, ps, out),
-        DType::IQ2_XS => gemm_iq::<R, P, 17>(w, row_bytes, ps, out),
+        DType::IQ2_XS => gemm_iq2xs::<R, P>(w, row_bytes, ps, out),
         DType::IQ3_XXS => gemm_iq3::<R, P, true>(w, row_bytes, ps, out),
         DType::IQ1_S => gemm_iq::<R, P, 19>(w, row_bytes, ps, out),
         DType::IQ3_S => gemm_iq3::<R, P, false>(w, row_bytes, ps, out),
@@ -637,6 +637,46 @@ unsafe fn gemm_iq<const R: usize, const P: usize, const DT: u32>(
             sc[2 * k + 1] = _mm256_extract_epi16::<8>(scl) as i16 as i32;
         });
         f16_to_f32(d_bits::<DT>(blk)) * factor
+    });
+}
+
+/// IQ2_XS unpacked with AVX-512 whole blocks at a time (see `gemm_iq3`): the 32 u16 of `qs`
+/// hold a 9-bit codebook index (eight values, bytes 0..8 of the entry) and a 7-bit sign field
+/// each; eight entries come by one 64-bit gather, the sign fields, narrowed to bytes and
+/// completed with their parity bit (`iq_x86::with_parity`), are the block's 256 sign bits in
+/// value order, four 64-bit byte masks of a masked subtract (128 ± magnitude, at most 43).
+/// Two 4-bit scales per 32 values (values 0..16, 16..32), odd: 2·nibble + 1. Through
+/// `gemm_offset16`: the same integers and float step as `gemm_iq`.
+///
+/// # Safety
+///
+/// As `gemm_iq3`, for IQ2_XS rows.
+#[inline(always)]
+unsafe fn gemm_iq2xs<const R: usize, const P: usize>(w: &[u8], row_bytes: usize, ps: &[Panel], out: &mut Out) {
+    use super::iq_tables::IQ2XS_GRID;
+    let bb = DType::IQ2_XS.block_bytes();
+    let c128 = _mm512_set1_epi8(-128);
+    let factor = super::iq::scale_factor(DType::IQ2_XS);
+    gemm_offset16::<R, P>(ps, out, 128, |r, b, codes, sc| {
+        let blk = w.as_ptr().add(r * row_bytes + b * bb);
+        let q = _mm512_loadu_si512(blk.add(2) as *const _);
+        let mut idx = [0u16; 32];
+        _mm512_storeu_si512(idx.as_mut_ptr() as *mut _, _mm512_and_si512(q, _mm512_set1_epi16(511)));
+        let fields = _mm512_cvtepi16_epi8(_mm512_srli_epi16(q, 9));
+        let mut signs = [0u64; 4];
+        _mm256_storeu_si256(signs.as_mut_ptr() as *mut __m256i, super::iq_x86::with_parity(fields));
+        for c in 0..4 {
+            let i = _mm256_cvtepu16_epi32(_mm_loadu_si128(idx.as_ptr().add(8 * c) as *const __m128i));
+            // Nine-bit indices: inside the 512-entry codebook.
+            let mag = _mm512_i32gather_epi64::<8>(i, IQ2XS_GRID.as_ptr() as *const i64);
+            let u = _mm512_mask_sub_epi8(_mm512_add_epi8(mag, c128), signs[c], c128, mag);
+            _mm512_storeu_si512(codes.as_mut_ptr().add(64 * c) as *mut _, u);
+        }
+        let s = (blk.add(66) as *const u64).read_unaligned();
+        for k in 0..16 {
+            sc[k] = 1 + 2 * ((s >> (4 * k)) & 15) as i32;
+        }
+        f16_to_f32((blk as *const u16).read_unaligned()) * factor
     });
 }
 
