@@ -8,7 +8,7 @@
 //! Four rows run together so their dependency chains overlap.
 //!
 //! Formats: Q4_0, Q4_1, Q5_0, Q5_1, MXFP4, Q4_K, Q5_K, Q6_K, Q2_K, Q3_K and the IQ formats (their
-//! blocks unpacked by the AVX2 kernels' `iq_x86::for_groups`, IQ3_S and IQ3_XXS by their own AVX-512 code).
+//! blocks unpacked by the AVX2 kernels' `iq_x86::for_groups`, IQ3_S, IQ3_XXS, IQ2_XXS, IQ2_XS and IQ2_S by their own AVX-512 code).
 //!
 //! Each lane then applies `dot_ref::accumulate`'s operations for its (row, token) pair, block
 //! after block, so results equal the scalar reference to the bit.
@@ -177,12 +177,12 @@ unsafe fn by_format<const R: usize, const P: usize>(
         DType::Q6_K => gemm_q6k::<R, P>(w, row_bytes, ps, out),
         DType::Q2_K => gemm_q2k::<R, P>(w, row_bytes, ps, out),
         DType::Q3_K => gemm_q3k::<R, P>(w, row_bytes, ps, out),
-        DType::IQ2_XXS => gemm_iq::<R, P, 16>(w, row_bytes, ps, out),
+        DType::IQ2_XXS => gemm_iq2xxs::<R, P>(w, row_bytes, ps, out),
         DType::IQ2_XS => gemm_iq2xs::<R, P>(w, row_bytes, ps, out),
         DType::IQ3_XXS => gemm_iq3::<R, P, true>(w, row_bytes, ps, out),
         DType::IQ1_S => gemm_iq::<R, P, 19>(w, row_bytes, ps, out),
         DType::IQ3_S => gemm_iq3::<R, P, false>(w, row_bytes, ps, out),
-        DType::IQ2_S => gemm_iq::<R, P, 22>(w, row_bytes, ps, out),
+        DType::IQ2_S => gemm_iq2s::<R, P>(w, row_bytes, ps, out),
         DType::IQ4_XS => gemm_iq::<R, P, 23>(w, row_bytes, ps, out),
         DType::IQ1_M => gemm_iq::<R, P, 29>(w, row_bytes, ps, out),
         _ => gemm32::<R, P>(dtype, w, row_bytes, ps, out),
@@ -655,7 +655,6 @@ unsafe fn gemm_iq<const R: usize, const P: usize, const DT: u32>(
 unsafe fn gemm_iq2xs<const R: usize, const P: usize>(w: &[u8], row_bytes: usize, ps: &[Panel], out: &mut Out) {
     use super::iq_tables::IQ2XS_GRID;
     let bb = DType::IQ2_XS.block_bytes();
-    let c128 = _mm512_set1_epi8(-128);
     let factor = super::iq::scale_factor(DType::IQ2_XS);
     gemm_offset16::<R, P>(ps, out, 128, |r, b, codes, sc| {
         let blk = w.as_ptr().add(r * row_bytes + b * bb);
@@ -668,11 +667,95 @@ unsafe fn gemm_iq2xs<const R: usize, const P: usize>(w: &[u8], row_bytes: usize,
         for c in 0..4 {
             let i = _mm256_cvtepu16_epi32(_mm_loadu_si128(idx.as_ptr().add(8 * c) as *const __m128i));
             // Nine-bit indices: inside the 512-entry codebook.
-            let mag = _mm512_i32gather_epi64::<8>(i, IQ2XS_GRID.as_ptr() as *const i64);
-            let u = _mm512_mask_sub_epi8(_mm512_add_epi8(mag, c128), signs[c], c128, mag);
-            _mm512_storeu_si512(codes.as_mut_ptr().add(64 * c) as *mut _, u);
+            iq2_entries(&IQ2XS_GRID, i, signs[c], codes.as_mut_ptr().add(64 * c));
         }
         let s = (blk.add(66) as *const u64).read_unaligned();
+        for k in 0..16 {
+            sc[k] = 1 + 2 * ((s >> (4 * k)) & 15) as i32;
+        }
+        f16_to_f32((blk as *const u16).read_unaligned()) * factor
+    });
+}
+
+/// Eight codebook entries of eight values each (by one 64-bit gather, indices `i`), signed by
+/// the byte mask `signs` and offset by 128 (magnitudes at most 43: a byte either way), into
+/// `out[..64]`.
+///
+/// # Safety
+///
+/// Every index is below N; `out` is valid for 64 bytes; the CPU has AVX-512 F/BW (checked by
+/// `cpu::isa()`); inlined only into functions compiled for them.
+#[inline(always)]
+unsafe fn iq2_entries<const N: usize>(grid: &[u64; N], i: __m256i, signs: u64, out: *mut u8) {
+    let c128 = _mm512_set1_epi8(-128);
+    let mag = _mm512_i32gather_epi64::<8>(i, grid.as_ptr() as *const i64);
+    _mm512_storeu_si512(out as *mut _, _mm512_mask_sub_epi8(_mm512_add_epi8(mag, c128), signs, c128, mag));
+}
+
+/// IQ2_XXS unpacked with AVX-512 whole blocks at a time (see `gemm_iq2xs`): per 32 values a
+/// u32 of four 8-bit codebook indices, then a u32 of four 7-bit sign fields (widened with their
+/// parity by `iq_x86::sign_words`, as for IQ3_XXS) and a 4-bit scale (2·s + 1 for all 32).
+///
+/// # Safety
+///
+/// As `gemm_iq3`, for IQ2_XXS rows.
+#[inline(always)]
+unsafe fn gemm_iq2xxs<const R: usize, const P: usize>(w: &[u8], row_bytes: usize, ps: &[Panel], out: &mut Out) {
+    use super::iq_tables::IQ2XXS_GRID;
+    let bb = DType::IQ2_XXS.block_bytes();
+    let factor = super::iq::scale_factor(DType::IQ2_XXS);
+    gemm_offset16::<R, P>(ps, out, 128, |r, b, codes, sc| {
+        let blk = w.as_ptr().add(r * row_bytes + b * bb);
+        let v = _mm512_loadu_si512(blk.add(2) as *const _);
+        let aux = _mm512_cvtepi64_epi32(_mm512_srli_epi64(v, 32));
+        let mut idx = [0u8; 32];
+        _mm256_storeu_si256(idx.as_mut_ptr() as *mut __m256i, _mm512_cvtepi64_epi32(v));
+        let mut signs = [0u64; 4];
+        _mm256_storeu_si256(signs.as_mut_ptr() as *mut __m256i, super::iq_x86::sign_words(aux));
+        for c in 0..4 {
+            let i = _mm256_cvtepu8_epi32(_mm_loadl_epi64(idx.as_ptr().add(8 * c) as *const __m128i));
+            iq2_entries(&IQ2XXS_GRID, i, signs[c], codes.as_mut_ptr().add(64 * c));
+        }
+        let mut ls = [0u32; 8];
+        _mm256_storeu_si256(ls.as_mut_ptr() as *mut __m256i, _mm256_srli_epi32(aux, 28));
+        for k in 0..8 {
+            sc[2 * k] = 1 + 2 * ls[k] as i32;
+            sc[2 * k + 1] = sc[2 * k];
+        }
+        f16_to_f32((blk as *const u16).read_unaligned()) * factor
+    });
+}
+
+/// IQ2_S unpacked with AVX-512 whole blocks at a time (see `gemm_iq2xs`): ten-bit codebook
+/// indices, the low eight bits in `qs` bytes 0..32, the top two of entry e in bits 2e..2e + 2 of
+/// the `qh` bytes read as a little-endian u64; the 256 sign bits in value order as stored
+/// (`qs` bytes 32..64); two 4-bit scales per 32 values, 2·s + 1.
+///
+/// # Safety
+///
+/// As `gemm_iq3`, for IQ2_S rows.
+#[inline(always)]
+unsafe fn gemm_iq2s<const R: usize, const P: usize>(w: &[u8], row_bytes: usize, ps: &[Panel], out: &mut Out) {
+    use super::iq_tables::IQ2S_GRID;
+    let bb = DType::IQ2_S.block_bytes();
+    let factor = super::iq::scale_factor(DType::IQ2_S);
+    let shifts = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+    gemm_offset16::<R, P>(ps, out, 128, |r, b, codes, sc| {
+        let blk = w.as_ptr().add(r * row_bytes + b * bb);
+        for c in 0..4 {
+            let lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(blk.add(2 + 8 * c) as *const __m128i));
+            let qh = (blk.add(66 + 2 * c) as *const u16).read_unaligned() as i32;
+            let hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(qh), shifts), _mm256_set1_epi32(3));
+            let signs = (blk.add(34 + 8 * c) as *const u64).read_unaligned();
+            // Ten-bit indices: inside the 1024-entry codebook.
+            iq2_entries(
+                &IQ2S_GRID,
+                _mm256_or_si256(lo, _mm256_slli_epi32(hi, 8)),
+                signs,
+                codes.as_mut_ptr().add(64 * c),
+            );
+        }
+        let s = (blk.add(74) as *const u64).read_unaligned();
         for k in 0..16 {
             sc[k] = 1 + 2 * ((s >> (4 * k)) & 15) as i32;
         }
