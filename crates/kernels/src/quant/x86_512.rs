@@ -359,7 +359,7 @@ unsafe fn gemm_q4k<const R: usize, const P: usize>(q5: bool, w: &[u8], row_bytes
 unsafe fn gemm_q6k<const R: usize, const P: usize>(w: &[u8], row_bytes: usize, ps: &[Panel], out: &mut Out) {
     let bb = DType::Q6_K.block_bytes();
     // Codes are q + 32.
-    gemm_offset16::<R, P>(ps, out, 32, |r, b, codes, sc| {
+    gemm_offset16::<R, P>(ps, out, 32, false, |r, b, codes, sc| {
         let blk = std::slice::from_raw_parts(w.as_ptr().add(r * row_bytes + b * bb), bb);
         let u = codes_q6k(blk);
         for (j, v) in u.iter().enumerate() {
@@ -376,7 +376,9 @@ unsafe fn gemm_q6k<const R: usize, const P: usize>(w: &[u8], row_bytes: usize, p
 /// scale per 16 values and one float scale `d` (Q6_K, the IQ formats): `unpack(r, b, codes,
 /// scales)` fills row r's block b and returns its `d`; per lane (token) the block's integer sum
 /// is Σ_g scale_g · (codes_g · x_g) − bias · Σ_g scale_g · Σx_g (the activations' 16-value
-/// sums), then `acc = fma(d·dx, isum, acc)`, `accumulate`'s step.
+/// sums), then `acc = fma(d·dx, isum, acc)`, `accumulate`'s step. With `per32` (the formats
+/// whose two 16-value halves share a scale) the products are scaled per 32 values
+/// (`groups32`): half the multiplies, the same integer.
 ///
 /// # Safety
 ///
@@ -387,11 +389,13 @@ unsafe fn gemm_offset16<const R: usize, const P: usize>(
     ps: &[Panel],
     out: &mut Out,
     bias: i32,
+    per32: bool,
     mut unpack: impl FnMut(usize, usize, &mut [u8; 256], &mut [i32; 16]) -> f32,
 ) {
     let mut accf: Acc<R> = [[_mm512_setzero_ps(); R]; PANELS];
     let mut codes = [[0u8; 256]; R];
     let mut sc = [[0i32; 16]; R];
+    let mut sc32 = [[0i32; 8]; R];
     let mut sp = [[0i32; 8]; R];
     let mut d = [0f32; R];
     let bias = _mm512_set1_epi32(bias);
@@ -400,11 +404,13 @@ unsafe fn gemm_offset16<const R: usize, const P: usize>(
             d[r] = unpack(r, b, &mut codes[r], &mut sc[r]);
             for j in 0..8 {
                 sp[r][j] = (sc[r][2 * j] & 0xFFFF) | (sc[r][2 * j + 1] << 16);
+                sc32[r][j] = sc[r][2 * j];
             }
         }
         for (pi, p) in ps[..P].iter().enumerate() {
             let accf = &mut accf[pi];
-            let s1 = groups16::<R>(&codes, &sc, p.codes.as_ptr().add(b * 64 * TILE));
+            let xc = p.codes.as_ptr().add(b * 64 * TILE);
+            let s1 = if per32 { groups32::<R>(&codes, &sc32, xc) } else { groups16::<R>(&codes, &sc, xc) };
             let corr = pair_sums::<R>(p, b, &sp);
             let dx = ldf(p.dx.as_ptr().add(b * TILE));
             for r in 0..R {
@@ -627,7 +633,8 @@ unsafe fn gemm_iq<const R: usize, const P: usize, const DT: u32>(
     let bb = dt.block_bytes();
     let factor = super::iq::scale_factor(dt);
     let flip = _mm256_set1_epi8(-128);
-    gemm_offset16::<R, P>(ps, out, if signed(dt) { 128 } else { 9 }, |r, b, codes, sc| {
+    // IQ1_M has a scale per 16 values, IQ4_XS and IQ1_S one per 32.
+    gemm_offset16::<R, P>(ps, out, if signed(dt) { 128 } else { 9 }, dt != DType::IQ1_M, |r, b, codes, sc| {
         let blk = w.as_ptr().add(r * row_bytes + b * bb);
         for_groups::<DT>(blk, |k, mag, sgn, scl| {
             let u = if signed(dt) { _mm256_xor_si256(_mm256_sign_epi8(mag, sgn), flip) } else { mag };
@@ -656,7 +663,7 @@ unsafe fn gemm_iq2xs<const R: usize, const P: usize>(w: &[u8], row_bytes: usize,
     use super::iq_tables::IQ2XS_GRID;
     let bb = DType::IQ2_XS.block_bytes();
     let factor = super::iq::scale_factor(DType::IQ2_XS);
-    gemm_offset16::<R, P>(ps, out, 128, |r, b, codes, sc| {
+    gemm_offset16::<R, P>(ps, out, 128, false, |r, b, codes, sc| {
         let blk = w.as_ptr().add(r * row_bytes + b * bb);
         let q = _mm512_loadu_si512(blk.add(2) as *const _);
         let mut idx = [0u16; 32];
@@ -704,7 +711,7 @@ unsafe fn gemm_iq2xxs<const R: usize, const P: usize>(w: &[u8], row_bytes: usize
     use super::iq_tables::IQ2XXS_GRID;
     let bb = DType::IQ2_XXS.block_bytes();
     let factor = super::iq::scale_factor(DType::IQ2_XXS);
-    gemm_offset16::<R, P>(ps, out, 128, |r, b, codes, sc| {
+    gemm_offset16::<R, P>(ps, out, 128, true, |r, b, codes, sc| {
         let blk = w.as_ptr().add(r * row_bytes + b * bb);
         let v = _mm512_loadu_si512(blk.add(2) as *const _);
         let aux = _mm512_cvtepi64_epi32(_mm512_srli_epi64(v, 32));
@@ -740,7 +747,7 @@ unsafe fn gemm_iq2s<const R: usize, const P: usize>(w: &[u8], row_bytes: usize, 
     let bb = DType::IQ2_S.block_bytes();
     let factor = super::iq::scale_factor(DType::IQ2_S);
     let shifts = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
-    gemm_offset16::<R, P>(ps, out, 128, |r, b, codes, sc| {
+    gemm_offset16::<R, P>(ps, out, 128, false, |r, b, codes, sc| {
         let blk = w.as_ptr().add(r * row_bytes + b * bb);
         for c in 0..4 {
             let lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(blk.add(2 + 8 * c) as *const __m128i));
