@@ -2,13 +2,17 @@
 //!
 //! Activations of up to 16 tokens are regrouped into a `Panel` (`panel`): for every 4
 //! consecutive values of the reduction dimension, one 64-byte vector holding those 4 bytes of
-//! each of the 16 tokens. A weight row's block is unpacked to bytes once, and each 4-byte group of it is
-//! broadcast against the panel: one `vpdpbusd` does 64 multiply-adds for 16 tokens, and the
-//! integer sums of a block come out already separated by token, with no horizontal reduction.
-//! Four rows run together so their dependency chains overlap.
+//! each of the 16 tokens. A weight row's block is unpacked to bytes once for up to four panels,
+//! and each 4-byte group of it is broadcast against a panel: one `vpdpbusd` does 64
+//! multiply-adds for 16 tokens, and the integer sums of a block come out already separated by
+//! token, with no horizontal reduction. Four rows run together so their dependency chains
+//! overlap.
 //!
-//! Formats: Q4_0, Q4_1, Q5_0, Q5_1, MXFP4, Q4_K, Q5_K, Q6_K, Q2_K, Q3_K and the IQ formats (their
-//! blocks unpacked by the AVX2 kernels' `iq_x86::for_groups`, IQ3_S, IQ3_XXS, IQ2_XXS, IQ2_XS and IQ2_S by their own AVX-512 code).
+//! Formats: Q4_0, Q4_1, Q5_0, Q5_1, MXFP4, Q4_K, Q5_K, Q6_K, Q2_K, Q3_K and the IQ formats.
+//! Q2_K, Q3_K, IQ3_S, IQ3_XXS and the IQ2 formats are unpacked with AVX-512 here (codebooks by
+//! gathers, signs as byte masks); IQ4_NL, IQ4_XS and the IQ1 formats by the AVX2 kernels'
+//! `iq_x86::for_groups`. Q2_K's and Q3_K's codes are multiplied by their 16-value group's scale
+//! while unpacking (the products still bytes), so their blocks need no multiply per group.
 //!
 //! Each lane then applies `dot_ref::accumulate`'s operations for its (row, token) pair, block
 //! after block, so results equal the scalar reference to the bit.
