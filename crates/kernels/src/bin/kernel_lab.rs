@@ -237,6 +237,20 @@ fn parse_shape(given: &str) -> Option<(usize, usize)> {
 
 /// `kernel-lab matmul …`: the mean time of one `tokens`-token product with a `rows × cols`
 /// matrix of `dtype` on `threads` threads, as one JSON line.
+/// CPU time (user and system, every thread) this process has used, in seconds: on a shared
+/// host whose other tenants take cycles, work per CPU second compares two kernels more steadily
+/// than work per wall second.
+fn cpu_seconds() -> f64 {
+    // SAFETY: getrusage fills the zeroed struct it is given and reads nothing else.
+    let u = unsafe {
+        let mut u: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_SELF, &mut u);
+        u
+    };
+    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    secs(u.ru_utime) + secs(u.ru_stime)
+}
+
 fn time_one_matmul(args: &[String]) {
     let name: String = flag_value(args, "--dtype", "a format name such as Q4_K");
     let Some(d) = DType::from_name(&name).filter(|d| sluice_kernels::supports_matmul(*d)) else {
@@ -273,15 +287,17 @@ fn time_one_matmul(args: &[String]) {
     let mut out = vec![0f32; tokens * rows];
     let pool = ThreadPool::new(threads);
     sluice_kernels::matmul(&pool, m, &x, tokens, &mut out); // warm-up
-    let (mut runs, t0) = (0u64, Instant::now());
+    let (mut runs, t0, c0) = (0u64, Instant::now(), cpu_seconds());
     while runs == 0 || t0.elapsed().as_secs_f64() < 1.0 {
         sluice_kernels::matmul(&pool, m, &x, tokens, &mut out);
         runs += 1;
     }
     let us = t0.elapsed().as_secs_f64() * 1e6 / runs as f64;
-    let gmacs = (rows * cols * tokens) as f64 / us / 1e3;
+    let cpu_us = (cpu_seconds() - c0) * 1e6 / runs as f64;
+    let macs = (rows * cols * tokens) as f64;
+    let (gmacs, gmac_cpu) = (macs / us / 1e3, macs / cpu_us / 1e3);
     println!(
-        "{{\"kernel\":\"matmul_one\",\"dtype\":\"{}\",\"isa\":\"{}\",\"rows\":{rows},\"cols\":{cols},\"tokens\":{tokens},\"threads\":{threads},\"runs\":{runs},\"us_per_run\":{us:.2},\"gmac_s\":{gmacs:.3},\"weight_bytes\":{}}}",
+        "{{\"kernel\":\"matmul_one\",\"dtype\":\"{}\",\"isa\":\"{}\",\"rows\":{rows},\"cols\":{cols},\"tokens\":{tokens},\"threads\":{threads},\"runs\":{runs},\"us_per_run\":{us:.2},\"gmac_s\":{gmacs:.3},\"cpu_us_per_run\":{cpu_us:.2},\"gmac_per_cpu_s\":{gmac_cpu:.3},\"weight_bytes\":{}}}",
         d.name(),
         sluice_kernels::cpu::isa().name(),
         w.len()
