@@ -95,23 +95,29 @@ fn qs_shifts(m: usize) -> [u16; 32] {
     std::array::from_fn(|i| if i < 16 { 4 * m as u16 } else { 4 * m as u16 + 2 })
 }
 
-/// Per lane (token): Σ over a 256-value block's sixteen 16-value groups of the group's scale ·
-/// (its codes · the panel's activation codes), for R rows (`codes[r]`, `sc[r]`); `xc` points to
-/// the block's 64 panel dwords.
+/// Per lane (token): Σ over a 256-value block's N groups (16 of 16 values or 8 of 32) of the
+/// group's scale · (its codes · the panel's activation codes), for R rows (`codes[r]`, `sc[r]`);
+/// `xc` points to the block's 64 panel dwords. The formats with one scale per 32 values take
+/// N = 8: half the multiplies and adds.
 ///
 /// # Safety
 ///
 /// `xc` is valid for 64 · TILE dwords; the CPU has AVX-512 VNNI (checked by `cpu::isa()` and
 /// `cpu::has_vnni()`).
 #[inline(always)]
-unsafe fn groups16<const R: usize>(codes: &[[u8; 256]; R], sc: &[[i32; 16]; R], xc: *const u32) -> [__m512i; R] {
+unsafe fn groups<const R: usize, const N: usize>(
+    codes: &[[u8; 256]; R],
+    sc: &[[i32; N]; R],
+    xc: *const u32,
+) -> [__m512i; R] {
+    let dwords = 64 / N;
     let mut s1 = [_mm512_setzero_si512(); R];
-    for gi in 0..16 {
+    for gi in 0..N {
         let mut raw = [_mm512_setzero_si512(); R];
-        for g in 0..4 {
-            let xv = ld(xc.add((4 * gi + g) * TILE));
+        for g in 0..dwords {
+            let xv = ld(xc.add((dwords * gi + g) * TILE));
             for r in 0..R {
-                raw[r] = _mm512_dpbusd_epi32(raw[r], bcast(codes[r].as_ptr().add(16 * gi + 4 * g)), xv);
+                raw[r] = _mm512_dpbusd_epi32(raw[r], bcast(codes[r].as_ptr().add(4 * (dwords * gi + g))), xv);
             }
         }
         for r in 0..R {
@@ -304,21 +310,10 @@ unsafe fn gemm_q4k<const R: usize, const P: usize>(q5: bool, w: &[u8], row_bytes
         for (pi, p) in ps[..P].iter().enumerate() {
             let accf = &mut accf[pi];
             let xc = p.codes.as_ptr().add(b * 64 * TILE);
-            let mut s1 = [_mm512_setzero_si512(); R];
-            if q5 {
-                for j in 0..8 {
-                    let mut raw = [_mm512_setzero_si512(); R];
-                    for g in 0..8 {
-                        let xv = ld(xc.add((8 * j + g) * TILE));
-                        for r in 0..R {
-                            raw[r] = _mm512_dpbusd_epi32(raw[r], bcast(codes[r].as_ptr().add(32 * j + 4 * g)), xv);
-                        }
-                    }
-                    for r in 0..R {
-                        s1[r] = _mm512_add_epi32(s1[r], _mm512_mullo_epi32(raw[r], _mm512_set1_epi32(sc[r][j])));
-                    }
-                }
+            let s1 = if q5 {
+                groups::<R, 8>(&codes, &sc, xc)
             } else {
+                let mut s1 = [_mm512_setzero_si512(); R];
                 // Q4_K: a 16-value sum of 4-bit codes times activations is within ±15·128·16 =
                 // ±30720, an i16, so the two halves of each 32-value group are packed into the
                 // i16 halves of each lane and one `vpdpwssd` against the scale in both halves
@@ -341,7 +336,8 @@ unsafe fn gemm_q4k<const R: usize, const P: usize>(q5: bool, w: &[u8], row_bytes
                         s1[r] = _mm512_dpwssd_epi32(s1[r], both, _mm512_set1_epi32(sc[r][j] * 0x1_0001));
                     }
                 }
-            }
+                s1
+            };
             let s2 = pair_sums::<R>(p, b, &mp);
             let dx = ldf(p.dx.as_ptr().add(b * TILE));
             for r in 0..R {
@@ -382,7 +378,7 @@ unsafe fn gemm_q6k<const R: usize, const P: usize>(w: &[u8], row_bytes: usize, p
 /// is Σ_g scale_g · (codes_g · x_g) − bias · Σ_g scale_g · Σx_g (the activations' 16-value
 /// sums), then `acc = fma(d·dx, isum, acc)`, `accumulate`'s step. With `per32` (the formats
 /// whose two 16-value halves share a scale) the products are scaled per 32 values
-/// (`groups32`): half the multiplies, the same integer.
+/// (`groups` with N = 8): half the multiplies, the same integer.
 ///
 /// # Safety
 ///
@@ -414,7 +410,7 @@ unsafe fn gemm_offset16<const R: usize, const P: usize>(
         for (pi, p) in ps[..P].iter().enumerate() {
             let accf = &mut accf[pi];
             let xc = p.codes.as_ptr().add(b * 64 * TILE);
-            let s1 = if per32 { groups32::<R>(&codes, &sc32, xc) } else { groups16::<R>(&codes, &sc, xc) };
+            let s1 = if per32 { groups::<R, 8>(&codes, &sc32, xc) } else { groups::<R, 16>(&codes, &sc, xc) };
             let corr = pair_sums::<R>(p, b, &sp);
             let dx = ldf(p.dx.as_ptr().add(b * TILE));
             for r in 0..R {
@@ -429,7 +425,7 @@ unsafe fn gemm_offset16<const R: usize, const P: usize>(
 /// Q2_K with each code multiplied by its group's scale before the dot products: a 2-bit code
 /// times a 4-bit scale is at most 45, still an unsigned byte, so one `vpdpbusd` chain per row
 /// sums Σ scale · (codes · activations) over the whole block, with no per-group multiply and add
-/// (`groups16`'s `vpmulld`, two operations on the port the dot products use, and `vpaddd` for
+/// (`groups`'s `vpmulld`, two operations on the port the dot products use, and `vpaddd` for
 /// every four `vpdpbusd`). The integer is the same, so are the float steps (`dot_ref`'s).
 ///
 /// Unpacked with AVX-512 64 values at a time, one 16-value group per 128-bit lane (value
@@ -518,7 +514,7 @@ unsafe fn gemm_q2k<const R: usize, const P: usize>(w: &[u8], row_bytes: usize, p
 /// `vpdpbusd`'s unsigned operand, go in as x + 128 (their sign bit flipped; Q8_K's are
 /// −128..127). The dot product of a row is then −Σ x·c·s − 128·Σ c·s, and the block's integer
 /// Σ x·c·s is 128·W − dot, W = Σ −c·s over the block (the row's own, from `vpsadbw`). No
-/// per-group multiply and add (`groups16`'s), no activation sums; the same integer as
+/// per-group multiply and add (those of `groups`), no activation sums; the same integer as
 /// `dot_ref`'s and the same float step.
 ///
 /// Unpacking with AVX-512: 64 values at a time, one 16-value group per 128-bit lane. Each
@@ -774,32 +770,6 @@ unsafe fn gemm_iq2s<const R: usize, const P: usize>(w: &[u8], row_bytes: usize, 
     });
 }
 
-/// Per lane (token): Σ over a 256-value block's eight 32-value groups of the group's scale ·
-/// (its codes · the panel's activation codes), for R rows (`codes[r]`, `sc[r]`): `groups16` for
-/// the formats with one scale per 32 values, half the multiplies and adds.
-///
-/// # Safety
-///
-/// `xc` is valid for 64 · TILE dwords; the CPU has AVX-512 VNNI (checked by `cpu::isa()` and
-/// `cpu::has_vnni()`).
-#[inline(always)]
-unsafe fn groups32<const R: usize>(codes: &[[u8; 256]; R], sc: &[[i32; 8]; R], xc: *const u32) -> [__m512i; R] {
-    let mut s1 = [_mm512_setzero_si512(); R];
-    for gi in 0..8 {
-        let mut raw = [_mm512_setzero_si512(); R];
-        for g in 0..8 {
-            let xv = ld(xc.add((8 * gi + g) * TILE));
-            for r in 0..R {
-                raw[r] = _mm512_dpbusd_epi32(raw[r], bcast(codes[r].as_ptr().add(32 * gi + 4 * g)), xv);
-            }
-        }
-        for r in 0..R {
-            s1[r] = _mm512_add_epi32(s1[r], _mm512_mullo_epi32(raw[r], _mm512_set1_epi32(sc[r][gi])));
-        }
-    }
-    s1
-}
-
 /// IQ3_S and IQ3_XXS unpacked with AVX-512 whole blocks at a time, where `gemm_iq` goes
 /// through the AVX2 kernels' 32-value groups (a scalar load and an insert per codebook entry,
 /// two extracts per scale). Sixteen codebook entries (four values each, bytes 0..4) come at a
@@ -875,7 +845,7 @@ unsafe fn gemm_iq3<const R: usize, const P: usize, const XXS: bool>(
         }
         for (pi, p) in ps[..P].iter().enumerate() {
             let accf = &mut accf[pi];
-            let s1 = groups32::<R>(&codes, &sc, p.codes.as_ptr().add(b * 64 * TILE));
+            let s1 = groups::<R, 8>(&codes, &sc, p.codes.as_ptr().add(b * 64 * TILE));
             let corr = pair_sums::<R>(p, b, &sp);
             let dx = ldf(p.dx.as_ptr().add(b * TILE));
             for r in 0..R {
