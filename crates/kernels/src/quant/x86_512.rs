@@ -95,6 +95,63 @@ fn qs_shifts(m: usize) -> [u16; 32] {
     std::array::from_fn(|i| if i < 16 { 4 * m as u16 } else { 4 * m as u16 + 2 })
 }
 
+/// The N odd scales 2·nibble + 1 of the nibbles of `bits`, low nibble first (IQ2_XS's and
+/// IQ2_S's sixteen, IQ3_S's eight).
+#[inline(always)]
+fn odd_scales<const N: usize>(bits: u64) -> [i32; N] {
+    std::array::from_fn(|k| 1 + 2 * ((bits >> (4 * k)) & 15) as i32)
+}
+
+/// Two dot-product chains per row (even and odd dwords, so four rows keep eight `vpdpbusd` in
+/// flight) over a block's 256 codes against the panel's 64 dwords at `xc`, summed. Codes are
+/// unsigned against signed activations, or with `SIGNED` signed against the activations plus
+/// 128 (their sign bit flipped).
+///
+/// # Safety
+///
+/// `xc` is valid for 64 · TILE dwords; the CPU has AVX-512 VNNI (checked by `cpu::isa()` and
+/// `cpu::has_vnni()`).
+#[inline(always)]
+unsafe fn dot_block<const R: usize, const SIGNED: bool>(codes: &[[u8; 256]; R], xc: *const u32) -> [__m512i; R] {
+    let flip = _mm512_set1_epi8(-128);
+    let mut s0 = [_mm512_setzero_si512(); R];
+    let mut s1 = [_mm512_setzero_si512(); R];
+    for g in 0..32 {
+        let (mut x0, mut x1) = (ld(xc.add(2 * g * TILE)), ld(xc.add((2 * g + 1) * TILE)));
+        if SIGNED {
+            (x0, x1) = (_mm512_xor_si512(x0, flip), _mm512_xor_si512(x1, flip));
+        }
+        for r in 0..R {
+            let (w0, w1) = (bcast(codes[r].as_ptr().add(8 * g)), bcast(codes[r].as_ptr().add(8 * g + 4)));
+            if SIGNED {
+                s0[r] = _mm512_dpbusd_epi32(s0[r], x0, w0);
+                s1[r] = _mm512_dpbusd_epi32(s1[r], x1, w1);
+            } else {
+                s0[r] = _mm512_dpbusd_epi32(s0[r], w0, x0);
+                s1[r] = _mm512_dpbusd_epi32(s1[r], w1, x1);
+            }
+        }
+    }
+    for r in 0..R {
+        s0[r] = _mm512_add_epi32(s0[r], s1[r]);
+    }
+    s0
+}
+
+/// Q2_K's and Q3_K's 2-bit codes of 64-value chunk c (0..4) of a block whose `qs` start at `qs`:
+/// value 128h + 32j + l's is bits 2j..2j + 2 of `qs` byte 32h + l (h = c / 2; j = 2(c % 2) in the
+/// chunk's first 32 bytes, j + 1 in the next 32), one per byte.
+///
+/// # Safety
+///
+/// `qs` is valid for 64 bytes; the CPU has AVX-512 F/BW (checked by `cpu::isa()`); inlined only
+/// into functions compiled for them.
+#[inline(always)]
+unsafe fn low2(qs: *const u8, c: usize, shift: &[__m512i; 2]) -> __m512i {
+    let q = _mm512_broadcast_i64x4(_mm256_loadu_si256(qs.add(32 * (c / 2)) as *const __m256i));
+    _mm512_and_si512(_mm512_srlv_epi16(q, shift[c % 2]), _mm512_set1_epi8(3))
+}
+
 /// Per lane (token): Σ over a 256-value block's N groups (16 of 16 values or 8 of 32) of the
 /// group's scale · (its codes · the panel's activation codes), for R rows (`codes[r]`, `sc[r]`);
 /// `xc` points to the block's 64 panel dwords. The formats with one scale per 32 values take
@@ -404,7 +461,9 @@ unsafe fn gemm_offset16<const R: usize, const P: usize>(
             d[r] = unpack(r, b, &mut codes[r], &mut sc[r]);
             for j in 0..8 {
                 sp[r][j] = (sc[r][2 * j] & 0xFFFF) | (sc[r][2 * j + 1] << 16);
-                sc32[r][j] = sc[r][2 * j];
+                if per32 {
+                    sc32[r][j] = sc[r][2 * j];
+                }
             }
         }
         for (pi, p) in ps[..P].iter().enumerate() {
@@ -462,15 +521,10 @@ unsafe fn gemm_q2k<const R: usize, const P: usize>(w: &[u8], row_bytes: usize, p
             let blk = w.as_ptr().add(r * row_bytes + b * bb);
             let sm = _mm_loadu_si128(blk as *const __m128i);
             let s1 = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_and_si128(sm, nib)), rep);
-            let tab = _mm512_mask_add_epi8(
-                _mm512_maskz_mov_epi8(m1, s1),
-                m2,
-                _mm512_maskz_mov_epi8(m1, s1),
-                _mm512_add_epi8(s1, s1),
-            );
+            let odd = _mm512_maskz_mov_epi8(m1, s1);
+            let tab = _mm512_mask_add_epi8(odd, m2, odd, _mm512_add_epi8(s1, s1));
             for c in 0..4 {
-                let q = _mm512_broadcast_i64x4(_mm256_loadu_si256(blk.add(16 + 32 * (c / 2)) as *const __m256i));
-                let low = _mm512_and_si512(_mm512_srlv_epi16(q, shift[c % 2]), _mm512_set1_epi8(3));
+                let low = low2(blk.add(16), c, &shift);
                 let v = _mm512_shuffle_epi8(tab, _mm512_or_si512(low, _mm512_set1_epi8(4 * c as i8)));
                 _mm512_storeu_si512(codes[r].as_mut_ptr().add(64 * c) as *mut _, v);
             }
@@ -484,21 +538,11 @@ unsafe fn gemm_q2k<const R: usize, const P: usize>(w: &[u8], row_bytes: usize, p
         }
         for (pi, p) in ps[..P].iter().enumerate() {
             let accf = &mut accf[pi];
-            // Two chains per row (even and odd dwords), so four rows keep eight dot products in flight.
-            let xc = p.codes.as_ptr().add(b * 64 * TILE);
-            let mut s0 = [_mm512_setzero_si512(); R];
-            let mut s1 = [_mm512_setzero_si512(); R];
-            for g in 0..32 {
-                let (x0, x1) = (ld(xc.add(2 * g * TILE)), ld(xc.add((2 * g + 1) * TILE)));
-                for r in 0..R {
-                    s0[r] = _mm512_dpbusd_epi32(s0[r], bcast(codes[r].as_ptr().add(8 * g)), x0);
-                    s1[r] = _mm512_dpbusd_epi32(s1[r], bcast(codes[r].as_ptr().add(8 * g + 4)), x1);
-                }
-            }
+            let s1 = dot_block::<R, false>(&codes, p.codes.as_ptr().add(b * 64 * TILE));
             let s2 = pair_sums::<R>(p, b, &mins);
             let dx = ldf(p.dx.as_ptr().add(b * TILE));
             for r in 0..R {
-                let isum = _mm512_add_epi32(s0[r], s1[r]);
+                let isum = s1[r];
                 accf[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(d[r]), dx), _mm512_cvtepi32_ps(isum), accf[r]);
                 accf[r] =
                     _mm512_fnmadd_ps(_mm512_mul_ps(_mm512_set1_ps(dmin[r]), dx), _mm512_cvtepi32_ps(s2[r]), accf[r]);
@@ -573,9 +617,7 @@ unsafe fn gemm_q3k<const R: usize, const P: usize>(w: &[u8], row_bytes: usize, p
             let hm = _mm512_broadcast_i64x4(_mm256_loadu_si256(blk as *const __m256i));
             let mut sum = zero;
             for c in 0..4 {
-                let q = _mm512_broadcast_i64x4(_mm256_loadu_si256(blk.add(32 + 32 * (c / 2)) as *const __m256i));
-                let low = _mm512_and_si512(_mm512_srlv_epi16(q, shift[c % 2]), _mm512_set1_epi8(3));
-                let idx = _mm512_or_si512(low, base[c % 2]);
+                let idx = _mm512_or_si512(low2(blk.add(32), c, &shift), base[c % 2]);
                 let idx = _mm512_mask_add_epi8(idx, _mm512_test_epi8_mask(hm, hbit[c]), idx, _mm512_set1_epi8(4));
                 let v = _mm512_shuffle_epi8(tab[c / 2], idx);
                 _mm512_storeu_si512(codes[r].as_mut_ptr().add(64 * c) as *mut _, v);
@@ -587,21 +629,10 @@ unsafe fn gemm_q3k<const R: usize, const P: usize>(w: &[u8], row_bytes: usize, p
         }
         for (pi, p) in ps[..P].iter().enumerate() {
             let accf = &mut accf[pi];
-            // Two chains per row (even and odd dwords), so four rows keep eight dot products in flight.
-            let xc = p.codes.as_ptr().add(b * 64 * TILE);
-            let mut s0 = [zero; R];
-            let mut s1 = [zero; R];
-            for g in 0..32 {
-                let x0 = _mm512_xor_si512(ld(xc.add(2 * g * TILE)), flip);
-                let x1 = _mm512_xor_si512(ld(xc.add((2 * g + 1) * TILE)), flip);
-                for r in 0..R {
-                    s0[r] = _mm512_dpbusd_epi32(s0[r], x0, bcast(codes[r].as_ptr().add(8 * g)));
-                    s1[r] = _mm512_dpbusd_epi32(s1[r], x1, bcast(codes[r].as_ptr().add(8 * g + 4)));
-                }
-            }
+            let dot = dot_block::<R, true>(&codes, p.codes.as_ptr().add(b * 64 * TILE));
             let dx = ldf(p.dx.as_ptr().add(b * TILE));
             for r in 0..R {
-                let isum = _mm512_sub_epi32(_mm512_set1_epi32(wsum[r] << 7), _mm512_add_epi32(s0[r], s1[r]));
+                let isum = _mm512_sub_epi32(_mm512_set1_epi32(wsum[r] << 7), dot[r]);
                 accf[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(d[r]), dx), _mm512_cvtepi32_ps(isum), accf[r]);
             }
         }
@@ -676,10 +707,7 @@ unsafe fn gemm_iq2xs<const R: usize, const P: usize>(w: &[u8], row_bytes: usize,
             // Nine-bit indices: inside the 512-entry codebook.
             iq2_entries(&IQ2XS_GRID, i, signs[c], codes.as_mut_ptr().add(64 * c));
         }
-        let s = (blk.add(66) as *const u64).read_unaligned();
-        for k in 0..16 {
-            sc[k] = 1 + 2 * ((s >> (4 * k)) & 15) as i32;
-        }
+        *sc = odd_scales((blk.add(66) as *const u64).read_unaligned());
         f16_to_f32((blk as *const u16).read_unaligned()) * factor
     });
 }
@@ -762,10 +790,7 @@ unsafe fn gemm_iq2s<const R: usize, const P: usize>(w: &[u8], row_bytes: usize, 
                 codes.as_mut_ptr().add(64 * c),
             );
         }
-        let s = (blk.add(74) as *const u64).read_unaligned();
-        for k in 0..16 {
-            sc[k] = 1 + 2 * ((s >> (4 * k)) & 15) as i32;
-        }
+        *sc = odd_scales((blk.add(74) as *const u64).read_unaligned());
         f16_to_f32((blk as *const u16).read_unaligned()) * factor
     });
 }
@@ -778,9 +803,9 @@ unsafe fn gemm_iq2s<const R: usize, const P: usize>(w: &[u8], row_bytes: usize, 
 /// i, set by a masked OR. The block's 256 sign bits in value order (IQ3_S's as stored, IQ3_XXS's
 /// widened from their 7-bit fields by `iq_x86::sign_words`) are four 64-bit byte masks for a
 /// masked subtract: 128 + m where the bit is clear, 128 − m where set — the unsigned codes
-/// `gemm_iq` makes, so the same integers (Σ over 32-value groups of the odd scale
-/// 1 + 2·nibble · codes · activations, less 128 · Σ scale · activation sums) and the same float
-/// step.
+/// `gemm_iq` makes. Through `gemm_offset16`, scaled per 32 values: the same integers (Σ over
+/// 32-value groups of the odd scale 1 + 2·nibble · codes · activations, less 128 · Σ scale ·
+/// activation sums) and the same float step.
 ///
 /// # Safety
 ///
@@ -798,63 +823,44 @@ unsafe fn gemm_iq3<const R: usize, const P: usize, const XXS: bool>(
     use super::iq_tables::{IQ3S_GRID, IQ3XXS_GRID};
     let dt = if XXS { DType::IQ3_XXS } else { DType::IQ3_S };
     let bb = dt.block_bytes();
+    let factor = super::iq::scale_factor(dt);
     let grid = if XXS { IQ3XXS_GRID.as_ptr() } else { IQ3S_GRID.as_ptr() } as *const i32;
-    let mut accf: Acc<R> = [[_mm512_setzero_ps(); R]; PANELS];
-    let mut codes = [[0u8; 256]; R];
-    let mut sc = [[0i32; 8]; R];
-    let mut sp = [[0i32; 8]; R];
-    let mut d = [0f32; R];
     let (bit8, c128) = (_mm512_set1_epi32(256), _mm512_set1_epi8(-128));
-    for b in 0..ps[0].nb {
-        for r in 0..R {
-            let blk = w.as_ptr().add(r * row_bytes + b * bb);
-            // IQ3_XXS: after `qs`, eight u32 of four 7-bit sign fields and a 4-bit scale.
-            let aux = _mm256_loadu_si256(blk.add(66) as *const __m256i);
-            let mut xxs_signs = [0u64; 4];
-            if XXS {
-                _mm256_storeu_si256(xxs_signs.as_mut_ptr() as *mut __m256i, super::iq_x86::sign_words(aux));
-            }
-            let qh = (blk.add(66) as *const u64).read_unaligned();
-            for c in 0..4 {
-                let mut idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(blk.add(2 + 16 * c) as *const __m128i));
-                if !XXS {
-                    idx = _mm512_mask_or_epi32(idx, (qh >> (16 * c)) as u16, idx, bit8);
-                }
-                // Every index has as many bits as the codebook has entries (8 or 9).
-                let mag = _mm512_i32gather_epi32::<4>(idx, grid);
-                // Magnitudes are at most 62: 128 ± m is a byte either way.
-                let signs = if XXS { xxs_signs[c] } else { (blk.add(74 + 8 * c) as *const u64).read_unaligned() };
-                let u = _mm512_mask_sub_epi8(_mm512_add_epi8(mag, c128), signs, c128, mag);
-                _mm512_storeu_si512(codes[r].as_mut_ptr().add(64 * c) as *mut _, u);
-            }
-            if XXS {
-                let mut ls = [0u32; 8];
-                _mm256_storeu_si256(ls.as_mut_ptr() as *mut __m256i, _mm256_srli_epi32(aux, 28));
-                for k in 0..8 {
-                    sc[r][k] = 1 + 2 * ls[k] as i32;
-                    sp[r][k] = sc[r][k] | (sc[r][k] << 16);
-                }
-            } else {
-                let nib = (blk.add(106) as *const u32).read_unaligned();
-                for k in 0..8 {
-                    sc[r][k] = 1 + 2 * ((nib >> (4 * k)) & 15) as i32;
-                    sp[r][k] = sc[r][k] | (sc[r][k] << 16);
-                }
-            }
-            d[r] = f16_to_f32((blk as *const u16).read_unaligned()) * super::iq::scale_factor(dt);
+    gemm_offset16::<R, P>(ps, out, 128, true, |r, b, codes, sc| {
+        let blk = w.as_ptr().add(r * row_bytes + b * bb);
+        // IQ3_XXS: after `qs`, eight u32 of four 7-bit sign fields and a 4-bit scale.
+        let aux = _mm256_loadu_si256(blk.add(66) as *const __m256i);
+        let mut xxs_signs = [0u64; 4];
+        if XXS {
+            _mm256_storeu_si256(xxs_signs.as_mut_ptr() as *mut __m256i, super::iq_x86::sign_words(aux));
         }
-        for (pi, p) in ps[..P].iter().enumerate() {
-            let accf = &mut accf[pi];
-            let s1 = groups::<R, 8>(&codes, &sc, p.codes.as_ptr().add(b * 64 * TILE));
-            let corr = pair_sums::<R>(p, b, &sp);
-            let dx = ldf(p.dx.as_ptr().add(b * TILE));
-            for r in 0..R {
-                let isum = _mm512_sub_epi32(s1[r], _mm512_slli_epi32(corr[r], 7));
-                accf[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(d[r]), dx), _mm512_cvtepi32_ps(isum), accf[r]);
+        let qh = (blk.add(66) as *const u64).read_unaligned();
+        for c in 0..4 {
+            let mut idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(blk.add(2 + 16 * c) as *const __m128i));
+            if !XXS {
+                idx = _mm512_mask_or_epi32(idx, (qh >> (16 * c)) as u16, idx, bit8);
             }
+            // Every index has as many bits as the codebook has entries (8 or 9).
+            let mag = _mm512_i32gather_epi32::<4>(idx, grid);
+            // Magnitudes are at most 62: 128 ± m is a byte either way.
+            let signs = if XXS { xxs_signs[c] } else { (blk.add(74 + 8 * c) as *const u64).read_unaligned() };
+            let u = _mm512_mask_sub_epi8(_mm512_add_epi8(mag, c128), signs, c128, mag);
+            _mm512_storeu_si512(codes.as_mut_ptr().add(64 * c) as *mut _, u);
         }
-    }
-    store(&accf, P, out);
+        // One scale per 32 values, given for both of its 16-value halves.
+        let per32: [i32; 8] = if XXS {
+            let mut ls = [0u32; 8];
+            _mm256_storeu_si256(ls.as_mut_ptr() as *mut __m256i, _mm256_srli_epi32(aux, 28));
+            ls.map(|v| 1 + 2 * v as i32)
+        } else {
+            odd_scales((blk.add(106) as *const u32).read_unaligned() as u64)
+        };
+        for k in 0..8 {
+            sc[2 * k] = per32[k];
+            sc[2 * k + 1] = per32[k];
+        }
+        f16_to_f32((blk as *const u16).read_unaligned()) * factor
+    });
 }
 
 /// Pairs of a K-quant block's unpacked 32-value code vectors and their scale vectors
