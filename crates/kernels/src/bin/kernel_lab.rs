@@ -369,11 +369,14 @@ fn main() {
     time_ops(json);
 
     // 1c. Decode compute rate: a matrix that stays in L2, one thread, many passes. Where it
-    //     is not far above the memory bandwidth, decode is compute-bound.
+    //     is not far above the memory bandwidth, decode is compute-bound. Its rows are as long
+    //     as the timed matvec's below, so that it runs the same kernel (the K-quant decode
+    //     takes rows of up to eight blocks four at a time, longer ones one by one).
     {
         let pool = ThreadPool::new(1);
+        let matvec_cols = shape.unwrap_or(if quick { (2048, 2048) } else { (8192, 4096) }).1;
         for &d in &dtypes {
-            let cols = 2048 / d.block_elems() * d.block_elems();
+            let cols = (matvec_cols / d.block_elems()).max(1) * d.block_elems();
             let rows = (256 * 1024 / d.row_bytes(cols).unwrap_or(1)).clamp(8, 512);
             let w = weights(d, rows, cols, 21);
             let mut r = rng(5);

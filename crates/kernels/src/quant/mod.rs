@@ -19,6 +19,8 @@ mod iq_x86;
 #[cfg(target_arch = "x86_64")]
 mod k23_x86;
 #[cfg(target_arch = "x86_64")]
+mod k512_x86;
+#[cfg(target_arch = "x86_64")]
 mod mxfp4_x86;
 #[cfg(target_arch = "x86_64")]
 mod panel;
@@ -113,7 +115,7 @@ pub(crate) fn matmul_quant_isa(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, x: &[
     #[cfg(target_arch = "x86_64")]
     if isa >= Isa::Avx2 && is_k(w.dtype) {
         if n == 1 {
-            return decode_k(pool, w, &act, o);
+            return decode_k(isa, pool, w, &act, o);
         }
         if n > 1 && n < ROW_KERNEL_MIN_TOKENS {
             return batch_k(isa, pool, w, &act, n, o);
@@ -188,32 +190,47 @@ fn rows_by(
     });
 }
 
-/// One token against a K-quant matrix: four rows at a time where a row is one group of eight
-/// blocks or less, else one. Walking four long rows together, group by group, interleaves four
+/// One token against a K-quant matrix, four rows a call (`x86::rowsk_decode`). Rows of more
+/// than eight blocks are walked whole, one after another, so a thread's reads stay one
+/// sequential stream: walking four long rows together, group by group, interleaved four
 /// streams of 1–2 KiB pieces, which the hardware prefetcher of an AVX-512 AMD EPYC followed
-/// poorly; one row at a time is one sequential stream. Kernel lab, AVX-512 EPYC, decode GB/s
-/// with 1 | 2 threads, four rows → one: Q4_K 2048×4096 7.5 → 14.0 | 14.7 → 29.4, 896×4864
-/// 8.0 → 15.5 | 13.2 → 28.3, 4096×14336 9.9 → 11.5 | 10.5 → 19.2, Q6_K 4096×14336 6.8 → 9.8 |
-/// 14.2 → 18.5; 2048×2048 the same either way (15.1 | 26.0 against 14.9 | 27.1), while at
-/// 2048×1024 four rows stay ahead (Q6_K 18.8 | 31.2 against 14.8 | 23.6). Each row is its own
-/// float chain, so the bits do not depend on how many rows a call takes.
+/// poorly (kernel lab, decode GB/s with 1 | 2 threads, four interleaved rows → one row a call:
+/// Q4_K 2048×4096 7.5 → 14.0 | 14.7 → 29.4, 4096×14336 9.9 → 11.5 | 10.5 → 19.2, Q6_K
+/// 4096×14336 6.8 → 9.8 | 14.2 → 18.5). One row a call, though, left each call's float chain
+/// (eight blocks' dependent FMAs) alone in its vector; four rows a call run the four chains in
+/// one vector's lanes, in the order of one row's. Kernel lab, Intel Xeon, one row a call →
+/// four walked whole, GMAC per CPU second at 113×4096 on one thread: Q4_K 21.6 → 25.1, Q3_K
+/// 18.3 → 20.1 (AVX2 kernel); matvec 8192×4096 with 2 threads, % of the read bound: Q4_K
+/// 50–62 → 55–62, Q6_K 62–67 → 69. Each row is its own float chain, so the bits do not
+/// depend on how many rows a call takes.
+///
+/// At the AVX-512 level Q2_K and Q6_K take `x86::rowsk_decode_zmm` (products 64 values per
+/// instruction; Q6_K unpacked natively, `k512_x86`): 113×4096, one thread, against the AVX2
+/// kernel: Q6_K 25.9 against 19.9 GMAC per CPU second, Q2_K 27.7 against 26.0. The other
+/// K-quants decode faster on the AVX2 kernel there (Q3_K 20.1 against 17.7, Q4_K 25.1
+/// against 23.9; `k512_x86` says why).
 #[cfg(target_arch = "x86_64")]
-fn decode_k(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, o: SendPtr) {
+fn decode_k(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, o: SendPtr) {
+    let zmm = isa == Isa::Avx512 && matches!(w.dtype, DType::Q2_K | DType::Q6_K);
     let rb = w.row_bytes();
-    let per_call = if act.blocks_per_row() > 8 { 1 } else { 4 };
+    let per_call = 4;
     rows_by(pool, w, per_call, o, |wr, k, vals| {
         macro_rules! go {
             ($dt:expr) => {
-                match k {
-                    4 => x86::rowsk_decode::<4, { $dt }>(wr, rb, act, vals),
-                    3 => x86::rowsk_decode::<3, { $dt }>(wr, rb, act, vals),
-                    2 => x86::rowsk_decode::<2, { $dt }>(wr, rb, act, vals),
-                    _ => x86::rowsk_decode::<1, { $dt }>(wr, rb, act, vals),
+                match (zmm, k) {
+                    (true, 4) => x86::rowsk_decode_zmm::<4, { $dt }>(wr, rb, act, vals),
+                    (true, 3) => x86::rowsk_decode_zmm::<3, { $dt }>(wr, rb, act, vals),
+                    (true, 2) => x86::rowsk_decode_zmm::<2, { $dt }>(wr, rb, act, vals),
+                    (true, _) => x86::rowsk_decode_zmm::<1, { $dt }>(wr, rb, act, vals),
+                    (false, 4) => x86::rowsk_decode::<4, { $dt }>(wr, rb, act, vals),
+                    (false, 3) => x86::rowsk_decode::<3, { $dt }>(wr, rb, act, vals),
+                    (false, 2) => x86::rowsk_decode::<2, { $dt }>(wr, rb, act, vals),
+                    (false, _) => x86::rowsk_decode::<1, { $dt }>(wr, rb, act, vals),
                 }
             };
         }
-        // SAFETY: AVX2/FMA/F16C were detected; `wr` holds k whole rows; activation rows
-        // are padded to whole groups of eight blocks.
+        // SAFETY: AVX2/FMA/F16C (and AVX-512 F/BW where `zmm`) were detected; `wr` holds k
+        // whole rows; activation rows are padded to whole groups of eight blocks.
         unsafe {
             match w.dtype {
                 DType::Q2_K => go!(10),
@@ -637,7 +654,8 @@ mod tests {
         // lanes (9), both halves (13, 16), a second, partial panel (17), three panels (33) and
         // five (70: two calls of the AVX2 kernel, which takes four); rows left over after groups
         // of four (four, three, two or one at a time) and blocks left over after groups of eight;
-        // decode of rows short enough to pair up (four, three and two K-quant blocks).
+        // decode of rows short enough to pair up (four, three and two K-quant blocks), and of
+        // rows too long for the K-quant decode's kept terms (130 blocks: 128, then 2).
         for (dtype, (rows, cols, n)) in TYPES.iter().flat_map(|d| {
             [
                 (9, 512, 3),
@@ -648,6 +666,7 @@ mod tests {
                 (7, 1024, 1),
                 (6, 768, 1),
                 (7, 2560, 1),
+                (5, 130 * 256, 1),
                 (6, 2560, 3),
                 (7, 512, 9),
                 (6, 256, 16),

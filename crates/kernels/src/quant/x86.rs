@@ -298,7 +298,9 @@ unsafe fn dp_scaled(acc: __m256i, u: __m256i, x: __m256i, scale16: __m256i) -> _
 /// the scale products are formed eight at a time, and the rows' per-block float additions —
 /// the operations of `accumulate`, block after block — run in the lanes of one vector. Rows of
 /// four blocks or fewer share their reductions two by two (row r's blocks in lanes 0..4, row
-/// r + 1's in lanes 4..8), so a short row does not pay for eight.
+/// r + 1's in lanes 4..8), so a short row does not pay for eight. Longer rows are walked one
+/// after another, each whole (in pieces of 128 blocks past that), their groups' terms kept
+/// until the R rows' chains run together.
 ///
 /// # Safety
 ///
@@ -307,6 +309,38 @@ unsafe fn dp_scaled(acc: __m256i, u: __m256i, x: __m256i, scale16: __m256i) -> _
 /// (`MatRef::new` checked the sizes), activations and outputs for every token in range.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn rowsk_decode<const R: usize, const K: u32>(
+    w: &[u8],
+    row_bytes: usize,
+    act: &QuantAct,
+    out: &mut [f32; 4],
+) {
+    decode_body::<R, K, false>(w, row_bytes, act, out)
+}
+
+/// `rowsk_decode` with each block unpacked into 512-bit vectors (`k512_x86`) and its
+/// products taken 64 values per instruction; the integer sums are the same, so are the bits.
+///
+/// # Safety
+///
+/// As `rowsk_decode`, and the CPU has AVX-512 F and BW (checked by `cpu::isa()`).
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+pub unsafe fn rowsk_decode_zmm<const R: usize, const K: u32>(
+    w: &[u8],
+    row_bytes: usize,
+    act: &QuantAct,
+    out: &mut [f32; 4],
+) {
+    decode_body::<R, K, true>(w, row_bytes, act, out)
+}
+
+/// The body of `rowsk_decode` (Z = false) and `rowsk_decode_zmm` (Z = true), inlined into
+/// each with its instruction set.
+///
+/// # Safety
+///
+/// As `rowsk_decode` (and `rowsk_decode_zmm` where Z); only called from those two.
+#[inline(always)]
+unsafe fn decode_body<const R: usize, const K: u32, const Z: bool>(
     w: &[u8],
     row_bytes: usize,
     act: &QuantAct,
@@ -328,7 +362,7 @@ pub unsafe fn rowsk_decode<const R: usize, const K: u32>(
             for h in 0..rows {
                 let base = w.as_ptr().add((2 * p + h) * row_bytes);
                 prefetch_rows(base.wrapping_add(R * row_bytes), row_bytes);
-                g.blocks::<K>(base, act, 0, nb, 4 * h);
+                g.blocks::<K, Z>(base, act, 0, nb, 4 * h);
             }
             g.terms(f, dx, &mut t, p);
         }
@@ -345,24 +379,40 @@ pub unsafe fn rowsk_decode<const R: usize, const K: u32>(
         }
         return;
     }
+    // Longer rows: each walked whole, in memory order, one after another (a single sequential
+    // stream), its groups' terms kept; then the rows' float chains run together, one row per
+    // lane (`accumulate4`). Terms of up to MAXG groups (8 KiB) at a time.
+    const MAXG: usize = 16;
+    let groups = nb.div_ceil(8);
     let mut acc = _mm_setzero_ps();
-    let mut b0 = 0;
-    while b0 < nb {
-        let m = (nb - b0).min(8);
-        let i0 = act.idx(0, b0);
-        // Activation rows are padded with zero blocks to whole groups of eight.
-        let dx = _mm256_loadu_ps(act.d.as_ptr().add(i0));
-        let mut t = Terms::new();
+    let mut ts: [std::mem::MaybeUninit<Terms>; MAXG] = [const { std::mem::MaybeUninit::uninit() }; MAXG];
+    let mut g0 = 0;
+    while g0 < groups {
+        let g1 = (g0 + MAXG).min(groups);
         for r in 0..R {
-            let base = w.as_ptr().add(r * row_bytes + b0 * bb);
-            prefetch_next(base, row_bytes, R, (b0, m, nb), bb);
-            let mut g = KGroup::new();
-            g.blocks::<K>(base, act, b0, m, 0);
-            g.terms(f, dx, &mut t, r);
+            for g in g0..g1 {
+                let (b0, m) = (8 * g, (nb - 8 * g).min(8));
+                // Activation rows are padded with zero blocks to whole groups of eight.
+                let dx = _mm256_loadu_ps(act.d.as_ptr().add(act.idx(0, b0)));
+                let base = w.as_ptr().add(r * row_bytes + b0 * bb);
+                prefetch_next(base, row_bytes, 1, (b0, m, nb), bb);
+                if r == 0 {
+                    ts[g - g0].write(Terms::new());
+                }
+                let mut kg = KGroup::new();
+                kg.blocks::<K, Z>(base, act, b0, m, 0);
+                kg.terms(f, dx, ts[g - g0].assume_init_mut(), r);
+            }
         }
-        acc =
-            if m == 8 { accumulate4(f.m_at.is_some(), acc, &t, 8) } else { accumulate4(f.m_at.is_some(), acc, &t, m) };
-        b0 += m;
+        for g in g0..g1 {
+            let (m, t) = ((nb - 8 * g).min(8), ts[g - g0].assume_init_ref());
+            acc = if m == 8 {
+                accumulate4(f.m_at.is_some(), acc, t, 8)
+            } else {
+                accumulate4(f.m_at.is_some(), acc, t, m)
+            };
+        }
+        g0 = g1;
     }
     let mut v = [0f32; 4];
     _mm_storeu_ps(v.as_mut_ptr(), acc);
@@ -387,13 +437,22 @@ impl KGroup {
         KGroup { a: [_mm256_setzero_si256(); 8], mn: [_mm256_setzero_si256(); 8], dbits: [0; 8], mbits: [0; 8] }
     }
 
-    /// Blocks `b0..b0 + m` of the row whose block `b0` is at `base`, into slots `slot..`.
+    /// Blocks `b0..b0 + m` of the row whose block `b0` is at `base`, into slots `slot..`;
+    /// with `Z`, unpacked and multiplied in 512-bit vectors.
     ///
     /// # Safety
     ///
-    /// `base` holds the m blocks; `act` one token's activations for the row; `slot + m ≤ 8`; AVX2.
+    /// `base` holds the m blocks; `act` one token's activations for the row; `slot + m ≤ 8`;
+    /// AVX2, and AVX-512 F and BW where `Z`.
     #[inline(always)]
-    unsafe fn blocks<const K: u32>(&mut self, base: *const u8, act: &QuantAct, b0: usize, m: usize, slot: usize) {
+    unsafe fn blocks<const K: u32, const Z: bool>(
+        &mut self,
+        base: *const u8,
+        act: &QuantAct,
+        b0: usize,
+        m: usize,
+        slot: usize,
+    ) {
         let f = const { KFormat::of(K) };
         let bb = f.dtype.block_bytes();
         let i0 = act.idx(0, b0);
@@ -402,8 +461,13 @@ impl KGroup {
             let xi = i0 + j;
             let xq = act.qs.as_ptr().add(xi * 256);
             let bs = _mm256_loadu_si256(act.bsums.as_ptr().add(xi * 16) as *const __m256i);
-            let (u, sv, sums16) = unpack::<K>(blk);
-            (self.a[slot + j], self.mn[slot + j]) = dot_unpacked(f.offset_shift, &u, &sv, sums16, xq, bs);
+            (self.a[slot + j], self.mn[slot + j]) = if Z {
+                let (u, sv, sums16) = super::k512_x86::unpack::<K>(blk);
+                super::x86_512::dot_unpacked(f.offset_shift, &u, &sv, sums16, xq, bs)
+            } else {
+                let (u, sv, sums16) = unpack::<K>(blk);
+                dot_unpacked(f.offset_shift, &u, &sv, sums16, xq, bs)
+            };
             self.dbits[slot + j] = (blk.add(f.d_at) as *const u16).read_unaligned();
             if let Some(m_at) = f.m_at {
                 self.mbits[slot + j] = (blk.add(m_at) as *const u16).read_unaligned();
@@ -630,9 +694,8 @@ unsafe fn batch_body<const R: usize, const K: u32, const Z: bool>(
             prefetch_rows(base.wrapping_add(R * row_bytes), m * bb);
             for j in 0..m {
                 let blk = base.add(j * bb);
-                let (u, sv, sums16) = unpack::<K>(blk);
                 if Z {
-                    let (u, sv) = super::x86_512::widen_unpacked(&u, &sv);
+                    let (u, sv, sums16) = super::k512_x86::unpack::<K>(blk);
                     for t in 0..n {
                         let xi = act.idx(t0 + t, b0 + j);
                         let xq = act.qs.as_ptr().add(xi * 256);
@@ -640,6 +703,7 @@ unsafe fn batch_body<const R: usize, const K: u32, const Z: bool>(
                         (a[t][j], mn[t][j]) = super::x86_512::dot_unpacked(f.offset_shift, &u, &sv, sums16, xq, bs);
                     }
                 } else {
+                    let (u, sv, sums16) = unpack::<K>(blk);
                     for t in 0..n {
                         let xi = act.idx(t0 + t, b0 + j);
                         let xq = act.qs.as_ptr().add(xi * 256);
@@ -759,7 +823,7 @@ impl KFormat {
 ///
 /// `blk` points to one whole block; AVX2 is present.
 #[inline(always)]
-unsafe fn unpack<const K: u32>(blk: *const u8) -> ([__m256i; 8], [__m256i; 8], __m256i) {
+pub(crate) unsafe fn unpack<const K: u32>(blk: *const u8) -> ([__m256i; 8], [__m256i; 8], __m256i) {
     match K {
         10 => super::k23_x86::unpack::<false>(blk).parts(),
         11 => super::k23_x86::unpack::<true>(blk).parts(),

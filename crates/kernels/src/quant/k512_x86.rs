@@ -1,0 +1,92 @@
+//! K-quant blocks unpacked straight into 512-bit vectors, for the decode and small-batch
+//! kernels of `x86` at the AVX-512 level: vector c holds the codes of elements 64c..64c+64 in
+//! order (unsigned bytes) and, in its i16 lanes, the scale of each lane's pair of codes — the
+//! layout `x86_512::dot_unpacked` multiplies with one token's activations. The codes and
+//! scales are those of `x86::unpack` (the AVX2 kernels'), joined two by two; the integer sums
+//! built from them are the same integers, so the kernels' bits do not change.
+//!
+//! Q6_K is unpacked here with 512-bit operations: its six-bit codes cost the AVX2 unpacking a
+//! shift, mask and merge per 32 values, here per 64. The other formats take the AVX2
+//! unpacking and join its halves. Q4_K and Q5_K were unpacked natively too (a broadcast chunk
+//! per 64 values, the upper half shifted; scales by `vpermw`), and their decode was no faster
+//! than the AVX2 kernel's (kernel lab, Intel Xeon, one thread: Q4_K 23.9 against 25.1 GMAC
+//! per CPU second, Q5_K 19.8 against 19.6): 512-bit operations issue on two ports, 256-bit
+//! ones on three, so halving the instructions gains only where it more than halves them.
+
+use super::x86;
+use std::arch::x86_64::*;
+
+/// The block at `blk` of K-quant `K` (GGML ids: Q2_K = 10 … Q6_K = 14): four 64-value code
+/// vectors, their scale vectors, and the i16 factors of the block's 16-value activation sums
+/// (`x86::unpack`'s third part, unchanged).
+///
+/// # Safety
+///
+/// `blk` points to one whole block; the CPU has AVX-512 F and BW (checked by `cpu::isa()`);
+/// inlined only into functions compiled for them.
+#[inline(always)]
+pub(crate) unsafe fn unpack<const K: u32>(blk: *const u8) -> ([__m512i; 4], [__m512i; 4], __m256i) {
+    match K {
+        14 => unpack_q6k(blk),
+        _ => {
+            let (u, sv, sums16) = x86::unpack::<K>(blk);
+            let (u, sv) = super::x86_512::widen_unpacked(&u, &sv);
+            (u, sv, sums16)
+        }
+    }
+}
+
+/// Upper 256 bits of a 512-bit vector, as a mask of its 32 i16 lanes.
+const UPPER16: __mmask32 = 0xFFFF_0000;
+
+/// i16 lanes `[a; 16] ++ [b; 16]` as `vpermw` indices.
+///
+/// # Safety
+///
+/// AVX-512 F is present (checked by `cpu::isa()`).
+#[inline(always)]
+unsafe fn halves16(a: i16, b: i16) -> __m512i {
+    _mm512_mask_mov_epi16(_mm512_set1_epi16(a), UPPER16, _mm512_set1_epi16(b))
+}
+
+/// A Q6_K block. Each half n of it (128 values) takes 64 bytes of low nibbles, `ql`, and 32
+/// bytes of two-bit tops, `qh`: elements 128n + l and 128n + 32 + l (l < 32) are the low
+/// nibbles of `ql` bytes l and 32 + l with `qh` bits 0–1 and 2–3 on top; elements 128n + 64 + l
+/// and 128n + 96 + l their high nibbles with bits 4–5 and 6–7. So `ql`'s 64 bytes give
+/// vector 2n from their low nibbles and 2n + 1 from their high ones, `qh` broadcast to both
+/// halves and each half's two bits moved to bits 4–5 by a shift of its own.
+///
+/// # Safety
+///
+/// As `unpack`.
+#[inline(always)]
+unsafe fn unpack_q6k(blk: *const u8) -> ([__m512i; 4], [__m512i; 4], __m256i) {
+    let nib = _mm512_set1_epi8(0x0F);
+    let top = _mm512_set1_epi8(0x30);
+    // i16 shifts; the byte mask drops what crosses from the neighbouring byte.
+    let left = halves16(4, 2);
+    let right = halves16(0, 2);
+    let mut u = [_mm512_setzero_si512(); 4];
+    for n in 0..2 {
+        let ql = _mm512_loadu_si512(blk.add(64 * n) as *const _);
+        let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(blk.add(128 + 32 * n) as *const __m256i));
+        let lo = _mm512_and_si512(ql, nib);
+        let hi = _mm512_and_si512(_mm512_srli_epi16(ql, 4), nib);
+        u[2 * n] = _mm512_or_si512(lo, _mm512_and_si512(_mm512_sllv_epi16(qh, left), top));
+        u[2 * n + 1] = _mm512_or_si512(hi, _mm512_and_si512(_mm512_srlv_epi16(qh, right), top));
+    }
+    // One i8 scale per 16 values: 128-bit lane q of vector c takes scale 4c + q.
+    let sums16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(blk.add(192) as *const __m128i));
+    let s16 = _mm512_castsi256_si512(sums16);
+    let mut sv = [_mm512_setzero_si512(); 4];
+    for (c, v) in sv.iter_mut().enumerate() {
+        let q = 4 * c as i16;
+        let idx = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_set_m128i(_mm_set1_epi16(q + 1), _mm_set1_epi16(q))),
+            _mm256_set_m128i(_mm_set1_epi16(q + 3), _mm_set1_epi16(q + 2)),
+            1,
+        );
+        *v = _mm512_permutexvar_epi16(idx, s16);
+    }
+    (u, sv, sums16)
+}
