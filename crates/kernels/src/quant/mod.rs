@@ -200,9 +200,9 @@ fn rows_by(
 /// (eight blocks' dependent FMAs) alone in its vector; four rows a call run the four chains in
 /// one vector's lanes, in the order of one row's. Kernel lab, Intel Xeon, one row a call →
 /// four walked whole, GMAC per CPU second at 113×4096 on one thread: Q4_K 21.6 → 25.1, Q3_K
-/// 18.3 → 20.1 (AVX2 kernel); matvec 8192×4096 with 2 threads, % of the read bound: Q4_K
-/// 50–62 → 55–62, Q6_K 62–67 → 69. Each row is its own float chain, so the bits do not
-/// depend on how many rows a call takes.
+/// 18.3 → 20.1 (AVX2 kernel); Q6_K matvec 8192×4096 with 2 threads (its 512-bit kernel, two
+/// alternated runs each), % of the read bound: 62, 67 → 69, 69. Each row is its own float
+/// chain, so the bits do not depend on how many rows a call takes.
 ///
 /// At the AVX-512 level Q2_K and Q6_K take `x86::rowsk_decode_zmm` (products 64 values per
 /// instruction; Q6_K unpacked natively, `k512_x86`): 113×4096, one thread, against the AVX2
