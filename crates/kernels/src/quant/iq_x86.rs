@@ -1,7 +1,9 @@
 //! AVX2 kernels of the IQ formats: decode (one token, several rows at once) and small batches
 //! (several rows against a few tokens), each block unpacked once for all the tokens. They run
-//! at the AVX2 and the AVX-512 levels alike; larger batches go to the tiled kernels
-//! (`tiled_avx2`, `x86_512`), which unpack blocks through `for_groups`.
+//! at the AVX2 and the AVX-512 levels alike, except that at the AVX-512 level the codebook
+//! formats unpack their blocks with gathers (`iq512_x86`) inside the same loops; larger
+//! batches go to the tiled kernels (`tiled_avx2`, `x86_512`), which unpack blocks through
+//! `for_groups`.
 //!
 //! Each format unpacks a 32-value group into byte magnitudes, a sign source and sixteen i16
 //! scales (`for_groups`); a group's contribution is then `vpmaddubsw` of the magnitudes with the
@@ -30,6 +32,7 @@ use super::iq::scale_factor;
 use super::iq_tables::*;
 use super::x86::{accumulate4, by_groups, prefetch_rows, reduce8x8, Terms};
 use super::{BatchOut, BatchScratch, SMALL_BATCH};
+use crate::cpu::Isa;
 use crate::dtype::DType;
 use crate::matmul::{MatRef, SendPtr};
 use crate::pool::ThreadPool;
@@ -630,7 +633,7 @@ unsafe fn scale_bytes16(v: __m256i) -> __m256i {
 ///
 /// `b` points to one whole block of the format; the CPU has AVX2 (checked by `cpu::isa()`).
 #[inline(always)]
-unsafe fn iq1_scales16<const DT: u32>(b: *const u8) -> __m256i {
+pub(super) unsafe fn iq1_scales16<const DT: u32>(b: *const u8) -> __m256i {
     if const { dtype_const(DT) } == DType::IQ1_S {
         // Group k's scale, bits 12..15 of its qh word, for both of its sixteen-value halves.
         let qh = _mm_loadu_si128(b.add(34) as *const __m128i);
@@ -699,7 +702,7 @@ unsafe fn group_dot<const DT: u32>(mag: __m256i, sgn: __m256i, scl: __m256i, x: 
 ///
 /// `bs` is valid for reading 16 i16; the CPU has AVX2 (checked by `cpu::isa()`).
 #[inline(always)]
-unsafe fn offset_sums(sc16: __m256i, bs: *const i16) -> __m256i {
+pub(super) unsafe fn offset_sums(sc16: __m256i, bs: *const i16) -> __m256i {
     let v = _mm256_madd_epi16(sc16, _mm256_loadu_si256(bs as *const __m256i));
     _mm256_add_epi32(_mm256_slli_epi32(v, 3), v)
 }
@@ -738,6 +741,39 @@ pub unsafe fn rows_decode<const R: usize, const DT: u32>(
     act: &QuantAct,
     out: &mut [f32; 4],
 ) {
+    decode_body::<R, DT, false>(w, row_bytes, act, out)
+}
+
+/// `rows_decode` with each block's integer sums from `iq512_x86::block_dot` (codebooks read by
+/// AVX-512 gathers): the same integers, the same float steps, the same bits.
+///
+/// # Safety
+///
+/// As `rows_decode`, and the CPU has AVX-512 F/BW (checked by `cpu::isa()`); DT is one of
+/// `iq512_x86::gathered`'s formats.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+pub unsafe fn rows_decode_zmm<const R: usize, const DT: u32>(
+    w: &[u8],
+    row_bytes: usize,
+    act: &QuantAct,
+    out: &mut [f32; 4],
+) {
+    decode_body::<R, DT, true>(w, row_bytes, act, out)
+}
+
+/// The body of `rows_decode` (Z = false) and `rows_decode_zmm` (Z = true), inlined into each
+/// with its instruction set.
+///
+/// # Safety
+///
+/// As `rows_decode` (and `rows_decode_zmm` where Z); only called from those two.
+#[inline(always)]
+unsafe fn decode_body<const R: usize, const DT: u32, const Z: bool>(
+    w: &[u8],
+    row_bytes: usize,
+    act: &QuantAct,
+    out: &mut [f32; 4],
+) {
     let dt = const { dtype_const(DT) };
     let (bb, bl) = (dt.block_bytes(), dt.block_elems());
     let nb = act.blocks_per_row();
@@ -745,9 +781,9 @@ pub unsafe fn rows_decode<const R: usize, const DT: u32>(
     let mut acc = _mm_setzero_ps();
     /// # Safety
     ///
-    /// As `rows_decode`'s, for the eight blocks from `b0` (`m` of them inside the row).
+    /// As `decode_body`'s, for the eight blocks from `b0` (`m` of them inside the row).
     #[inline(always)]
-    unsafe fn group<const R: usize, const DT: u32>(
+    unsafe fn group<const R: usize, const DT: u32, const Z: bool>(
         w: &[u8],
         row_bytes: usize,
         act: &QuantAct,
@@ -770,8 +806,13 @@ pub unsafe fn rows_decode<const R: usize, const DT: u32>(
             for j in 0..m {
                 let blk = base.add(j * bb);
                 let xi = i0 + j;
+                let xq = act.qs.as_ptr().add(xi * bl);
                 let bs = if signed(dt) { std::ptr::null() } else { act.bsums.as_ptr().add(xi * 16) };
-                a[j] = block_dot::<DT>(blk, act.qs.as_ptr().add(xi * bl), bs);
+                a[j] = if Z {
+                    super::iq512_x86::dot::<DT>(&super::iq512_x86::unpack::<DT>(blk), xq, bs)
+                } else {
+                    block_dot::<DT>(blk, xq, bs)
+                };
                 d.set(j, d_bits::<DT>(blk));
             }
             t.ddx[r] = _mm256_mul_ps(d.get::<DT>(), dx);
@@ -779,7 +820,7 @@ pub unsafe fn rows_decode<const R: usize, const DT: u32>(
         }
         accumulate4(false, acc, &t, m)
     }
-    by_groups!(nb, |b0, m| acc = group::<R, DT>(w, row_bytes, act, b0, m, acc));
+    by_groups!(nb, |b0, m| acc = group::<R, DT, Z>(w, row_bytes, act, b0, m, acc));
     let mut v = [0f32; 4];
     _mm_storeu_ps(v.as_mut_ptr(), acc);
     out[..R].copy_from_slice(&v[..R]);
@@ -796,6 +837,47 @@ pub unsafe fn rows_decode<const R: usize, const DT: u32>(
 /// As `rows_decode`, with tokens `t0..t0 + n` rows of `act`.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn rows_batch<const R: usize, const DT: u32>(
+    w: &[u8],
+    row_bytes: usize,
+    act: &QuantAct,
+    t0: usize,
+    n: usize,
+    out: &mut BatchOut,
+    s: &mut BatchScratch,
+) {
+    batch_body::<R, DT, false>(w, row_bytes, act, t0, n, out, s)
+}
+
+/// `rows_batch` with blocks unpacked by `iq512_x86::unpack` (codebooks read by AVX-512
+/// gathers) and each token's integer sums by `iq512_x86::dot`: the same integers, the same
+/// float steps, the same bits.
+///
+/// # Safety
+///
+/// As `rows_batch`, and the CPU has AVX-512 F/BW/VL (checked by `cpu::isa()`); DT is one of
+/// `iq512_x86::gathered`'s formats.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+pub unsafe fn rows_batch_zmm<const R: usize, const DT: u32>(
+    w: &[u8],
+    row_bytes: usize,
+    act: &QuantAct,
+    t0: usize,
+    n: usize,
+    out: &mut BatchOut,
+    s: &mut BatchScratch,
+) {
+    batch_body::<R, DT, true>(w, row_bytes, act, t0, n, out, s)
+}
+
+/// The body of `rows_batch` (Z = false) and `rows_batch_zmm` (Z = true), inlined into each
+/// with its instruction set.
+///
+/// # Safety
+///
+/// As `rows_batch` (and `rows_batch_zmm` where Z); only called from those two.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn batch_body<const R: usize, const DT: u32, const Z: bool>(
     w: &[u8],
     row_bytes: usize,
     act: &QuantAct,
@@ -828,6 +910,16 @@ pub unsafe fn rows_batch<const R: usize, const DT: u32>(
             let mut d = Scales8::default();
             for j in 0..m {
                 let blk = base.add(j * bb);
+                if Z {
+                    let k = super::iq512_x86::unpack::<DT>(blk);
+                    for t in 0..n {
+                        let xi = act.idx(t0 + t, b0 + j);
+                        let bs = if signed(dt) { std::ptr::null() } else { act.bsums.as_ptr().add(xi * 16) };
+                        a[t][j] = super::iq512_x86::dot::<DT>(&k, act.qs.as_ptr().add(xi * bl), bs);
+                    }
+                    d.set(j, d_bits::<DT>(blk));
+                    continue;
+                }
                 let mut mag = [_mm256_setzero_si256(); 8];
                 let mut sgn = [_mm256_setzero_si256(); 8];
                 let mut scl = [_mm256_setzero_si256(); 8];
@@ -893,9 +985,11 @@ pub(super) use by_dtype;
 
 /// `out = x · Wᵀ` for IQ weights with AVX2: the caller checked the CPU (`isa() ≥ Avx2`), and
 /// `act` holds `n` tokens quantized for `w` (`ActKind::for_weights`); `o` is `n × w.rows`.
-pub(crate) fn matmul(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, n: usize, o: SendPtr) {
+pub(crate) fn matmul(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, n: usize, o: SendPtr) {
     assert!(super::iq::is_iq(w.dtype) && act.rows == n && act.cols == w.cols);
     let rb = w.row_bytes();
+    // At the AVX-512 level the codebook formats read their entries by gathers (`iq512_x86`).
+    let zmm = isa == Isa::Avx512 && super::iq512_x86::gathered(w.dtype);
     if n == 1 {
         // Decode: four rows at a time (fewer at a range's end).
         pool.for_ranges(w.rows, 4, &|rows| {
@@ -906,16 +1000,21 @@ pub(crate) fn matmul(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, n: usize,
                 let wr = &w.data[r * rb..(r + k) * rb];
                 macro_rules! go {
                     ($dt:literal) => {
-                        match k {
-                            4 => rows_decode::<4, $dt>(wr, rb, act, &mut vals),
-                            3 => rows_decode::<3, $dt>(wr, rb, act, &mut vals),
-                            2 => rows_decode::<2, $dt>(wr, rb, act, &mut vals),
-                            _ => rows_decode::<1, $dt>(wr, rb, act, &mut vals),
+                        match (zmm, k) {
+                            (true, 4) => rows_decode_zmm::<4, $dt>(wr, rb, act, &mut vals),
+                            (true, 3) => rows_decode_zmm::<3, $dt>(wr, rb, act, &mut vals),
+                            (true, 2) => rows_decode_zmm::<2, $dt>(wr, rb, act, &mut vals),
+                            (true, _) => rows_decode_zmm::<1, $dt>(wr, rb, act, &mut vals),
+                            (false, 4) => rows_decode::<4, $dt>(wr, rb, act, &mut vals),
+                            (false, 3) => rows_decode::<3, $dt>(wr, rb, act, &mut vals),
+                            (false, 2) => rows_decode::<2, $dt>(wr, rb, act, &mut vals),
+                            (false, _) => rows_decode::<1, $dt>(wr, rb, act, &mut vals),
                         }
                     };
                 }
-                // SAFETY: AVX2/FMA/F16C were detected (the caller's contract); `wr` holds k
-                // whole rows (MatRef::new checked the size); `act` is padded by QuantAct.
+                // SAFETY: AVX2/FMA/F16C were detected (the caller's contract), AVX-512 F/BW
+                // where `zmm`; `wr` holds k whole rows (MatRef::new checked the size); `act`
+                // is padded by QuantAct.
                 unsafe { by_dtype!(w.dtype, go) };
                 for (i, v) in vals.iter().enumerate().take(k) {
                     // SAFETY: this thread owns rows `rows` of the single output row.
@@ -931,16 +1030,21 @@ pub(crate) fn matmul(pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, n: usize,
     super::small_batches(pool, w, n, o, |wr, k, t0, nt, vals, s| {
         macro_rules! go {
             ($dt:literal) => {
-                match k {
-                    4 => rows_batch::<4, $dt>(wr, rb, act, t0, nt, vals, s),
-                    3 => rows_batch::<3, $dt>(wr, rb, act, t0, nt, vals, s),
-                    2 => rows_batch::<2, $dt>(wr, rb, act, t0, nt, vals, s),
-                    _ => rows_batch::<1, $dt>(wr, rb, act, t0, nt, vals, s),
+                match (zmm, k) {
+                    (true, 4) => rows_batch_zmm::<4, $dt>(wr, rb, act, t0, nt, vals, s),
+                    (true, 3) => rows_batch_zmm::<3, $dt>(wr, rb, act, t0, nt, vals, s),
+                    (true, 2) => rows_batch_zmm::<2, $dt>(wr, rb, act, t0, nt, vals, s),
+                    (true, _) => rows_batch_zmm::<1, $dt>(wr, rb, act, t0, nt, vals, s),
+                    (false, 4) => rows_batch::<4, $dt>(wr, rb, act, t0, nt, vals, s),
+                    (false, 3) => rows_batch::<3, $dt>(wr, rb, act, t0, nt, vals, s),
+                    (false, 2) => rows_batch::<2, $dt>(wr, rb, act, t0, nt, vals, s),
+                    (false, _) => rows_batch::<1, $dt>(wr, rb, act, t0, nt, vals, s),
                 }
             };
         }
-        // SAFETY: AVX2/FMA/F16C were detected (the caller's contract); `wr` holds k whole
-        // rows; tokens t0..t0 + nt are rows of `act`, padded by QuantAct.
+        // SAFETY: AVX2/FMA/F16C were detected (the caller's contract), AVX-512 F/BW/VL where
+        // `zmm`; `wr` holds k whole rows; tokens t0..t0 + nt are rows of `act`, padded by
+        // QuantAct.
         unsafe { by_dtype!(w.dtype, go) };
     });
 }

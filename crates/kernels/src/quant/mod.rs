@@ -13,6 +13,8 @@ mod block32_x86;
 pub mod blocks;
 pub mod dot_ref;
 pub mod iq;
+#[cfg(target_arch = "x86_64")]
+mod iq512_x86;
 mod iq_tables;
 #[cfg(target_arch = "x86_64")]
 mod iq_x86;
@@ -102,7 +104,7 @@ pub(crate) fn matmul_quant_isa(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, x: &[
     // and prefill where the tiled kernel above does not run).
     #[cfg(target_arch = "x86_64")]
     if isa >= Isa::Avx2 && iq::is_iq(w.dtype) {
-        return iq_x86::matmul(pool, w, &act, n, o);
+        return iq_x86::matmul(isa, pool, w, &act, n, o);
     }
     // MXFP4: its own AVX2 kernels (which serve the AVX-512 level too, where the tiled kernel
     // above does not apply).
