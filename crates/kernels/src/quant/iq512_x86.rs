@@ -1,5 +1,5 @@
 //! Decode (one token) and small batches of the codebook IQ formats — IQ3_S, IQ3_XXS, IQ2_S,
-//! IQ2_XS, IQ2_XXS, IQ1_S, IQ1_M — at the AVX-512 level: a block is unpacked once (`unpack`)
+//! IQ2_XS, IQ2_XXS, IQ1_S, IQ1_M — and IQ4_XS at the AVX-512 level: a block is unpacked once (`unpack`)
 //! for all the tokens, its codebook entries 64 values at a time by one gather,
 //! where the AVX2 kernel (`iq_x86::for_groups`) reads each entry with a scalar load and moves
 //! it into a vector with an insert (an operation each on the shuffle port, which bounds those
@@ -30,11 +30,19 @@ use super::iq_x86::{dtype_const, iq1_scales16, offset_sums, sign_words, signed, 
 use crate::dtype::DType;
 use std::arch::x86_64::*;
 
-/// Whether the format is unpacked here (its codebook read by gathers).
-pub(super) const fn gathered(dt: DType) -> bool {
+/// Whether the format is unpacked here: the codebook formats and IQ4_XS (IQ4_NL's 32-value
+/// blocks stay with the AVX2 kernel).
+pub(super) const fn unpacked_here(dt: DType) -> bool {
     matches!(
         dt,
-        DType::IQ3_S | DType::IQ3_XXS | DType::IQ2_S | DType::IQ2_XS | DType::IQ2_XXS | DType::IQ1_S | DType::IQ1_M
+        DType::IQ3_S
+            | DType::IQ3_XXS
+            | DType::IQ2_S
+            | DType::IQ2_XS
+            | DType::IQ2_XXS
+            | DType::IQ1_S
+            | DType::IQ1_M
+            | DType::IQ4_XS
     )
 }
 
@@ -134,7 +142,7 @@ pub(super) struct Block {
     off16: __m256i,
 }
 
-/// Block `b` of format `DT` (one of `gathered`'s), unpacked.
+/// Block `b` of format `DT` (one of `unpacked_here`'s), unpacked.
 ///
 /// # Safety
 ///
@@ -259,6 +267,38 @@ pub(super) unsafe fn unpack<const DT: u32>(b: *const u8) -> Block {
                 let hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(qh), shifts), _mm256_set1_epi32(3));
                 let mag = entries8(&IQ2S_GRID, _mm256_or_si256(lo, _mm256_slli_epi32(hi, 8)));
                 (k.u[c], k.signs[c], k.scl[c]) = (mag, rd_u64(b.add(34 + 8 * c)), scales_of::<16>(sc, c));
+            }
+        }
+        DType::IQ4_XS => {
+            // Per 32 values 16 bytes of nibbles (low: values 0..16, high: 16..32), coded by
+            // IQ4's sixteen levels; the magnitude as the code, its sign as the sign bit; the
+            // scale ls − 32, 4 low bits from scales_l, 2 high bits from scales_h.
+            let sl = _mm256_srlv_epi32(
+                _mm256_set1_epi32(rd_u32(b.add(4)) as i32),
+                _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28),
+            );
+            let sh = _mm256_srlv_epi32(
+                _mm256_set1_epi32((b.add(2) as *const u16).read_unaligned() as i32),
+                _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14),
+            );
+            let ls = _mm256_or_si256(
+                _mm256_and_si256(sl, _mm256_set1_epi32(0xf)),
+                _mm256_slli_epi32(_mm256_and_si256(sh, _mm256_set1_epi32(3)), 4),
+            );
+            let sc = _mm512_castsi128_si512(_mm256_cvtepi32_epi16(_mm256_sub_epi32(ls, _mm256_set1_epi32(32))));
+            // IQ4's levels are negative exactly for codes 0..8 (bit 3 clear).
+            let levels =
+                _mm512_abs_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128(IQ4NL_VALUES.as_ptr() as *const __m128i)));
+            let m = _mm256_set1_epi8(0x0f);
+            // 128-bit pieces in value order: group 2c's low and high nibbles, then 2c + 1's.
+            let order = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
+            for c in 0..4 {
+                let q = _mm256_loadu_si256(b.add(8 + 32 * c) as *const __m256i);
+                let lo = _mm512_castsi256_si512(_mm256_and_si256(q, m));
+                let hi = _mm512_castsi256_si512(_mm256_and_si256(_mm256_srli_epi16(q, 4), m));
+                let n = _mm512_permutex2var_epi64(lo, order, hi);
+                let minus = _mm512_testn_epi8_mask(n, _mm512_set1_epi8(8));
+                (k.u[c], k.signs[c], k.scl[c]) = (_mm512_shuffle_epi8(levels, n), minus, scales_of::<32>(sc, c));
             }
         }
         DType::IQ1_S => {

@@ -750,7 +750,7 @@ pub unsafe fn rows_decode<const R: usize, const DT: u32>(
 /// # Safety
 ///
 /// As `rows_decode`, and the CPU has AVX-512 F/BW (checked by `cpu::isa()`); DT is one of
-/// `iq512_x86::gathered`'s formats.
+/// `iq512_x86::unpacked_here`'s formats.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 pub unsafe fn rows_decode_zmm<const R: usize, const DT: u32>(
     w: &[u8],
@@ -855,7 +855,7 @@ pub unsafe fn rows_batch<const R: usize, const DT: u32>(
 /// # Safety
 ///
 /// As `rows_batch`, and the CPU has AVX-512 F/BW/VL (checked by `cpu::isa()`); DT is one of
-/// `iq512_x86::gathered`'s formats.
+/// `iq512_x86::unpacked_here`'s formats.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 pub unsafe fn rows_batch_zmm<const R: usize, const DT: u32>(
     w: &[u8],
@@ -989,7 +989,7 @@ pub(crate) fn matmul(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct,
     assert!(super::iq::is_iq(w.dtype) && act.rows == n && act.cols == w.cols);
     let rb = w.row_bytes();
     // At the AVX-512 level the codebook formats read their entries by gathers (`iq512_x86`).
-    let zmm = isa == Isa::Avx512 && super::iq512_x86::gathered(w.dtype);
+    let zmm = isa == Isa::Avx512 && super::iq512_x86::unpacked_here(w.dtype);
     if n == 1 {
         // Decode: four rows at a time (fewer at a range's end).
         pool.for_ranges(w.rows, 4, &|rows| {
