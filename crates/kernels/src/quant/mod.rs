@@ -206,14 +206,14 @@ fn rows_by(
 /// alternated runs each), % of the read bound: 62, 67 → 69, 69. Each row is its own float
 /// chain, so the bits do not depend on how many rows a call takes.
 ///
-/// At the AVX-512 level Q2_K and Q6_K take `x86::rowsk_decode_zmm` (products 64 values per
-/// instruction; Q6_K unpacked natively, `k512_x86`): 113×4096, one thread, against the AVX2
-/// kernel: Q6_K 25.9 against 19.9 GMAC per CPU second, Q2_K 27.7 against 26.0. The other
-/// K-quants decode faster on the AVX2 kernel there (Q3_K 20.1 against 17.7, Q4_K 25.1
-/// against 23.9; `k512_x86` says why).
+/// At the AVX-512 level Q2_K, Q3_K and Q6_K take `x86::rowsk_decode_zmm` (products 64 values
+/// per instruction; Q3_K and Q6_K unpacked natively, `k512_x86`): 113×4096, one thread,
+/// against the AVX2 kernel: Q6_K 25.9 against 19.9 GMAC per CPU second, Q3_K 23.2 against
+/// 20.1 (17.7 with its AVX2 unpacking widened), Q2_K 27.7 against 26.0. Q4_K and Q5_K decode
+/// faster on the AVX2 kernel there (Q4_K 25.1 against 23.9; `k512_x86` says why).
 #[cfg(target_arch = "x86_64")]
 fn decode_k(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, o: SendPtr) {
-    let zmm = isa == Isa::Avx512 && matches!(w.dtype, DType::Q2_K | DType::Q6_K);
+    let zmm = isa == Isa::Avx512 && matches!(w.dtype, DType::Q2_K | DType::Q3_K | DType::Q6_K);
     let rb = w.row_bytes();
     let per_call = 4;
     rows_by(pool, w, per_call, o, |wr, k, vals| {
