@@ -132,14 +132,50 @@ unsafe fn entries16<const N: usize>(grid: &[u32; N], i: __m512i) -> __m512i {
     _mm512_i32gather_epi32::<4>(i, grid.as_ptr() as *const i32)
 }
 
+/// An IQ4_XS block's 4-bit codes in value order, 64 to a vector (per 32 values the block
+/// holds 16 bytes, low nibbles values 0..16, high nibbles 16..32), and its eight scales
+/// ls − 32 as i16 (4 low bits from `scales_l`, 2 high bits from `scales_h`).
+///
+/// # Safety
+///
+/// `b` points to one whole IQ4_XS block; the CPU has AVX-512 F/BW/VL (checked by
+/// `cpu::isa()`); inlined only into functions compiled for them.
+#[inline(always)]
+pub(super) unsafe fn iq4xs_parts(b: *const u8) -> ([__m512i; 4], __m128i) {
+    let sl =
+        _mm256_srlv_epi32(_mm256_set1_epi32(rd_u32(b.add(4)) as i32), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+    let sh = _mm256_srlv_epi32(
+        _mm256_set1_epi32((b.add(2) as *const u16).read_unaligned() as i32),
+        _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14),
+    );
+    let ls = _mm256_or_si256(
+        _mm256_and_si256(sl, _mm256_set1_epi32(0xf)),
+        _mm256_slli_epi32(_mm256_and_si256(sh, _mm256_set1_epi32(3)), 4),
+    );
+    let sc8 = _mm256_cvtepi32_epi16(_mm256_sub_epi32(ls, _mm256_set1_epi32(32)));
+    let m = _mm256_set1_epi8(0x0f);
+    // 128-bit pieces in value order: group 2c's low and high nibbles, then 2c + 1's.
+    let order = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
+    let mut n = [_mm512_setzero_si512(); 4];
+    for (c, v) in n.iter_mut().enumerate() {
+        let q = _mm256_loadu_si256(b.add(8 + 32 * c) as *const __m256i);
+        let lo = _mm512_castsi256_si512(_mm256_and_si256(q, m));
+        let hi = _mm512_castsi256_si512(_mm256_and_si256(_mm256_srli_epi16(q, 4), m));
+        *v = _mm512_permutex2var_epi64(lo, order, hi);
+    }
+    (n, sc8)
+}
+
 /// A block unpacked for `dot`: values 64c..64c+64 are codes `u[c]` (unsigned bytes), negated
 /// where bit l of `signs[c]` is set (signed formats), times the i16 scales `scl[c]` (one per
-/// pair of values); IQ1's codes are offset by 9, and `off16` holds their sixteen scales.
+/// pair of values); IQ1's codes are offset by 9. For IQ4_XS and the IQ1 formats `s16` holds
+/// the sixteen scales, one per 16 values, as i16 (IQ1's offset comes off with them; the tiled
+/// prefill kernel takes them too).
 pub(super) struct Block {
-    u: [__m512i; 4],
-    signs: [u64; 4],
+    pub(super) u: [__m512i; 4],
+    pub(super) signs: [u64; 4],
     scl: [__m512i; 4],
-    off16: __m256i,
+    pub(super) s16: __m256i,
 }
 
 /// Block `b` of format `DT` (one of `unpacked_here`'s), unpacked.
@@ -152,7 +188,7 @@ pub(super) struct Block {
 pub(super) unsafe fn unpack<const DT: u32>(b: *const u8) -> Block {
     let dt = const { dtype_const(DT) };
     let z = _mm512_setzero_si512();
-    let mut k = Block { u: [z; 4], signs: [0; 4], scl: [z; 4], off16: _mm256_setzero_si256() };
+    let mut k = Block { u: [z; 4], signs: [0; 4], scl: [z; 4], s16: _mm256_setzero_si256() };
     match dt {
         DType::IQ3_S => {
             // Nine-bit indices: qs byte i, bit i of the qh bytes (as one u64) its bit 8.
@@ -270,35 +306,16 @@ pub(super) unsafe fn unpack<const DT: u32>(b: *const u8) -> Block {
             }
         }
         DType::IQ4_XS => {
-            // Per 32 values 16 bytes of nibbles (low: values 0..16, high: 16..32), coded by
-            // IQ4's sixteen levels; the magnitude as the code, its sign as the sign bit; the
-            // scale ls − 32, 4 low bits from scales_l, 2 high bits from scales_h.
-            let sl = _mm256_srlv_epi32(
-                _mm256_set1_epi32(rd_u32(b.add(4)) as i32),
-                _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28),
-            );
-            let sh = _mm256_srlv_epi32(
-                _mm256_set1_epi32((b.add(2) as *const u16).read_unaligned() as i32),
-                _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14),
-            );
-            let ls = _mm256_or_si256(
-                _mm256_and_si256(sl, _mm256_set1_epi32(0xf)),
-                _mm256_slli_epi32(_mm256_and_si256(sh, _mm256_set1_epi32(3)), 4),
-            );
-            let sc = _mm512_castsi128_si512(_mm256_cvtepi32_epi16(_mm256_sub_epi32(ls, _mm256_set1_epi32(32))));
-            // IQ4's levels are negative exactly for codes 0..8 (bit 3 clear).
+            // The magnitude as the code, its sign as the sign bit: IQ4's levels are negative
+            // exactly for codes 0..8 (bit 3 clear).
+            let (n, sc8) = iq4xs_parts(b);
+            k.s16 = _mm256_set_m128i(_mm_unpackhi_epi16(sc8, sc8), _mm_unpacklo_epi16(sc8, sc8));
+            let sc = _mm512_castsi128_si512(sc8);
             let levels =
                 _mm512_abs_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128(IQ4NL_VALUES.as_ptr() as *const __m128i)));
-            let m = _mm256_set1_epi8(0x0f);
-            // 128-bit pieces in value order: group 2c's low and high nibbles, then 2c + 1's.
-            let order = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
             for c in 0..4 {
-                let q = _mm256_loadu_si256(b.add(8 + 32 * c) as *const __m256i);
-                let lo = _mm512_castsi256_si512(_mm256_and_si256(q, m));
-                let hi = _mm512_castsi256_si512(_mm256_and_si256(_mm256_srli_epi16(q, 4), m));
-                let n = _mm512_permutex2var_epi64(lo, order, hi);
-                let minus = _mm512_testn_epi8_mask(n, _mm512_set1_epi8(8));
-                (k.u[c], k.signs[c], k.scl[c]) = (_mm512_shuffle_epi8(levels, n), minus, scales_of::<32>(sc, c));
+                let minus = _mm512_testn_epi8_mask(n[c], _mm512_set1_epi8(8));
+                (k.u[c], k.signs[c], k.scl[c]) = (_mm512_shuffle_epi8(levels, n[c]), minus, scales_of::<32>(sc, c));
             }
         }
         DType::IQ1_S => {
@@ -340,7 +357,7 @@ pub(super) unsafe fn unpack<const DT: u32>(b: *const u8) -> Block {
         _ => unreachable!(),
     }
     if !signed(dt) {
-        k.off16 = iq1_scales16::<DT>(b);
+        k.s16 = iq1_scales16::<DT>(b);
     }
     k
 }
@@ -370,6 +387,6 @@ pub(super) unsafe fn dot<const DT: u32>(k: &Block, xq: *const i8, bs: *const i16
     if signed(const { dtype_const(DT) }) {
         v
     } else {
-        _mm256_sub_epi32(v, offset_sums(k.off16, bs))
+        _mm256_sub_epi32(v, offset_sums(k.s16, bs))
     }
 }
