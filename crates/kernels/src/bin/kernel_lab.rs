@@ -305,6 +305,12 @@ fn time_one_matmul(args: &[String]) {
 }
 
 fn main() {
+    // Output piped into `head` and the like: end quietly when the reader goes away, as
+    // command-line tools do, rather than panic on the failed write (the lab opens no sockets).
+    // SAFETY: restores the default disposition of SIGPIPE before any other thread exists.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let args: Vec<String> = std::env::args().collect();
     if args.get(1).map(String::as_str) == Some("matmul") {
         time_one_matmul(&args);
