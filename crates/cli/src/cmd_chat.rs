@@ -52,11 +52,12 @@ pub fn main(a: Args) -> Result<()> {
             }
             _ => {}
         }
+        // A reader that went away (`sluice chat … | head`) stops the reply, then the session.
+        let mut closed = false;
         let mut on_text = |t: &str| {
             let mut out = stdout.lock();
-            let _ = out.write_all(t.as_bytes());
-            let _ = out.flush();
-            true
+            closed = out.write_all(t.as_bytes()).and_then(|_| out.flush()).is_err();
+            !closed
         };
         let turn = match chat.say(&line, &mut on_text) {
             Ok(t) => t,
@@ -66,7 +67,9 @@ pub fn main(a: Args) -> Result<()> {
             }
             Err(e) => return Err(e.into()),
         };
-        println!();
+        if closed || writeln!(stdout.lock()).is_err() {
+            break;
+        }
         for c in &turn.tool_calls {
             eprintln!("[tool call: {} {}]", c.name, c.arguments);
         }

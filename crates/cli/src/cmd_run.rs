@@ -73,14 +73,20 @@ pub fn main(a: Args) -> Result<()> {
     let mut stream = TextStream::new();
     let tok = engine.tokenizer.as_ref();
     let stdout = std::io::stdout();
+    // A reader that went away (`sluice run … | head`) stops the generation; nothing more is
+    // written to it.
+    let closed = std::cell::Cell::new(false);
     let mut on_token = |id: u32| {
         if !a.json {
             let mut out = stdout.lock();
-            let _ = match tok {
+            let written = match tok {
                 Some(t) => out.write_all(stream.push(t, id).as_bytes()),
                 None => write!(out, "{id} "),
             };
-            let _ = out.flush();
+            if written.and_then(|_| out.flush()).is_err() {
+                closed.set(true);
+                return false;
+            }
         }
         true
     };
@@ -148,12 +154,14 @@ pub fn main(a: Args) -> Result<()> {
         if let Some(s) = &spec_stats {
             v["spec"] = if a.stats { s.details() } else { s.json() };
         }
-        println!("{v}");
+        // Written, not printed: a closed output is not worth a panic.
+        let _ = writeln!(stdout.lock(), "{v}");
     } else {
-        if let Some(t) = tok {
-            print!("{}", stream.finish(t));
+        if !closed.get() {
+            let mut out = stdout.lock();
+            let rest = tok.map(|t| stream.finish(t)).unwrap_or_default();
+            let _ = writeln!(out, "{rest}");
         }
-        println!();
         for c in &tool_calls {
             eprintln!("[tool call: {} {}]", c.name, c.arguments);
         }

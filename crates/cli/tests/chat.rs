@@ -105,3 +105,35 @@ fn chat_reads_one_message_per_line_and_keeps_the_history() {
     assert!(field(turns[1], " reused") >= p1, "{err}");
     assert!(field(turns[2], " reused") > 0, "{err}");
 }
+
+/// `sluice run … | head -c 1` and the like: once the output's reader is gone, the generation
+/// stops and the command ends quietly (no panic about a failed write), `run` and `chat` alike.
+#[test]
+fn a_closed_output_ends_the_command_quietly() {
+    let m = model();
+    let runs: [(&[&str], &str); 2] = [
+        (&["run", "--model", m.to_str().unwrap(), "-t", "1", "-n", "40", "--prompt", "hello"], ""),
+        (&["chat", "--model", m.to_str().unwrap(), "-t", "1", "-n", "40"], "hello\nand again\n"),
+    ];
+    for (args, input) in runs {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        // The reader goes away before anything is written.
+        drop(child.stdout.take());
+        let mut pipe = child.stdin.take().unwrap();
+        let _ = pipe.write_all(input.as_bytes());
+        drop(pipe);
+        let out = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success() && !err.contains("panicked"), "{args:?}: {:?}\n{err}", out.status);
+        if args[0] == "run" {
+            // Stopped at the first token it could not write, not after all forty.
+            assert!(err.contains("stop: cancelled"), "{err}");
+        }
+    }
+}
