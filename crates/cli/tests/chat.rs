@@ -9,14 +9,19 @@ fn model() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/golden/qwen3")
 }
 
-fn sluice(args: &[&str], stdin: Option<&str>) -> Output {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
+/// `sluice` with its three streams piped.
+fn spawn(args: &[&str]) -> std::process::Child {
+    Command::new(env!("CARGO_BIN_EXE_sluice"))
         .args(args)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .unwrap();
+        .unwrap()
+}
+
+fn sluice(args: &[&str], stdin: Option<&str>) -> Output {
+    let mut child = spawn(args);
     let input = stdin.unwrap_or("").to_string();
     let mut pipe = child.stdin.take().unwrap();
     let writer = std::thread::spawn(move || {
@@ -116,13 +121,7 @@ fn a_closed_output_ends_the_command_quietly() {
         (&["chat", "--model", m.to_str().unwrap(), "-t", "1", "-n", "40"], "hello\nand again\n"),
     ];
     for (args, input) in runs {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
-            .args(args)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
+        let mut child = spawn(args);
         // The reader goes away before anything is written.
         drop(child.stdout.take());
         let mut pipe = child.stdin.take().unwrap();

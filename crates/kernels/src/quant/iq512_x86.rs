@@ -166,6 +166,19 @@ pub(super) unsafe fn iq4xs_parts(b: *const u8) -> ([__m512i; 4], __m128i) {
     (n, sc8)
 }
 
+/// The odd scales 2·s + 1 of the 4-bit fields s in bits 28..32 of eight u32 (IQ3_XXS's and
+/// IQ2_XXS's words of sign fields and scale, one per 32 values), as i16 lanes 0..8.
+///
+/// # Safety
+///
+/// The CPU has AVX-512 F/VL (checked by `cpu::isa()`); inlined only into functions compiled for
+/// them.
+#[inline(always)]
+unsafe fn aux_scales(aux: __m256i) -> __m512i {
+    let ls = _mm256_srli_epi32(aux, 28);
+    _mm512_castsi128_si512(_mm256_cvtepi32_epi16(_mm256_add_epi32(_mm256_add_epi32(ls, ls), _mm256_set1_epi32(1))))
+}
+
 /// A block unpacked for `dot`: values 64c..64c+64 are codes `u[c]` (unsigned bytes), negated
 /// where bit l of `signs[c]` is set (signed formats), times the i16 scales `scl[c]` (one per
 /// pair of values); IQ1's codes are offset by 9. For IQ4_XS and the IQ1 formats `s16` holds
@@ -206,34 +219,7 @@ pub(super) unsafe fn unpack<const DT: u32>(b: *const u8) -> Block {
             // After qs, eight u32 of four 7-bit sign fields and a 4-bit scale (bits 28..32).
             let aux = _mm256_loadu_si256(b.add(66) as *const __m256i);
             let signs = lanes64(sign_words(aux));
-            let ls = _mm256_srli_epi32(aux, 28);
-            let sc = _mm512_castsi256_si512(_mm256_packus_epi32(
-                _mm256_add_epi32(_mm256_add_epi32(ls, ls), _mm256_set1_epi32(1)),
-                _mm256_setzero_si256(),
-            ));
-            // packus interleaves the 128-bit halves: scales of groups 0..4 in i16 lanes 0..4,
-            // 4..8 in lanes 8..12.
-            let sc = _mm512_permutexvar_epi16(
-                _mm512_setr_epi32(
-                    0x0001_0000,
-                    0x0003_0002,
-                    0x0009_0008,
-                    0x000b_000a,
-                    0,
-                    0,
-                    0,
-                    0,
-                    0,
-                    0,
-                    0,
-                    0,
-                    0,
-                    0,
-                    0,
-                    0,
-                ),
-                sc,
-            );
+            let sc = aux_scales(aux);
             for c in 0..4 {
                 let idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(b.add(2 + 16 * c) as *const __m128i));
                 let mag = entries16(&IQ3XXS_GRID, idx);
@@ -246,32 +232,7 @@ pub(super) unsafe fn unpack<const DT: u32>(b: *const u8) -> Block {
             let idx8 = _mm512_cvtepi64_epi32(v);
             let aux = _mm512_cvtepi64_epi32(_mm512_srli_epi64(v, 32));
             let signs = lanes64(sign_words(aux));
-            let ls = _mm256_srli_epi32(aux, 28);
-            let sc = _mm512_castsi256_si512(_mm256_packus_epi32(
-                _mm256_add_epi32(_mm256_add_epi32(ls, ls), _mm256_set1_epi32(1)),
-                _mm256_setzero_si256(),
-            ));
-            let sc = _mm512_permutexvar_epi16(
-                _mm512_setr_epi32(
-                    0x0001_0000,
-                    0x0003_0002,
-                    0x0009_0008,
-                    0x000b_000a,
-                    0,
-                    0,
-                    0,
-                    0,
-                    0,
-                    0,
-                    0,
-                    0,
-                    0,
-                    0,
-                    0,
-                    0,
-                ),
-                sc,
-            );
+            let sc = aux_scales(aux);
             let idx = [_mm256_castsi256_si128(idx8), _mm256_extracti128_si256(idx8, 1)];
             for c in 0..4 {
                 let i = _mm256_cvtepu8_epi32(if c % 2 == 0 { idx[c / 2] } else { _mm_srli_si128(idx[c / 2], 8) });
