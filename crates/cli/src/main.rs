@@ -68,6 +68,7 @@ enum Cmd {
 }
 
 fn main() {
+    quiet_on_closed_stdout();
     let cli = Cli::parse();
     let r = match cli.cmd {
         Cmd::Demo(a) => cmd_demo::main(a),
@@ -90,4 +91,21 @@ fn main() {
         eprintln!("error: {e:#}");
         std::process::exit(1);
     }
+}
+
+/// Output piped into `head` and the like: a print to standard output that finds its reader gone
+/// ends the command quietly, as command-line tools end, rather than with the panic std's print
+/// macros raise (`run` and `chat`, which stream tokens, stop generating at the first failed
+/// write on their own). Only that panic is caught; every other one reports as before.
+fn quiet_on_closed_stdout() {
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let payload = info.payload();
+        let msg =
+            payload.downcast_ref::<String>().map(String::as_str).or_else(|| payload.downcast_ref::<&str>().copied());
+        if msg.is_some_and(|m| m.starts_with("failed printing to stdout") && m.contains("Broken pipe")) {
+            std::process::exit(0);
+        }
+        report(info)
+    }));
 }

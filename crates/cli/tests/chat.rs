@@ -112,13 +112,16 @@ fn chat_reads_one_message_per_line_and_keeps_the_history() {
 }
 
 /// `sluice run … | head -c 1` and the like: once the output's reader is gone, the generation
-/// stops and the command ends quietly (no panic about a failed write), `run` and `chat` alike.
+/// stops and the command ends quietly (no panic about a failed write), `run` and `chat` alike,
+/// and a subcommand that only prints ends quietly too.
 #[test]
 fn a_closed_output_ends_the_command_quietly() {
     let m = model();
-    let runs: [(&[&str], &str); 2] = [
+    let runs: [(&[&str], &str); 3] = [
         (&["run", "--model", m.to_str().unwrap(), "-t", "1", "-n", "40", "--prompt", "hello"], ""),
         (&["chat", "--model", m.to_str().unwrap(), "-t", "1", "-n", "40"], "hello\nand again\n"),
+        // A subcommand that prints with std's macros.
+        (&["inspect", m.to_str().unwrap()], ""),
     ];
     for (args, input) in runs {
         let mut child = spawn(args);
