@@ -68,8 +68,11 @@ enum Cmd {
 }
 
 fn main() {
-    quiet_on_closed_stdout();
     let cli = Cli::parse();
+    // A server keeps serving whatever becomes of its standard output (it prints nothing there).
+    if !matches!(cli.cmd, Cmd::Serve(_)) {
+        quiet_on_closed_stdout();
+    }
     let r = match cli.cmd {
         Cmd::Demo(a) => cmd_demo::main(a),
         Cmd::Run(a) => cmd_run::main(a),
