@@ -26,7 +26,9 @@
 #![allow(clippy::needless_range_loop)]
 
 use super::iq_tables::*;
-use super::iq_x86::{dtype_const, iq1_scales16, offset_sums, sign_words, signed, with_parity};
+use super::iq_x86::{
+    dtype_const, iq1_scales16, iq1s_indices, iq4xs_scales, offset_sums, sign_words, signed, with_parity,
+};
 use crate::dtype::DType;
 use std::arch::x86_64::*;
 
@@ -132,6 +134,23 @@ unsafe fn entries16<const N: usize>(grid: &[u32; N], i: __m512i) -> __m512i {
     _mm512_i32gather_epi32::<4>(i, grid.as_ptr() as *const i32)
 }
 
+/// The ten-bit codebook indices of IQ2_S entries 8c..8c + 8 (u32 lanes): `qs` byte e, with bits
+/// 2e..2e + 2 of the `qh` bytes (read as one little-endian u64) as its bits 8..10.
+///
+/// # Safety
+///
+/// `b` points to one whole IQ2_S block and c < 4; the CPU has AVX2 (checked by `cpu::isa()`).
+#[inline(always)]
+pub(super) unsafe fn iq2s_indices(b: *const u8, c: usize) -> __m256i {
+    let lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(b.add(2 + 8 * c) as *const __m128i));
+    let qh = (b.add(66 + 2 * c) as *const u16).read_unaligned() as i32;
+    let hi = _mm256_and_si256(
+        _mm256_srlv_epi32(_mm256_set1_epi32(qh), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
+        _mm256_set1_epi32(3),
+    );
+    _mm256_or_si256(lo, _mm256_slli_epi32(hi, 8))
+}
+
 /// An IQ4_XS block's 4-bit codes in value order, 64 to a vector (per 32 values the block
 /// holds 16 bytes, low nibbles values 0..16, high nibbles 16..32), and its eight scales
 /// ls − 32 as i16 (4 low bits from `scales_l`, 2 high bits from `scales_h`).
@@ -142,17 +161,7 @@ unsafe fn entries16<const N: usize>(grid: &[u32; N], i: __m512i) -> __m512i {
 /// `cpu::isa()`); inlined only into functions compiled for them.
 #[inline(always)]
 pub(super) unsafe fn iq4xs_parts(b: *const u8) -> ([__m512i; 4], __m128i) {
-    let sl =
-        _mm256_srlv_epi32(_mm256_set1_epi32(rd_u32(b.add(4)) as i32), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
-    let sh = _mm256_srlv_epi32(
-        _mm256_set1_epi32((b.add(2) as *const u16).read_unaligned() as i32),
-        _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14),
-    );
-    let ls = _mm256_or_si256(
-        _mm256_and_si256(sl, _mm256_set1_epi32(0xf)),
-        _mm256_slli_epi32(_mm256_and_si256(sh, _mm256_set1_epi32(3)), 4),
-    );
-    let sc8 = _mm256_cvtepi32_epi16(_mm256_sub_epi32(ls, _mm256_set1_epi32(32)));
+    let sc8 = _mm256_cvtepi32_epi16(iq4xs_scales(b));
     let m = _mm256_set1_epi8(0x0f);
     // 128-bit pieces in value order: group 2c's low and high nibbles, then 2c + 1's.
     let order = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
@@ -181,9 +190,9 @@ unsafe fn aux_scales(aux: __m256i) -> __m512i {
 
 /// A block unpacked for `dot`: values 64c..64c+64 are codes `u[c]` (unsigned bytes), negated
 /// where bit l of `signs[c]` is set (signed formats), times the i16 scales `scl[c]` (one per
-/// pair of values); IQ1's codes are offset by 9. For IQ4_XS and the IQ1 formats `s16` holds
-/// the sixteen scales, one per 16 values, as i16 (IQ1's offset comes off with them; the tiled
-/// prefill kernel takes them too).
+/// pair of values); IQ1's codes are offset by 9, and for them `s16` holds the sixteen scales,
+/// one per 16 values, as i16 (the offset comes off with them; the tiled prefill kernel takes
+/// them too).
 pub(super) struct Block {
     pub(super) u: [__m512i; 4],
     pub(super) signs: [u64; 4],
@@ -257,12 +266,8 @@ pub(super) unsafe fn unpack<const DT: u32>(b: *const u8) -> Block {
             // Ten-bit indices: qs byte e, bits 2e..2e+2 of the qh bytes (as one u64) its bits
             // 8..10; the sign bits as stored; a 4-bit scale per 16 values.
             let sc = odd_scales16(rd_u64(b.add(74)));
-            let shifts = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
             for c in 0..4 {
-                let lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(b.add(2 + 8 * c) as *const __m128i));
-                let qh = (b.add(66 + 2 * c) as *const u16).read_unaligned() as i32;
-                let hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(qh), shifts), _mm256_set1_epi32(3));
-                let mag = entries8(&IQ2S_GRID, _mm256_or_si256(lo, _mm256_slli_epi32(hi, 8)));
+                let mag = entries8(&IQ2S_GRID, iq2s_indices(b, c));
                 (k.u[c], k.signs[c], k.scl[c]) = (mag, rd_u64(b.add(34 + 8 * c)), scales_of::<16>(sc, c));
             }
         }
@@ -270,7 +275,6 @@ pub(super) unsafe fn unpack<const DT: u32>(b: *const u8) -> Block {
             // The magnitude as the code, its sign as the sign bit: IQ4's levels are negative
             // exactly for codes 0..8 (bit 3 clear).
             let (n, sc8) = iq4xs_parts(b);
-            k.s16 = _mm256_set_m128i(_mm_unpackhi_epi16(sc8, sc8), _mm_unpacklo_epi16(sc8, sc8));
             let sc = _mm512_castsi128_si512(sc8);
             let levels =
                 _mm512_abs_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128(IQ4NL_VALUES.as_ptr() as *const __m128i)));
@@ -283,16 +287,10 @@ pub(super) unsafe fn unpack<const DT: u32>(b: *const u8) -> Block {
             // Group k's u16 qh word: three high index bits per eight values (bits 3l..3l+3),
             // the scale in bits 12..15, the delta's sign in bit 15 (clear: +1, code + 2).
             let sc = _mm512_castsi256_si512(iq1_scales16::<DT>(b));
-            let shifts = _mm256_setr_epi32(0, 3, 6, 9, 0, 3, 6, 9);
             let two = _mm512_set1_epi8(2);
             for c in 0..4 {
-                let lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(b.add(2 + 8 * c) as *const __m128i));
-                let h = _mm256_set_m128i(
-                    _mm_set1_epi32((b.add(36 + 4 * c) as *const u16).read_unaligned() as i32),
-                    _mm_set1_epi32((b.add(34 + 4 * c) as *const u16).read_unaligned() as i32),
-                );
-                let hi = _mm256_and_si256(_mm256_srlv_epi32(h, shifts), _mm256_set1_epi32(7));
-                let mag = entries8(&IQ1S_GRID8, _mm256_or_si256(lo, _mm256_slli_epi32(hi, 8)));
+                let (idx, h) = iq1s_indices(b, c);
+                let mag = entries8(&IQ1S_GRID8, idx);
                 // Entry l's delta from its group's word (lanes 0..4: group 2c, 4..8: 2c + 1).
                 let plus = _mm256_testn_epi32_mask(h, _mm256_set1_epi32(0x8000));
                 let u = _mm512_add_epi8(mag, _mm512_maskz_mov_epi64(plus, two));

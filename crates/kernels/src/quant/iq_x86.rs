@@ -188,6 +188,43 @@ unsafe fn words(v: __m256i) -> [u32; 8] {
     a
 }
 
+/// An IQ4_XS block's eight scales ls − 32, in u32 lanes (4 low bits from `scales_l`, 2 high
+/// bits from `scales_h`).
+///
+/// # Safety
+///
+/// `b` points to one whole IQ4_XS block; the CPU has AVX2 (checked by `cpu::isa()`).
+#[inline(always)]
+pub(super) unsafe fn iq4xs_scales(b: *const u8) -> __m256i {
+    let sl =
+        _mm256_srlv_epi32(_mm256_set1_epi32(rd_u32(b.add(4)) as i32), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+    let sh =
+        _mm256_srlv_epi32(_mm256_set1_epi32(rd_u16(b.add(2)) as i32), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14));
+    let ls = _mm256_or_si256(
+        _mm256_and_si256(sl, _mm256_set1_epi32(0xf)),
+        _mm256_slli_epi32(_mm256_and_si256(sh, _mm256_set1_epi32(3)), 4),
+    );
+    _mm256_sub_epi32(ls, _mm256_set1_epi32(32))
+}
+
+/// The eight codebook indices of IQ1_S groups 2p and 2p + 1 (u32 lanes: the `qs` byte with 3
+/// bits of its group's qh word, bits 3l..3l + 3 for sub-block l, above it), and the two groups'
+/// qh words, group 2p's in lanes 0..4 and 2p + 1's in lanes 4..8.
+///
+/// # Safety
+///
+/// `b` points to one whole IQ1_S block and p < 4; the CPU has AVX2 (checked by `cpu::isa()`).
+#[inline(always)]
+pub(super) unsafe fn iq1s_indices(b: *const u8, p: usize) -> (__m256i, __m256i) {
+    let lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(b.add(2 + 8 * p) as *const __m128i));
+    let h = _mm256_set_m128i(
+        _mm_set1_epi32(rd_u16(b.add(36 + 4 * p)) as i32),
+        _mm_set1_epi32(rd_u16(b.add(34 + 4 * p)) as i32),
+    );
+    let hi = _mm256_and_si256(_mm256_srlv_epi32(h, _mm256_set_epi32(9, 6, 3, 0, 9, 6, 3, 0)), _mm256_set1_epi32(7));
+    (_mm256_or_si256(lo, _mm256_slli_epi32(hi, 8)), h)
+}
+
 /// Sixteen odd scales `2·nibble + 1` of 8 bytes at `p` (low nibble first), as bytes, the same
 /// sixteen in both 128-bit lanes (a `vpshufb` table for `pick_scales`).
 ///
@@ -395,20 +432,7 @@ pub(super) unsafe fn for_groups<const DT: u32>(b: *const u8, mut f: impl FnMut(u
         }
         DType::IQ4_XS => {
             let t = iq4_table();
-            // ls − 32 of each group: 4 low bits from scales_l, 2 high bits from scales_h.
-            let sl = _mm256_srlv_epi32(
-                _mm256_set1_epi32(rd_u32(b.add(4)) as i32),
-                _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28),
-            );
-            let sh = _mm256_srlv_epi32(
-                _mm256_set1_epi32(rd_u16(b.add(2)) as i32),
-                _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14),
-            );
-            let ls = _mm256_or_si256(
-                _mm256_and_si256(sl, _mm256_set1_epi32(0xf)),
-                _mm256_slli_epi32(_mm256_and_si256(sh, _mm256_set1_epi32(3)), 4),
-            );
-            let ls = words(_mm256_sub_epi32(ls, _mm256_set1_epi32(32)));
+            let ls = words(iq4xs_scales(b));
             // Two groups' 32 bytes at once: low nibbles are values 0..16 of each, high 16..32.
             let m = _mm256_set1_epi8(0x0f);
             for p in 0..4 {
@@ -535,17 +559,10 @@ pub(super) unsafe fn for_groups<const DT: u32>(b: *const u8, mut f: impl FnMut(u
         DType::IQ1_S => {
             // Index = qs byte | 3 bits of the group's qh word (bits 3l..3l+3 for sub-block l),
             // in u32 lanes two groups at a time.
-            let shifts = _mm256_set_epi32(9, 6, 3, 0, 9, 6, 3, 0);
             // Not `array::from_fn`: its closure would not inherit the caller's target features.
             let mut idx = [_mm256_setzero_si256(); 4];
             for (p, v) in idx.iter_mut().enumerate() {
-                let lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(b.add(2 + 8 * p) as *const __m128i));
-                let h = _mm256_set_m128i(
-                    _mm_set1_epi32(rd_u16(b.add(36 + 4 * p)) as i32),
-                    _mm_set1_epi32(rd_u16(b.add(34 + 4 * p)) as i32),
-                );
-                let hi = _mm256_and_si256(_mm256_srlv_epi32(h, shifts), _mm256_set1_epi32(7));
-                *v = _mm256_or_si256(lo, _mm256_slli_epi32(hi, 8));
+                *v = iq1s_indices(b, p).0;
             }
             // Per group the odd scale (lanes 0..8) and 2 where the delta is +1 (bit 15 clear),
             // 0 where −1 (lanes 8..16).

@@ -794,21 +794,13 @@ unsafe fn gemm_iq2s<const R: usize, const P: usize>(w: &[u8], row_bytes: usize, 
     use super::iq_tables::IQ2S_GRID;
     let bb = DType::IQ2_S.block_bytes();
     let factor = super::iq::scale_factor(DType::IQ2_S);
-    let shifts = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
     gemm_offset16::<R, P>(ps, out, 128, false, |r, b, codes, sc| {
         let blk = w.as_ptr().add(r * row_bytes + b * bb);
         for c in 0..4 {
-            let lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(blk.add(2 + 8 * c) as *const __m128i));
-            let qh = (blk.add(66 + 2 * c) as *const u16).read_unaligned() as i32;
-            let hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(qh), shifts), _mm256_set1_epi32(3));
             let signs = (blk.add(34 + 8 * c) as *const u64).read_unaligned();
             // Ten-bit indices: inside the 1024-entry codebook.
-            iq2_entries(
-                &IQ2S_GRID,
-                _mm256_or_si256(lo, _mm256_slli_epi32(hi, 8)),
-                signs,
-                codes.as_mut_ptr().add(64 * c),
-            );
+            let idx = super::iq512_x86::iq2s_indices(blk, c);
+            iq2_entries(&IQ2S_GRID, idx, signs, codes.as_mut_ptr().add(64 * c));
         }
         *sc = odd_scales((blk.add(74) as *const u64).read_unaligned());
         f16_to_f32((blk as *const u16).read_unaligned()) * factor
