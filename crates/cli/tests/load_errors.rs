@@ -220,6 +220,72 @@ fn absurd_dimensions_in_gguf_metadata_are_refused_before_allocating() {
 }
 
 #[test]
+fn gguf_numbers_that_are_not_a_model_are_named() {
+    use sluice_formats::gguf::Value;
+    for (file, key, value, expect) in [
+        ("olmoe-bf16.gguf", "olmoe.rope.freq_base", Value::F32(f32::NAN), "RoPE base"),
+        ("olmoe-bf16.gguf", "olmoe.rope.freq_base", Value::F32(-1.0), "RoPE base"),
+        ("olmoe-bf16.gguf", "olmoe.rope.dimension_count", Value::U32(0), "rotary dimension 0"),
+        ("qwen3-bf16.gguf", "qwen3.rope.scaling.factor", Value::F32(f32::INFINITY), "RoPE scaling factor inf"),
+        ("deepseek_v3-bf16.gguf", "deepseek2.expert_weights_scale", Value::F32(-1.0), "routed scaling factor -1"),
+        ("deepseek_v3-bf16.gguf", "deepseek2.rope.scaling.yarn_log_multiplier", Value::F32(f32::NAN), "attention"),
+    ] {
+        let p = edited_gguf(file, &format!("num-{key}"), |w| set_meta(w, key, value.clone()));
+        let e = fails(&p);
+        assert!(e.contains(".gguf") && e.contains(expect), "{key} = {value:?}: {e}");
+    }
+}
+
+#[test]
+fn gguf_counts_that_disagree_with_the_tensors_are_named() {
+    use sluice_formats::gguf::Value;
+    // Fewer blocks than the file holds: the last layer would be left out.
+    let p = edited_gguf("olmoe-bf16.gguf", "blocks", |w| set_meta(w, "olmoe.block_count", Value::U32(1)));
+    let e = fails(&p);
+    assert!(e.contains("tensor `blk.1.") && e.contains("block_count is 1"), "{e}");
+    // A trunk layer counted as a prediction layer, and a prediction layer as a trunk one.
+    let p = edited_gguf("glm4_moe-bf16.gguf", "nextn1", |w| set_meta(w, "glm4moe.nextn_predict_layers", Value::U32(1)));
+    let e = fails(&p);
+    assert!(e.contains("block 2 is counted as a multi-token-prediction layer"), "{e}");
+    let p =
+        edited_gguf("glm4_moe_mtp-bf16.gguf", "nextn0", |w| set_meta(w, "glm4moe.nextn_predict_layers", Value::U32(0)));
+    let e = fails(&p);
+    assert!(e.contains("`blk.3.nextn.") && e.contains("one of the 4 trunk layers"), "{e}");
+    // More experts in a tensor than expert_count says.
+    let p = edited_gguf("olmoe-bf16.gguf", "experts", |w| {
+        let t = w.tensors.iter_mut().find(|t| t.0 == "blk.1.ffn_up_exps.weight").unwrap();
+        t.1[2] *= 2;
+    });
+    let e = fails(&p);
+    assert!(e.contains("`blk.1.ffn_up_exps.weight` holds 16 experts, but expert_count is 8"), "{e}");
+}
+
+#[test]
+fn fewer_layers_in_config_json_than_in_the_weights_is_named() {
+    let d = copy_model("olmoe", "layers");
+    edit_config(&d, |c| {
+        c.insert("num_hidden_layers".into(), 1.into());
+    });
+    let e = fails(&d);
+    assert!(e.contains("tensor `model.layers.1.") && e.contains("num_hidden_layers is 1"), "{e}");
+}
+
+#[test]
+fn a_tensor_missing_from_one_layer_of_a_kind_is_named() {
+    // Attention biases are read off the first attention layer: without it there, the other
+    // layers' biases would be skipped.
+    for (file, drop, expect) in [
+        ("qwen2-bf16.gguf", "blk.0.attn_q.bias", "block 0 has no tensor `blk.0.attn_q.bias`, which block 1"),
+        ("glm4_moe-bf16.gguf", "blk.0.attn_q.bias", "block 0 has no tensor `blk.0.attn_q.bias`, which block 1"),
+        ("glm4_moe-bf16.gguf", "blk.2.attn_q_norm.weight", "block 2 has no tensor `blk.2.attn_q_norm.weight`"),
+    ] {
+        let p = edited_gguf(file, &format!("drop-{drop}"), |w| w.tensors.retain(|t| t.0 != drop));
+        let e = fails(&p);
+        assert!(e.contains(".gguf") && e.contains(expect), "{file} without {drop}: {e}");
+    }
+}
+
+#[test]
 fn a_huge_vocabulary_in_the_embedding_shape_is_refused() {
     // The header declares 2^34 embedding rows; no data follows (the file is a few KB). The
     // loader must refuse it without trying to allocate or read 2^34 rows.
@@ -332,7 +398,11 @@ fn missing_deltanet_tensor_in_gguf_is_named() {
         w.tensors.retain(|t| t.0 != "blk.1.ssm_conv1d.weight")
     });
     let e = fails(&p);
-    assert!(e.contains("missing tensor `blk.1.ssm_conv1d.weight`"), "{e}");
+    // Named as missing, or as missing beside the other DeltaNet layers that have it.
+    assert!(
+        e.contains("no tensor `blk.1.ssm_conv1d.weight`") || e.contains("missing tensor `blk.1.ssm_conv1d.weight`"),
+        "{e}"
+    );
     let p = edited_gguf("qwen3_next-bf16.gguf", "gguf-dn-rank", |w| {
         set_meta(w, "qwen3next.ssm.time_step_rank", sluice_formats::gguf::Value::U32(3))
     });

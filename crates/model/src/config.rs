@@ -500,6 +500,24 @@ impl ModelConfig {
             self.rope.dim <= self.head_dim && self.rope.dim.is_multiple_of(2),
             format!("rotary dimension {} does not fit head_dim {}", self.rope.dim, self.head_dim),
         )?;
+        self.rope.check()?;
+        // Both clamp values into [−v, v]: a bound that is not a positive number has no such range.
+        if let Some(c) = self.clip_qkv {
+            must(c.is_finite() && c > 0.0, format!("clip_qkv {c} is not a positive number"))?;
+        }
+        if let Activation::SwigluOai { alpha, limit } = self.activation {
+            must(
+                limit.is_finite() && limit > 0.0 && alpha.is_finite(),
+                format!("the clamped SwiGLU's limit {limit} (swiglu_limit) and alpha {alpha} are not a positive limit and a number"),
+            )?;
+        }
+        must(
+            self.attn_scale.is_finite() && self.attn_scale > 0.0,
+            format!("the attention scale {} is not a positive number", self.attn_scale),
+        )?;
+        if let Some(r) = &self.rope_local {
+            r.check().map_err(|e| format!("local layers' {e}"))?;
+        }
 
         if let Some(m) = &self.moe {
             must(
@@ -524,7 +542,10 @@ impl ModelConfig {
                         m.n_expert, m.n_expert_used
                     ),
                 )?;
-                must(scale.is_finite(), format!("routed scaling factor {scale} is not a number"))?;
+                must(
+                    scale.is_finite() && scale > 0.0,
+                    format!("routed scaling factor {scale} is not a positive number"),
+                )?;
             }
         } else {
             must(!(0..self.n_layer).any(|l| self.is_sparse(l)), "sparse layers without an MoE config".into())?;

@@ -59,6 +59,9 @@ impl GgufCheckpoint {
             );
         }
         let (n_exp, rows, cols) = (shape[0], shape[1], shape[2]);
+        if let Some(n) = self.config.moe.as_ref().map(|m| m.n_expert).filter(|n| *n != n_exp) {
+            return Err(self.err(format!("tensor `{name}` holds {n_exp} experts, but expert_count is {n}")));
+        }
         if e >= n_exp {
             return Err(self.err(format!("tensor `{name}` holds {n_exp} experts; expert {e} requested")));
         }
@@ -145,6 +148,7 @@ fn read_config(f: &GgufFile) -> Result<(ModelConfig, Vec<String>)> {
         return Err(f.error(format!("nextn_predict_layers {n_mtp} leaves no trunk layers of {blocks} blocks")).into());
     }
     let n_layer = blocks - n_mtp;
+    check_blocks(f, blocks, n_layer)?;
     let n_head = u("attention.head_count")?;
     if n_head == 0 || n_layer == 0 || hidden == 0 {
         return Err(f.error("block_count, embedding_length and attention.head_count must be positive").into());
@@ -301,7 +305,82 @@ fn read_config(f: &GgufFile) -> Result<(ModelConfig, Vec<String>)> {
         cfg.qkv_bias = f.tensor_info(&format!("blk.{l}.attn_q.bias")).is_some();
     }
     cfg.validate().map_err(|e| f.error(e))?;
+    check_layer_tensors(f, &cfg)?;
     Ok((cfg, notes))
+}
+
+/// The layer tensors (`blk.N.…`) against the block counts: every one in a declared block, no
+/// multi-token-prediction tensor (`blk.N.nextn.…`) in a trunk block, and every block counted as
+/// a prediction block either holding such tensors or none at all (a file whose prediction
+/// layers were stripped). A count that disagrees with the tensors would otherwise run a model
+/// with layers left out, or with a prediction layer run as a trunk layer, and say nothing.
+fn check_blocks(f: &GgufFile, blocks: usize, n_layer: usize) -> Result<()> {
+    let block_of = |name: &str| name.strip_prefix("blk.")?.split('.').next()?.parse::<usize>().ok();
+    // Per block holding tensors: whether any of them is a prediction tensor.
+    let mut seen = std::collections::BTreeMap::<usize, bool>::new();
+    for t in &f.tensors {
+        let Some(i) = block_of(&t.name) else { continue };
+        let nextn = t.name.contains(".nextn.");
+        if i >= blocks {
+            return Err(f.error(format!("tensor `{}` is in block {i}, but block_count is {blocks}", t.name)).into());
+        }
+        if nextn && i < n_layer {
+            return Err(f
+                .error(format!(
+                    "tensor `{}` is a multi-token-prediction tensor, but nextn_predict_layers makes block {i} one of the {n_layer} trunk layers",
+                    t.name
+                ))
+                .into());
+        }
+        *seen.entry(i).or_default() |= nextn;
+    }
+    if let Some((i, _)) = seen.range(n_layer..).find(|(_, nextn)| !**nextn) {
+        return Err(f
+            .error(format!(
+                "block {i} is counted as a multi-token-prediction layer (nextn_predict_layers {}), but holds no nextn tensors",
+                blocks - n_layer
+            ))
+            .into());
+    }
+    Ok(())
+}
+
+/// Layers of one kind hold the same tensors: the token mixer's (`attn_*`, `ssm_*`) in every
+/// layer of the same mixer, the rest in every layer of the same mixer and FFN. Several choices
+/// are read off one layer — attention biases and QK-norm off the first attention layer, a
+/// router's correction bias off the first sparse one — so a tensor missing there but present
+/// further down (or the reverse) would be skipped in every layer, or looked for where it is
+/// not, without a word.
+fn check_layer_tensors(f: &GgufFile, cfg: &ModelConfig) -> Result<()> {
+    use std::collections::BTreeSet;
+    let mixer_part = |t: &str| t.starts_with("attn_") || t.starts_with("ssm_");
+    // Per layer: its mixer's tensors, and the others.
+    let mut held = vec![(BTreeSet::new(), BTreeSet::new()); cfg.n_layer];
+    for t in &f.tensors {
+        let Some((i, suffix)) = t.name.strip_prefix("blk.").and_then(|r| r.split_once('.')) else { continue };
+        if let Some(h) = i.parse::<usize>().ok().and_then(|i| held.get_mut(i)) {
+            if mixer_part(suffix) { &mut h.0 } else { &mut h.1 }.insert(suffix);
+        }
+    }
+    let mixer = |l: usize| std::mem::discriminant(&cfg.layers[l].mixer);
+    for l in 0..cfg.n_layer {
+        let same_mixer = (0..l).find(|k| mixer(*k) == mixer(l)).unwrap_or(l);
+        let same_kind = (0..l).find(|k| mixer(*k) == mixer(l) && cfg.layers[*k].ffn == cfg.layers[l].ffn).unwrap_or(l);
+        for (first, a, b) in
+            [(same_mixer, &held[same_mixer].0, &held[l].0), (same_kind, &held[same_kind].1, &held[l].1)]
+        {
+            let missing =
+                a.difference(b).next().map(|t| (l, first, t)).or_else(|| b.difference(a).next().map(|t| (first, l, t)));
+            if let Some((without, with, t)) = missing {
+                return Err(f
+                    .error(format!(
+                        "block {without} has no tensor `blk.{without}.{t}`, which block {with}, a layer of the same kind, has"
+                    ))
+                    .into());
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The Qwen hybrids (`qwen3next`, `qwen35`, `qwen35moe`): Gated DeltaNet layers among gated

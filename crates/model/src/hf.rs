@@ -43,7 +43,31 @@ impl HfCheckpoint {
         let st = SafetensorsModel::open(dir)?;
         let mut ck = HfCheckpoint { dir: dir.to_path_buf(), config: m.config, names: m.names, notes: m.notes, st };
         ck.find_mtp();
+        ck.check_layer_count()?;
         Ok(ck)
+    }
+
+    /// No layer tensor past the trunk's `num_hidden_layers` (and the prediction layers that
+    /// follow it): a count smaller than the checkpoint's would run the model with its last
+    /// layers left out and say nothing.
+    fn check_layer_count(&self) -> Result<()> {
+        let first = self.names.name(Key::AttnNorm, Some(0));
+        let Some(at) = first.find("layers.0.") else { return Ok(()) };
+        let prefix = &first[..at + "layers.".len()];
+        let n_layer = self.config.n_layer;
+        let mtp = if self.names.mtp_in_layers() { self.config.mtp.map_or(0, |m| m.n_layer) } else { 0 };
+        for name in self.st.names() {
+            let Some(i) = name.strip_prefix(prefix).and_then(|r| r.split('.').next()?.parse::<usize>().ok()) else {
+                continue;
+            };
+            if i >= n_layer + mtp {
+                return Err(ModelError::Invalid(format!(
+                    "{}: tensor `{name}` is in layer {i}, but num_hidden_layers is {n_layer}",
+                    self.describe()
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// A multi-token-prediction head, if the checkpoint ships one (`mtp.*`).

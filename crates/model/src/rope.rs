@@ -44,6 +44,58 @@ pub struct RopeConfig {
     pub scaling: RopeScaling,
 }
 
+impl RopeConfig {
+    /// Whether the parameters describe a rotation at all: a positive finite base, rotated
+    /// dimensions, scaling factors that are positive finite numbers (a NaN, infinite, zero or
+    /// negative one — a damaged file — would give every position the same or no angle, or NaN
+    /// logits, without an error), and frequencies that come out finite and positive.
+    pub fn check(&self) -> Result<(), String> {
+        let positive = |v: f64| v.is_finite() && v > 0.0;
+        let must = |ok: bool, what: &str, v: f64| {
+            if ok {
+                Ok(())
+            } else {
+                Err(format!("RoPE {what} {v} is not a positive number"))
+            }
+        };
+        must(positive(self.theta), "base (rope_theta / rope.freq_base)", self.theta)?;
+        if self.dim == 0 {
+            return Err("RoPE rotates no dimensions (rotary dimension 0)".into());
+        }
+        match &self.scaling {
+            RopeScaling::None => {}
+            RopeScaling::Linear { factor } => must(positive(*factor), "scaling factor", *factor)?,
+            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position } => {
+                must(positive(*factor), "scaling factor", *factor)?;
+                must(positive(*low_freq_factor), "low_freq_factor", *low_freq_factor)?;
+                must(positive(*high_freq_factor), "high_freq_factor", *high_freq_factor)?;
+                must(positive(*original_max_position), "original context length", *original_max_position)?;
+                if high_freq_factor == low_freq_factor {
+                    return Err(format!("RoPE high_freq_factor and low_freq_factor are both {low_freq_factor}"));
+                }
+            }
+            RopeScaling::Yarn { factor, original_max_position, beta_fast, beta_slow, attention_factor, .. } => {
+                must(positive(*factor), "scaling factor", *factor)?;
+                must(positive(*original_max_position), "original context length", *original_max_position)?;
+                must(positive(*attention_factor), "attention factor", *attention_factor)?;
+                if !beta_fast.is_finite() || !beta_slow.is_finite() {
+                    return Err(format!("YaRN beta_fast {beta_fast} / beta_slow {beta_slow} are not numbers"));
+                }
+            }
+            RopeScaling::FreqFactors(ff) => {
+                if let Some(v) = ff.iter().find(|v| !positive(**v as f64)) {
+                    return Err(format!("RoPE frequency factor {v} (rope_freqs) is not a positive number"));
+                }
+            }
+        }
+        let r = Rope::new(self.clone());
+        match r.inv_freq.iter().find(|f| !positive(**f as f64)) {
+            Some(f) => Err(format!("RoPE parameters give the frequency {f}")),
+            None => Ok(()),
+        }
+    }
+}
+
 /// Precomputed inverse frequencies and the cos/sin scale.
 #[derive(Clone, Debug)]
 pub struct Rope {
