@@ -1,7 +1,8 @@
 //! The tokenizer stored in real GGUF files against llama.cpp's `llama-tokenize`.
 //!
 //! tests/tokenizer/<model>.json holds the ids llama-tokenize gives for tests/tokenizer/varied.txt
-//! (tools/golden/make_tokenizer_goldens.sh writes them). The models themselves are not in the
+//! (tools/golden/make_tokenizer_goldens.sh writes them), and tests/tokenizer/random-<model>.json
+//! its ids for 300 random texts of every kind (tools/golden/make_random_tokenizer_goldens.py). The models themselves are not in the
 //! repository: they are looked for under $SLUICE_MODELS (default ~/.cache/sluice/models, where
 //! tools/models/fetch.sh puts them). A missing model fails its test, naming the step that
 //! fetches it; `tools/test.sh` (the README's test command) fetches them before `cargo test`.
@@ -139,5 +140,58 @@ fn a_hundred_kilobytes_tokenize_quickly() {
         assert_eq!(t.decode(&ids[usize::from(t.add_bos())..], false), text);
         // Generous: this also runs in unoptimized builds; release takes a few tens of ms.
         assert!(took.as_secs_f64() < 10.0, "{stem}: {took:?}");
+    }
+}
+
+/// A small deterministic generator (no dependency for a test's random ids).
+struct Lcg(u64);
+
+impl Lcg {
+    fn next(&mut self) -> u32 {
+        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (self.0 >> 33) as u32
+    }
+    fn below(&mut self, n: u32) -> u32 {
+        self.next() % n
+    }
+}
+
+/// tests/tokenizer/random-<model>.json: random texts of every script, controls, emoji,
+/// whitespace runs and special tokens' texts, and llama-tokenize's ids for each
+/// (tools/golden/make_random_tokenizer_goldens.py writes them).
+#[test]
+fn random_texts_give_llama_tokenize_ids_and_random_ids_decode() {
+    for stem in ["smollm2-135m-instruct-q4_1", "qwen2.5-coder-0.5b-q4_k_m", "gemma3-270m-q4_k_m"] {
+        let Some(t) = load(stem) else { continue };
+        let path = repo_root().join(format!("tests/tokenizer/random-{stem}.json"));
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())))
+                .unwrap();
+        let cases = v["cases"].as_array().expect("cases");
+        assert!(cases.len() >= 300, "{}: {} cases", path.display(), cases.len());
+        let mut differ = Vec::new();
+        for c in cases {
+            let text = c["text"].as_str().expect("text");
+            let want: Vec<u32> = c["ids"].as_array().expect("ids").iter().map(|x| x.as_u64().unwrap() as u32).collect();
+            let got = t.encode(text, true);
+            if got != want {
+                differ.push(format!("{text:?}\n  got  {got:?}\n  want {want:?}"));
+            }
+        }
+        assert!(
+            differ.is_empty(),
+            "{stem}: {} of {} texts tokenize unlike llama-tokenize:\n{}",
+            differ.len(),
+            cases.len(),
+            differ[..differ.len().min(5)].join("\n")
+        );
+        // Any ids, those past the vocabulary too, decode to some text without a panic.
+        let vocab = t.vocab_size() as u32;
+        let mut g = Lcg(0x5eed ^ vocab as u64);
+        for _ in 0..5000 {
+            let ids: Vec<u32> =
+                (0..g.below(12)).map(|_| if g.below(8) == 0 { g.next() } else { g.below(vocab) }).collect();
+            let _ = t.decode(&ids, g.below(2) == 0);
+        }
     }
 }
