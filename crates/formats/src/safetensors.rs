@@ -134,6 +134,29 @@ fn parse_header(path: &Path, bytes: &[u8]) -> Result<BTreeMap<String, TensorInfo
         }
         tensors.insert(name, TensorInfo { dtype, shape, start: data_start + s, end: data_start + e });
     }
+    // As the format's reference reader requires, the tensors cover the data section back to
+    // back: an overlap or a gap means a header that does not describe its data (a tensor
+    // shifted or dropped from it) and is refused, not read at the offsets it claims.
+    let mut spans: Vec<(usize, usize, &str)> = tensors.iter().map(|(n, t)| (t.start, t.end, n.as_str())).collect();
+    spans.sort_unstable();
+    let mut at = data_start;
+    for (start, end, name) in spans {
+        if start != at {
+            return Err(bad(format!(
+                "tensor `{name}` starts at byte {} of the data section where the tensors before it end at {}: the header's offsets {} the data",
+                start - data_start,
+                at - data_start,
+                if start < at { "overlap in" } else { "leave a gap in" }
+            )));
+        }
+        at = end;
+    }
+    if at != bytes.len() {
+        return Err(bad(format!(
+            "the tensors end at byte {} of the data section, which has {data_len} bytes",
+            at - data_start
+        )));
+    }
     Ok(tensors)
 }
 
@@ -357,6 +380,28 @@ mod tests {
         let mut b = (h.len() as u64).to_le_bytes().to_vec();
         b.extend_from_slice(h.as_bytes());
         assert_eq!(parse_header_bytes(&b).unwrap()["a"].numel(), 0);
+    }
+
+    #[test]
+    fn offsets_that_overlap_or_leave_gaps_are_refused() {
+        let file = |tensors: &[(&str, [usize; 2])], data: usize| {
+            let entries: Vec<String> = tensors
+                .iter()
+                .map(|(n, [a, b])| format!(r#""{n}":{{"dtype":"U8","shape":[{}],"data_offsets":[{a},{b}]}}"#, b - a))
+                .collect();
+            let h = format!("{{{}}}", entries.join(","));
+            let mut b = (h.len() as u64).to_le_bytes().to_vec();
+            b.extend_from_slice(h.as_bytes());
+            b.resize(b.len() + data, 0);
+            parse_header_bytes(&b)
+        };
+        assert_eq!(file(&[("a", [0, 4]), ("b", [4, 8])], 8).unwrap().len(), 2);
+        let e = file(&[("a", [0, 8]), ("b", [4, 12])], 12).unwrap_err().to_string();
+        assert!(e.contains("tensor `b` starts at byte 4") && e.contains("overlap"), "{e}");
+        let e = file(&[("a", [0, 4]), ("b", [8, 12])], 12).unwrap_err().to_string();
+        assert!(e.contains("tensor `b` starts at byte 8") && e.contains("gap"), "{e}");
+        let e = file(&[("a", [0, 4])], 8).unwrap_err().to_string();
+        assert!(e.contains("end at byte 4 of the data section, which has 8 bytes"), "{e}");
     }
 
     #[test]
