@@ -1,9 +1,10 @@
 //! Damaged or hostile checkpoints, made from the golden ones by changing one thing at a time:
 //! every metadata value and tensor declaration of each GGUF (zeros, huge counts, negative
 //! numbers, NaN, emptied or cut arrays, wrong strings, swapped or doubled shapes, other block
-//! types, missing tensors), and every value of each Hugging Face `config.json` (numbers of
-//! every sign and size, wrong types, null, removed). Loading such a file and decoding a few
-//! tokens must end in an error or in logits, never in a panic.
+//! types, missing tensors), every value of each Hugging Face `config.json` (numbers of every
+//! sign and size, wrong types, null, removed), and every layer-0 and global entry of each
+//! `model.safetensors` header (dtype, shape, data offsets, the entry dropped). Loading such a
+//! checkpoint and decoding a few tokens must end in an error or in logits, never in a panic.
 
 use sluice_formats::gguf::{rewrite, Array, GgufFile, GgufWriter, Value};
 use sluice_kernels::DType;
@@ -324,4 +325,115 @@ fn no_mutated_config_json_makes_loading_or_decoding_panic() {
     eprintln!("{tried} mutated configs: {decoded} decoded, {refused} refused, {} panicked", failures.len());
     assert!(tried > 5000 && refused > tried / 4 && decoded > 100, "{decoded} decoded, {refused} refused of {tried}");
     assert!(failures.is_empty(), "{} of {tried} mutated configs panicked:\n{}", failures.len(), failures.join("\n"));
+}
+
+/// The header of a safetensors file (a JSON object after its 8-byte length) and its data.
+fn split_safetensors(bytes: &[u8]) -> (serde_json::Map<String, serde_json::Value>, &[u8]) {
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let h: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    (h.as_object().unwrap().clone(), &bytes[8 + n..])
+}
+
+fn join_safetensors(h: &serde_json::Map<String, serde_json::Value>, data: &[u8]) -> Vec<u8> {
+    let mut hb = serde_json::to_vec(h).unwrap();
+    while !hb.len().is_multiple_of(8) {
+        hb.push(b' ');
+    }
+    let mut out = (hb.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&hb);
+    out.extend_from_slice(data);
+    out
+}
+
+/// The changes tried on one tensor entry of a safetensors header.
+fn entry_edits(e: &serde_json::Value, data_len: u64) -> Vec<(String, Option<serde_json::Value>)> {
+    use serde_json::json;
+    let shape: Vec<u64> = e["shape"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+    let [a, b] = [0, 1].map(|i| e["data_offsets"][i].as_u64().unwrap());
+    let with = |k: &str, v: serde_json::Value| {
+        let mut e = e.clone();
+        e[k] = v;
+        Some(e)
+    };
+    let mut out = vec![("dropped".to_string(), None)];
+    for dt in ["F32", "F16", "BF16", "F64", "I8", "U8", "I64", "BOOL", "F8_E4M3", "Q4"] {
+        out.push((format!("dtype {dt}"), with("dtype", json!(dt))));
+    }
+    let mut shapes =
+        vec![("shape []".to_string(), vec![]), ("a dimension added".to_string(), [&shape[..], &[2]].concat())];
+    if let Some((last, rest)) = shape.split_last() {
+        shapes.push(("last dimension doubled".into(), [rest, &[last * 2]].concat()));
+        shapes.push(("a dimension dropped".into(), rest.to_vec()));
+        shapes.push(("first dimension 0".into(), [&[0], &shape[1..]].concat()));
+    }
+    if shape.len() >= 2 {
+        shapes.push(("first two dimensions swapped".into(), [&[shape[1], shape[0]], &shape[2..]].concat()));
+    }
+    for (what, s) in shapes {
+        out.push((what, with("shape", json!(s))));
+    }
+    for (what, o) in [
+        ("offsets reversed", json!([b, a])),
+        ("offsets past the data", json!([data_len, data_len + (b - a)])),
+        ("offsets shifted by one", json!([a + 1, b + 1])),
+        ("offsets empty", json!([a, a])),
+        ("offsets huge", json!([u64::MAX - 1, u64::MAX])),
+        ("one offset", json!([a])),
+    ] {
+        out.push((what.into(), with("data_offsets", o)));
+    }
+    out
+}
+
+#[test]
+fn no_mutated_safetensors_header_makes_loading_or_decoding_panic() {
+    let golden = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/golden");
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&golden)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.join("model.safetensors").exists())
+        .collect();
+    dirs.sort();
+    assert!(dirs.len() >= 15, "golden checkpoints: {dirs:?}");
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let (mut tried, mut decoded, mut refused, mut failures) = (0usize, 0usize, 0usize, Vec::new());
+    for src in &dirs {
+        let name = src.file_name().unwrap().to_string_lossy().to_string();
+        let dst = sluice_formats::scratch_root().join(format!("sluice-mutated-st-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dst).unwrap();
+        for e in std::fs::read_dir(src).unwrap() {
+            let e = e.unwrap();
+            std::fs::copy(e.path(), dst.join(e.file_name())).unwrap();
+        }
+        let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+        let (header, data) = split_safetensors(&bytes);
+        // Layer 0's tensors and those outside the layers (the others go through the same code).
+        let names: Vec<String> = header
+            .keys()
+            .filter(|k| *k != "__metadata__" && (!k.contains("layers.") || k.contains("layers.0.")))
+            .cloned()
+            .collect();
+        for t in &names {
+            for (what, edit) in entry_edits(&header[t], data.len() as u64) {
+                let mut h = header.clone();
+                match edit {
+                    Some(e) => h.insert(t.clone(), e),
+                    None => h.remove(t),
+                };
+                std::fs::write(dst.join("model.safetensors"), join_safetensors(&h, data)).unwrap();
+                tried += 1;
+                match outcome(&dst) {
+                    Outcome::Decoded => decoded += 1,
+                    Outcome::Refused => refused += 1,
+                    Outcome::Panicked(msg) => failures.push(format!("{name}: {t}: {what}: {msg}")),
+                }
+            }
+        }
+        let _ = std::fs::remove_dir_all(&dst);
+    }
+    std::panic::set_hook(hook);
+    eprintln!("{tried} mutated safetensors headers: {decoded} decoded, {refused} refused, {} panicked", failures.len());
+    assert!(tried > 5000 && refused > tried / 2, "{decoded} decoded, {refused} refused of {tried}");
+    assert!(failures.is_empty(), "{} of {tried} mutated headers panicked:\n{}", failures.len(), failures.join("\n"));
 }
