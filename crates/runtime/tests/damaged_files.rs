@@ -144,6 +144,71 @@ fn outcome(path: &Path) -> Outcome {
     }
 }
 
+/// Outcomes of many damaged checkpoints.
+#[derive(Default)]
+struct Tally {
+    tried: usize,
+    decoded: usize,
+    refused: usize,
+    /// What panicked, and the panic's message.
+    panics: Vec<String>,
+}
+
+impl Tally {
+    /// Loads and decodes the checkpoint at `path` (`what` describes the damage).
+    fn add(&mut self, path: &Path, what: impl FnOnce() -> String) {
+        self.tried += 1;
+        match outcome(path) {
+            Outcome::Decoded => self.decoded += 1,
+            Outcome::Refused => self.refused += 1,
+            Outcome::Panicked(msg) => self.panics.push(format!("{}: {msg}", what())),
+        }
+    }
+
+    /// No panic, at least `min_tried` cases, more than `min_refused` of them refused and at
+    /// least `min_decoded` decoded (both ends exercised).
+    fn check(&self, kind: &str, min_tried: usize, min_refused: f64, min_decoded: usize) {
+        let Tally { tried, decoded, refused, .. } = *self;
+        eprintln!("{tried} damaged {kind}: {decoded} decoded, {refused} refused, {} panicked", self.panics.len());
+        assert!(tried >= min_tried, "only {tried} damaged {kind} tried");
+        assert!(
+            refused as f64 > min_refused * tried as f64 && decoded >= min_decoded,
+            "{decoded} decoded, {refused} refused of {tried} {kind}"
+        );
+        assert!(
+            self.panics.is_empty(),
+            "{} of {tried} damaged {kind} panicked:\n{}",
+            self.panics.len(),
+            self.panics.join("\n")
+        );
+    }
+}
+
+/// The golden Hugging Face checkpoints (directories holding a config.json).
+fn golden_dirs() -> Vec<PathBuf> {
+    let golden = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/golden");
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&golden)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.join("config.json").exists() && p.join("model.safetensors").exists())
+        .collect();
+    dirs.sort();
+    assert!(dirs.len() >= 15, "golden checkpoints: {dirs:?}");
+    dirs
+}
+
+/// A scratch copy of the checkpoint directory `src`.
+fn scratch_copy(src: &Path, tag: &str) -> PathBuf {
+    let name = src.file_name().unwrap().to_string_lossy();
+    let dst = sluice_formats::scratch_root().join(format!("sluice-damaged-{tag}-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dst).unwrap();
+    for e in std::fs::read_dir(src).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), dst.join(e.file_name())).unwrap();
+    }
+    dst
+}
+
 /// Whether a tensor is one the mutations cover: everything outside the layers, and layer 0's
 /// (the other layers' declarations go through the same checks).
 fn covered(name: &str) -> bool {
@@ -160,10 +225,7 @@ fn no_mutated_gguf_header_makes_loading_or_decoding_panic() {
     files.sort();
     assert!(files.len() >= 13, "golden GGUF files: {files:?}");
     let dst = sluice_formats::scratch_root().join(format!("sluice-mutated-{}.gguf", std::process::id()));
-    // The panics are collected and reported together, not printed one by one.
-    let hook = std::panic::take_hook();
-    std::panic::set_hook(Box::new(|_| {}));
-    let (mut tried, mut decoded, mut refused, mut failures) = (0usize, 0usize, 0usize, Vec::new());
+    let mut tally = Tally::default();
     for src in &files {
         let f = GgufFile::open(src).unwrap();
         let name = src.file_name().unwrap().to_string_lossy().to_string();
@@ -206,21 +268,12 @@ fn no_mutated_gguf_header_makes_loading_or_decoding_panic() {
                 // A declaration the writer itself cannot lay out (no file to load).
                 continue;
             }
-            tried += 1;
-            match outcome(&dst) {
-                Outcome::Decoded => decoded += 1,
-                Outcome::Refused => refused += 1,
-                Outcome::Panicked(msg) => failures.push(format!("{name}: {label}: {msg}")),
-            }
+            tally.add(&dst, || format!("{name}: {label}"));
         }
     }
-    std::panic::set_hook(hook);
     let _ = std::fs::remove_file(&dst);
-    eprintln!("{tried} mutated files: {decoded} decoded, {refused} refused, {} panicked", failures.len());
-    assert!(tried > 2000, "only {tried} mutations tried");
     // Both ends are exercised: most changes are refused, and some leave a model that runs.
-    assert!(refused > tried / 2 && decoded > 100, "{decoded} decoded, {refused} refused of {tried}");
-    assert!(failures.is_empty(), "{} of {tried} mutated files panicked:\n{}", failures.len(), failures.join("\n"));
+    tally.check("GGUF files", 2000, 0.5, 100);
 }
 
 fn set(w: &mut GgufWriter, key: &str, v: Value) {
@@ -265,25 +318,11 @@ fn json_replacements() -> Vec<serde_json::Value> {
 
 #[test]
 fn no_mutated_config_json_makes_loading_or_decoding_panic() {
-    let golden = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/golden");
-    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&golden)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.join("config.json").exists())
-        .collect();
-    dirs.sort();
-    assert!(dirs.len() >= 15, "golden checkpoints: {dirs:?}");
-    let hook = std::panic::take_hook();
-    std::panic::set_hook(Box::new(|_| {}));
-    let (mut tried, mut decoded, mut refused, mut failures) = (0usize, 0usize, 0usize, Vec::new());
+    let dirs = golden_dirs();
+    let mut tally = Tally::default();
     for src in &dirs {
         let name = src.file_name().unwrap().to_string_lossy().to_string();
-        let dst = sluice_formats::scratch_root().join(format!("sluice-mutated-{name}-{}", std::process::id()));
-        std::fs::create_dir_all(&dst).unwrap();
-        for e in std::fs::read_dir(src).unwrap() {
-            let e = e.unwrap();
-            std::fs::copy(e.path(), dst.join(e.file_name())).unwrap();
-        }
+        let dst = scratch_copy(src, "config");
         let original: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
         assert_eq!(outcome(&dst), Outcome::Decoded, "{name} as it is");
@@ -311,20 +350,12 @@ fn no_mutated_config_json_makes_loading_or_decoding_panic() {
                     None => slot.remove(last),
                 };
                 std::fs::write(dst.join("config.json"), serde_json::to_string(&c).unwrap()).unwrap();
-                tried += 1;
-                match outcome(&dst) {
-                    Outcome::Decoded => decoded += 1,
-                    Outcome::Refused => refused += 1,
-                    Outcome::Panicked(msg) => failures.push(format!("{name}: {label}: {msg}")),
-                }
+                tally.add(&dst, || format!("{name}: {label}"));
             }
         }
         let _ = std::fs::remove_dir_all(&dst);
     }
-    std::panic::set_hook(hook);
-    eprintln!("{tried} mutated configs: {decoded} decoded, {refused} refused, {} panicked", failures.len());
-    assert!(tried > 5000 && refused > tried / 4 && decoded > 100, "{decoded} decoded, {refused} refused of {tried}");
-    assert!(failures.is_empty(), "{} of {tried} mutated configs panicked:\n{}", failures.len(), failures.join("\n"));
+    tally.check("configs", 5000, 0.25, 100);
 }
 
 /// The header of a safetensors file (a JSON object after its 8-byte length) and its data.
@@ -387,25 +418,11 @@ fn entry_edits(e: &serde_json::Value, data_len: u64) -> Vec<(String, Option<serd
 
 #[test]
 fn no_mutated_safetensors_header_makes_loading_or_decoding_panic() {
-    let golden = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/golden");
-    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&golden)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.join("model.safetensors").exists())
-        .collect();
-    dirs.sort();
-    assert!(dirs.len() >= 15, "golden checkpoints: {dirs:?}");
-    let hook = std::panic::take_hook();
-    std::panic::set_hook(Box::new(|_| {}));
-    let (mut tried, mut decoded, mut refused, mut failures) = (0usize, 0usize, 0usize, Vec::new());
+    let dirs = golden_dirs();
+    let mut tally = Tally::default();
     for src in &dirs {
         let name = src.file_name().unwrap().to_string_lossy().to_string();
-        let dst = sluice_formats::scratch_root().join(format!("sluice-mutated-st-{name}-{}", std::process::id()));
-        std::fs::create_dir_all(&dst).unwrap();
-        for e in std::fs::read_dir(src).unwrap() {
-            let e = e.unwrap();
-            std::fs::copy(e.path(), dst.join(e.file_name())).unwrap();
-        }
+        let dst = scratch_copy(src, "st");
         let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
         let (header, data) = split_safetensors(&bytes);
         // Layer 0's tensors and those outside the layers (the others go through the same code).
@@ -422,18 +439,10 @@ fn no_mutated_safetensors_header_makes_loading_or_decoding_panic() {
                     None => h.remove(t),
                 };
                 std::fs::write(dst.join("model.safetensors"), join_safetensors(&h, data)).unwrap();
-                tried += 1;
-                match outcome(&dst) {
-                    Outcome::Decoded => decoded += 1,
-                    Outcome::Refused => refused += 1,
-                    Outcome::Panicked(msg) => failures.push(format!("{name}: {t}: {what}: {msg}")),
-                }
+                tally.add(&dst, || format!("{name}: {t}: {what}"));
             }
         }
         let _ = std::fs::remove_dir_all(&dst);
     }
-    std::panic::set_hook(hook);
-    eprintln!("{tried} mutated safetensors headers: {decoded} decoded, {refused} refused, {} panicked", failures.len());
-    assert!(tried > 5000 && refused > tried / 2, "{decoded} decoded, {refused} refused of {tried}");
-    assert!(failures.is_empty(), "{} of {tried} mutated headers panicked:\n{}", failures.len(), failures.join("\n"));
+    tally.check("safetensors headers", 5000, 0.5, 0);
 }
