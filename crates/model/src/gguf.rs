@@ -309,17 +309,22 @@ fn read_config(f: &GgufFile) -> Result<(ModelConfig, Vec<String>)> {
     Ok((cfg, notes))
 }
 
+/// A layer tensor's block and its name within the block: `blk.3.attn_q.bias` → (3, `attn_q.bias`).
+fn block_part(name: &str) -> Option<(usize, &str)> {
+    let (i, suffix) = name.strip_prefix("blk.")?.split_once('.')?;
+    Some((i.parse().ok()?, suffix))
+}
+
 /// The layer tensors (`blk.N.…`) against the block counts: every one in a declared block, no
 /// multi-token-prediction tensor (`blk.N.nextn.…`) in a trunk block, and every block counted as
 /// a prediction block either holding such tensors or none at all (a file whose prediction
 /// layers were stripped). A count that disagrees with the tensors would otherwise run a model
 /// with layers left out, or with a prediction layer run as a trunk layer, and say nothing.
 fn check_blocks(f: &GgufFile, blocks: usize, n_layer: usize) -> Result<()> {
-    let block_of = |name: &str| name.strip_prefix("blk.")?.split('.').next()?.parse::<usize>().ok();
     // Per block holding tensors: whether any of them is a prediction tensor.
     let mut seen = std::collections::BTreeMap::<usize, bool>::new();
     for t in &f.tensors {
-        let Some(i) = block_of(&t.name) else { continue };
+        let Some((i, _)) = block_part(&t.name) else { continue };
         let nextn = t.name.contains(".nextn.");
         if i >= blocks {
             return Err(f.error(format!("tensor `{}` is in block {i}, but block_count is {blocks}", t.name)).into());
@@ -357,8 +362,8 @@ fn check_layer_tensors(f: &GgufFile, cfg: &ModelConfig) -> Result<()> {
     // Per layer: its mixer's tensors, and the others.
     let mut held = vec![(BTreeSet::new(), BTreeSet::new()); cfg.n_layer];
     for t in &f.tensors {
-        let Some((i, suffix)) = t.name.strip_prefix("blk.").and_then(|r| r.split_once('.')) else { continue };
-        if let Some(h) = i.parse::<usize>().ok().and_then(|i| held.get_mut(i)) {
+        let Some((i, suffix)) = block_part(&t.name) else { continue };
+        if let Some(h) = held.get_mut(i) {
             if mixer_part(suffix) { &mut h.0 } else { &mut h.1 }.insert(suffix);
         }
     }
