@@ -668,14 +668,15 @@ unsafe fn gemm_iq<const R: usize, const P: usize, const DT: u32>(
     let bb = dt.block_bytes();
     let factor = super::iq::scale_factor(dt);
     let c128 = _mm512_set1_epi8(-128);
+    // IQ4_XS's levels plus 128, a `vpshufb` table in each 128-bit lane (formed once per call).
+    let levels =
+        _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128(IQ4NL_VALUES.as_ptr() as *const __m128i)), c128);
     // IQ1_M has a scale per 16 values, IQ4_XS and IQ1_S one per 32.
     gemm_offset16::<R, P>(ps, out, if signed(dt) { 128 } else { 9 }, dt != DType::IQ1_M, |r, b, codes, sc| {
         let blk = w.as_ptr().add(r * row_bytes + b * bb);
         if dt == DType::IQ4_XS {
             // The levels plus 128 straight from the codes, one shuffle per 64 values.
             let (n, sc8) = super::iq512_x86::iq4xs_parts(blk);
-            let levels = _mm512_broadcast_i32x4(_mm_loadu_si128(IQ4NL_VALUES.as_ptr() as *const __m128i));
-            let levels = _mm512_xor_si512(levels, c128);
             for c in 0..4 {
                 _mm512_storeu_si512(codes.as_mut_ptr().add(64 * c) as *mut _, _mm512_shuffle_epi8(levels, n[c]));
             }
