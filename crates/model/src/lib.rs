@@ -16,6 +16,7 @@ pub mod mtp;
 pub mod pinned;
 pub mod rope;
 pub mod state;
+pub mod step;
 pub mod synth;
 pub mod trace;
 pub mod weights;

@@ -58,7 +58,13 @@ pub struct Model {
     /// Where dense products run when not on `pool` (a GPU holding the dense weights); the
     /// same bits either way.
     pub dense_compute: Option<Arc<dyn crate::dense::DenseCompute>>,
+    /// Where single-token steps of one sequence run whole when not here (a GPU holding the
+    /// dense weights, the KV cache and the experts): its own bits, not the CPU's.
+    pub step_compute: Option<Arc<dyn crate::step::StepCompute>>,
 }
+
+/// A pass's (logits, final-normed hidden rows) per sequence.
+type PassOutput = Vec<(Vec<f32>, Vec<f32>)>;
 
 /// Which rows of logits a forward pass returns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -136,6 +142,7 @@ impl Model {
             mtp: None,
             expert_compute: None,
             dense_compute: None,
+            step_compute: None,
         })
     }
 
@@ -276,7 +283,10 @@ impl Model {
             }
             self.check_tokens(it.tokens)?;
         }
-        let r = self.forward_layers(experts, items, &mut obs);
+        let r = match self.whole_step(experts, items, obs.is_some()) {
+            Some(r) => r,
+            None => self.forward_layers(experts, items, &mut obs),
+        };
         for it in items.iter_mut() {
             match &r {
                 Ok(_) => it.state.commit(it.tokens.len()),
@@ -284,6 +294,22 @@ impl Model {
             }
         }
         r
+    }
+
+    /// The pass through `step_compute`, when there is one and it takes it: one token of one
+    /// sequence, experts from the model's own source, nothing observed.
+    fn whole_step(
+        &self,
+        experts: &dyn ExpertSource,
+        items: &mut [BatchItem<'_>],
+        observed: bool,
+    ) -> Option<Result<PassOutput>> {
+        let s = self.step_compute.as_ref()?;
+        let [it] = items else { return None };
+        if observed || it.tokens.len() != 1 || !std::ptr::addr_eq(experts, &*self.experts) {
+            return None;
+        }
+        s.step(self, it.state, it.tokens[0], it.want).map(|r| r.map(|out| vec![out]))
     }
 
     pub(crate) fn check_tokens(&self, tokens: &[u32]) -> Result<()> {

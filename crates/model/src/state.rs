@@ -107,7 +107,15 @@ pub struct SeqState {
     layers: Vec<LayerState>,
     len: usize,
     max_len: usize,
+    /// This state's identity, and how many times positions it had stored were taken back
+    /// (`truncate`, `restore`): a device copy of its keys and values made at one (id, edits)
+    /// is still a copy of its first positions at the same pair.
+    id: u64,
+    edits: u64,
 }
+
+/// The next `SeqState::id`.
+static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 /// A sliding-window layer's saved tail: its first position, keys and values.
 type Tail = (usize, Vec<f32>, Vec<f32>);
@@ -158,7 +166,8 @@ impl SeqState {
                 }
             })
             .collect();
-        SeqState { layers, len: 0, max_len }
+        let id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        SeqState { layers, len: 0, max_len, id, edits: 0 }
     }
 
     /// Positions stored.
@@ -172,6 +181,12 @@ impl SeqState {
 
     pub fn max_len(&self) -> usize {
         self.max_len
+    }
+
+    /// (id, edits): while both stay the same, the keys and values of every position below
+    /// `len()` stay as they were when they were appended.
+    pub fn lineage(&self) -> (u64, u64) {
+        (self.id, self.edits)
     }
 
     /// Whether any layer keeps a recurrent state (which cannot be cut back by `truncate`).
@@ -216,6 +231,7 @@ impl SeqState {
             )));
         }
         self.cut_kv(len);
+        self.edits += 1;
         if len == 0 {
             for l in &mut self.layers {
                 if let LayerState::Recurrent(r) = l {
@@ -284,6 +300,7 @@ impl SeqState {
             )));
         }
         self.cut_kv(snap.len);
+        self.edits += 1;
         for ((l, saved), tail) in self.layers.iter_mut().zip(&snap.recurrent).zip(&snap.tails) {
             match (l, saved, tail) {
                 (LayerState::Recurrent(r), Some((c, s)), _) => {
