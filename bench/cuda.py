@@ -17,9 +17,11 @@ Cases (each tool: one warm-up and --reps timed repetitions per test, llama-bench
                7/8 of the layers (the same VRAM share for experts as sluice's tier); the
                better of the two is the denominator.
   cpu          sluice with no GPU, for reference (no ratio).
-sluice's dense matrices are in VRAM (their products on the GPU; --cpu-dense, run once beside
-the resident case, keeps them on the CPU), while attention, norms and the KV cache stay on the
-CPU: that is what the GPU backend does so far, and the result says so.
+sluice's dense matrices are in VRAM. Decode steps run whole on the GPU (attention, norms and the
+KV cache in VRAM; the host routes each MoE layer from the router's logits), prefill sends each
+product to the GPU with attention on the CPU. Beside the resident case two variants run once:
+--gpu-per-product (decode steps on the host, each product on the GPU: the CPU's bits) and
+--cpu-dense (dense products on the CPU too).
 
     python3 bench/cuda.py --peer-bin DIR [--model M.gguf] [--threads 16] [--out DIR]
 """
@@ -51,7 +53,7 @@ def sluice_case(exe, model, a, gpu_bytes, extra=()):
     r = lib.last_json(lib.run(cmd)["out"])
     out = {"prefill_tok_s": r["prefill_tok_s"], "decode_tok_s": r["decode_tok_s"], "placement": r["experts"]["placement"]}
     # The GPU's counters and placement, over both tests.
-    for k in ("gpu_placement", "gpu_experts", "gpu_dense_placement", "gpu_dense"):
+    for k in ("gpu_placement", "gpu_experts", "gpu_dense_placement", "gpu_dense", "gpu_step_placement", "gpu_step"):
         if k in r:
             out[k] = r[k]
     return cmd, out
@@ -117,6 +119,7 @@ def main():
         return r
 
     s_res = measured("sluice_resident", sluice_case(exe, model, a, everything))
+    s_res_pp = measured("sluice_resident_per_product", sluice_case(exe, model, a, everything, ["--gpu-per-product"]))
     s_res_cd = measured("sluice_resident_cpu_dense", sluice_case(exe, model, a, everything, ["--cpu-dense"]))
     p_res = measured("peer_resident", peer_case(a.peer_bin, model, a, 0))
     s_8 = measured("sluice_eighth", sluice_case(exe, model, a, eighth))
@@ -125,6 +128,7 @@ def main():
     s_cpu = measured("sluice_cpu", sluice_case(exe, model, a, 0))
     cases["resident"] = {
         "sluice": s_res,
+        "sluice_per_product": s_res_pp,
         "sluice_cpu_dense": s_res_cd,
         "peer": p_res,
         "ratio": {k: ratio(s_res, [p_res], k) for k in ("prefill_tok_s", "decode_tok_s")},
@@ -145,7 +149,7 @@ def main():
         "git": state,
         "date": lib.now_iso(),
         "machine": m,
-        "sluice": {"version": lib.version(state), "gpu_backend": "routed experts and dense matrices' products on the GPU; attention, norms and KV on the CPU"},
+        "sluice": {"version": lib.version(state), "gpu_backend": "decode steps whole on the GPU (attention, norms, KV cache, dense and expert products; routing on the host from the router's logits); prefill: each product on the GPU, attention and norms on the CPU"},
         "peer": {"version": lib.PEER_VERSION, "backend": "CUDA (tools/cuda/build-peer.sh)"},
         "model": dict(lib.model_info(model), layers=layers, expert_bytes=expert_bytes, dense_bytes=info["dense_bytes"]),
         "protocol": {"threads": a.threads, "n_prompt": a.prompt, "n_gen": a.gen, "reps": a.reps},

@@ -65,15 +65,23 @@ pub struct ModelArgs {
     pub pin_trace: Option<PathBuf>,
     /// Compute the routed experts on the NVIDIA GPU (device 0), which keeps up to SIZE of
     /// them in its memory (e.g. 8GiB) and copies the others from host memory when chosen
-    /// (where --expert-cache and --expert-mode keep them). The output is the CPU's, bit for
-    /// bit. Needs the NVIDIA driver and NVRTC at run time. The dense matrices (every layer's
-    /// projections, dense and shared FFNs, the output head) go to the GPU's memory too,
-    /// beside the tier, unless --cpu-dense.
+    /// (where --expert-cache and --expert-mode keep them). Needs the NVIDIA driver and NVRTC
+    /// at run time. The dense matrices (every layer's projections, dense and shared FFNs, the
+    /// output head) go to the GPU's memory too, beside the tier, unless --cpu-dense. Passes
+    /// of several tokens (prefill) send each product to the GPU and give the CPU's bits;
+    /// single-token decode steps run whole on the GPU where the model's layers allow it (its
+    /// own float rounding, the same bits whatever the tier holds) unless --gpu-per-product.
     #[arg(long, value_name = "SIZE")]
     pub gpu_experts: Option<String>,
     /// With --gpu-experts: keep the dense matrices' products on the CPU.
     #[arg(long, requires = "gpu_experts")]
     pub cpu_dense: bool,
+    /// With --gpu-experts: run decode steps on the host, sending each product to the GPU
+    /// (the CPU's bits), instead of whole on the GPU (where the model's layers allow it:
+    /// attention, norms and the KV cache in VRAM; logits within float rounding of the
+    /// CPU's, the same bits whatever the VRAM tier holds).
+    #[arg(long, requires = "gpu_experts")]
+    pub gpu_per_product: bool,
     #[command(flatten)]
     pub remote: RemoteArgs,
 }
@@ -405,6 +413,7 @@ impl ModelArgs {
             }
             let quota = parse_size(size).context("--gpu-experts")? as usize;
             let gpu = std::sync::Arc::new(sluice_cuda::Gpu::open(0).context("--gpu-experts")?);
+            let mut dense = None;
             if !self.cpu_dense {
                 // Whatever the expert tier leaves of the device's memory, less room for the
                 // buffers a pass allocates there.
@@ -412,14 +421,29 @@ impl ModelArgs {
                 let d = sluice_cuda::dense::CudaDense::upload(gpu.clone(), &e.model, budget)
                     .context("--gpu-experts: uploading the dense weights")?;
                 eprintln!("sluice: {}", sluice_model::dense::DenseCompute::describe(&d));
-                e.model.dense_compute = Some(std::sync::Arc::new(d));
+                let d = std::sync::Arc::new(d);
+                e.model.dense_compute = Some(d.clone());
+                dense = Some(d);
             }
             let c = sluice_cuda::experts::CudaExperts::with_gpu(gpu, quota, e.model.experts.expert_bytes())
                 .context("--gpu-experts")?;
             eprintln!("sluice: {}", sluice_model::ffn::offload::ExpertCompute::describe(&c));
             let w = c.warm(&*e.model.experts, &e.model.cfg).context("--gpu-experts: warming the VRAM tier")?;
             eprintln!("sluice: {w}");
-            e.model.expert_compute = Some(std::sync::Arc::new(c));
+            let c = std::sync::Arc::new(c);
+            e.model.expert_compute = Some(c.clone());
+            match dense.filter(|_| !self.gpu_per_product) {
+                Some(d) => match sluice_cuda::step::CudaStep::new(&e.model, d, Some(c)) {
+                    Ok(s) => {
+                        eprintln!("sluice: {}", sluice_model::step::StepCompute::describe(&s));
+                        e.model.step_compute = Some(std::sync::Arc::new(s));
+                    }
+                    Err(why) => eprintln!(
+                        "sluice: decode steps run on the host with each product on the GPU: the whole-step path does not run {why}"
+                    ),
+                },
+                None => eprintln!("sluice: decode steps run on the host with each product on the GPU"),
+            }
         }
         if e.model.cfg.is_moe() {
             eprintln!("sluice: {}", e.placement);
@@ -506,6 +530,10 @@ pub fn gpu_stats_json(e: &Engine, v: &mut serde_json::Value) {
         v["gpu_dense"] = d.stats_line().into();
         v["gpu_dense_placement"] = d.describe().into();
     }
+    if let Some(s) = &e.model.step_compute {
+        v["gpu_step"] = s.stats_line().into();
+        v["gpu_step_placement"] = s.describe().into();
+    }
 }
 
 /// Expert-cache counters over `tokens` tokens as JSON. Rates are over demand accesses (the
@@ -555,7 +583,8 @@ pub fn expert_stats_line(e: &Engine, tokens: usize) -> String {
 /// The GPU's counters (`--gpu-experts`) for humans: its experts', then its dense products'.
 pub fn gpu_stats_lines(e: &Engine) -> Vec<String> {
     let experts = e.model.expert_compute.as_ref().map(|c| c.stats_line());
-    experts.into_iter().chain(e.model.dense_compute.as_ref().map(|d| d.stats_line())).collect()
+    let steps = e.model.step_compute.as_ref().map(|s| s.stats_line());
+    experts.into_iter().chain(e.model.dense_compute.as_ref().map(|d| d.stats_line())).chain(steps).collect()
 }
 
 /// One line of expert-cache counters over `tokens` tokens.

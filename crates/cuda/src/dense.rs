@@ -95,6 +95,16 @@ impl CudaDense {
         (st.one.calls + st.many.calls, st.declined, st.errors)
     }
 
+    /// The device copy of `w`, if this holds one.
+    pub fn matrix(&self, w: &Weight) -> Option<&GpuMatrix> {
+        self.mats.get(&key(w))
+    }
+
+    /// The device the matrices live on.
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+
     /// Bytes of dense weights in VRAM.
     pub fn held_bytes(&self) -> usize {
         self.held_bytes

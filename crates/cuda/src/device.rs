@@ -7,8 +7,9 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
-/// The kernels' CUDA C.
-const SOURCE: &str = include_str!("kernels/quant.cu");
+/// The kernels' CUDA C, one compilation unit: the quantized products, then the decode step's
+/// float operations.
+const SOURCE: &str = concat!(include_str!("kernels/quant.cu"), "\n", include_str!("kernels/step.cu"));
 
 #[derive(Debug, thiserror::Error)]
 pub enum GpuError {

@@ -241,6 +241,12 @@ impl CudaExperts {
         &self.gpu
     }
 
+    /// Runs `f` on the VRAM tier (locked meanwhile): the whole-step path takes its experts
+    /// from the same tier.
+    pub fn with_tier<R>(&self, f: impl FnOnce(&mut VramExperts) -> R) -> R {
+        f(&mut self.state.lock().unwrap_or_else(|p| p.into_inner()).vram)
+    }
+
     /// The VRAM tier's counters.
     pub fn tier_stats(&self) -> crate::vram_cache::VramStats {
         self.state.lock().unwrap_or_else(|p| p.into_inner()).vram.stats()

@@ -24,6 +24,7 @@ mod device;
 pub mod experts;
 mod matmul;
 pub mod split;
+pub mod step;
 pub mod vram_cache;
 
 pub use device::{compile_kernels, Gpu, GpuError, HostRegistration};
@@ -37,6 +38,7 @@ pub fn supports(dtype: DType) -> bool {
 /// Every kernel the host code launches (the tests check that the compiled PTX has them).
 pub fn kernel_entry_points() -> Vec<String> {
     let mut v = vec!["quantize_q8k".to_string(), "quantize_q16".to_string()];
+    v.extend(step::KERNELS.iter().map(|k| k.to_string()));
     for d in [DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::Q2_K, DType::Q3_K, DType::Q8_0] {
         let base = matmul::kernel_name(d).expect("a CUDA format");
         for lanes in [8, 16] {

@@ -31,6 +31,7 @@ pub fn write_synth(arch: SynthArch, dir: &Path) -> PathBuf {
 }
 
 /// Logits of a 6-token prefill, then 3 tokens decoded one at a time, as bits.
+#[allow(dead_code)] // not every test file uses every helper
 pub fn logits(e: &Engine) -> Vec<u32> {
     let mut st = e.new_state();
     let mut bits = Vec::new();

@@ -1,0 +1,107 @@
+//! Decode steps run whole on the GPU: within float rounding of the CPU's logits with the
+//! same greedy tokens, the same bits at every VRAM quota from one token's experts to all of
+//! them (warmed or filled as it goes), the same bits again after the sequence is cut back
+//! and decoded anew, and the host's KV cache kept whole for the CPU passes that follow.
+//! Needs an NVIDIA GPU (ignored by default; run with `--ignored` on a CUDA machine).
+
+mod common;
+
+use common::write_synth;
+use sluice_cuda::dense::CudaDense;
+use sluice_cuda::experts::CudaExperts;
+use sluice_cuda::step::CudaStep;
+use sluice_cuda::vram_cache::slot_bytes_bound;
+use sluice_cuda::Gpu;
+use sluice_model::synth::SynthArch;
+use sluice_model::Logits;
+use sluice_runtime::placement::{ExpertMode, ExpertOptions};
+use sluice_runtime::{Engine, EngineOptions};
+use std::sync::Arc;
+
+const PROMPT: [u32; 6] = [5, 17, 3, 99, 42, 7];
+const NEXT: [u32; 5] = [11, 64, 2, 130, 9];
+
+/// Logits of each single-token step after a CPU prefill, then a 2-token CPU pass after them.
+fn steps(e: &Engine) -> (Vec<Vec<f32>>, Vec<f32>) {
+    let mut st = e.new_state();
+    e.model.forward(&mut st, &PROMPT, Logits::Last, None).unwrap();
+    let per: Vec<Vec<f32>> =
+        NEXT.iter().map(|t| e.model.forward(&mut st, &[*t], Logits::Last, None).unwrap()).collect();
+    let after = e.model.forward(&mut st, &[1, 2], Logits::All, None).unwrap();
+    (per, after)
+}
+
+fn argmax(v: &[f32]) -> usize {
+    v.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --ignored on a CUDA machine"]
+fn whole_steps_match_the_cpu_and_their_own_bits_at_every_quota() {
+    let dir = sluice_formats::scratch_root().join(format!("sluice-gpu-step-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = write_synth(SynthArch::Qwen3Moe, &dir);
+    let experts = ExpertOptions { mode: ExpertMode::Resident, ..Default::default() };
+    let opts = EngineOptions { threads: 2, max_context: 64, experts, mtp: false };
+    let mut e = Engine::load(&path, opts).unwrap();
+    let (cpu, cpu_after) = steps(&e);
+    let gpu = Arc::new(Gpu::open(0).unwrap());
+    let dense = Arc::new(CudaDense::upload(gpu.clone(), &e.model, 1 << 30).unwrap());
+    let one = e.model.experts.expert_bytes();
+    let k = e.model.cfg.moe.as_ref().unwrap().n_expert_used;
+    let mut reference: Option<Vec<u32>> = None;
+    for (slots, warm) in [(48, true), (k, false), (k + 1, true), (48, false)] {
+        let c = Arc::new(CudaExperts::with_gpu(gpu.clone(), slots * slot_bytes_bound(one, 3), one).unwrap());
+        if warm {
+            c.warm(&*e.model.experts, &e.model.cfg).unwrap();
+        }
+        let step = Arc::new(CudaStep::new(&e.model, dense.clone(), Some(c.clone())).unwrap());
+        e.model.dense_compute = Some(dense.clone());
+        e.model.expert_compute = Some(c.clone());
+        e.model.step_compute = Some(step.clone());
+        let (per, after) = steps(&e);
+        let line = sluice_model::step::StepCompute::stats_line(&*step);
+        assert!(line.starts_with(&format!("GPU steps: {}", NEXT.len())), "{line}");
+        for (i, (g, c)) in per.iter().zip(&cpu).enumerate() {
+            let scale = c.iter().map(|v| v.abs()).fold(0.0, f32::max);
+            let d = max_diff(g, c);
+            assert!(d <= 2e-3 * scale.max(1.0), "{slots} slots, step {i}: logits {d} from the CPU's (scale {scale})");
+            assert_eq!(argmax(g), argmax(c), "{slots} slots, step {i}: another greedy token");
+        }
+        // The CPU pass after the steps reads the keys and values they left on the host.
+        let d = max_diff(&after, &cpu_after);
+        assert!(d <= 5e-3 * cpu_after.iter().map(|v| v.abs()).fold(1.0, f32::max), "the pass after the steps: {d}");
+        let bits: Vec<u32> = per.iter().flatten().map(|v| v.to_bits()).collect();
+        match &reference {
+            None => reference = Some(bits),
+            Some(r) => assert!(r == &bits, "{slots} slots (warm {warm}): other bits than the first quota's"),
+        }
+        let st = c.tier_stats();
+        assert!(st.hits + st.misses >= (NEXT.len() * k * 3) as u64, "{st:?}");
+        if slots == k {
+            assert!(st.misses > 0 && st.evictions > 0, "{st:?}");
+        }
+    }
+
+    // Cut back and decoded again: the device's cache is rebuilt from the host's, same bits.
+    let mut st = e.new_state();
+    e.model.forward(&mut st, &PROMPT, Logits::Last, None).unwrap();
+    let first: Vec<u32> = NEXT
+        .iter()
+        .flat_map(|t| e.model.forward(&mut st, &[*t], Logits::Last, None).unwrap())
+        .map(|v| v.to_bits())
+        .collect();
+    st.truncate(PROMPT.len()).unwrap();
+    let again: Vec<u32> = NEXT
+        .iter()
+        .flat_map(|t| e.model.forward(&mut st, &[*t], Logits::Last, None).unwrap())
+        .map(|v| v.to_bits())
+        .collect();
+    assert!(first == again, "decoding again after a truncation changed the bits");
+    assert!(Some(&first) == reference.as_ref(), "a fresh sequence gave other bits");
+    std::fs::remove_dir_all(&dir).ok();
+}
