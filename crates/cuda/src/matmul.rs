@@ -364,6 +364,45 @@ impl Gpu {
         Ok(())
     }
 
+    /// The grouped matmul of `nseg` matrices of one shape, one activation row each, from a
+    /// table already in device memory at `table` (laid out as `matmul_ids_into` uploads it:
+    /// `nseg` matrix pointers, then starts, lengths and activation rows): for a caller that
+    /// builds the table on the device. Entry `i` writes row `i` of `out`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn matmul_ids_table(
+        &self,
+        dtype: DType,
+        rows: usize,
+        cols: usize,
+        nseg: usize,
+        table: u64,
+        x: &GpuAct,
+        out: &mut CudaViewMut<'_, f32>,
+    ) -> Result<(), GpuError> {
+        let base = kernel_name(dtype).ok_or(GpuError::Unsupported(dtype))?;
+        check_fits(dtype, cols, x)?;
+        if out.len() < nseg * rows {
+            return Err(GpuError::Shape(format!("output of {} values is not {nseg} × {rows}", out.len())));
+        }
+        if nseg == 0 || rows == 0 {
+            return Ok(());
+        }
+        let (p_ptrs, p_starts, p_lens, p_rows) =
+            (table, table + 8 * nseg as u64, table + 12 * nseg as u64, table + 16 * nseg as u64);
+        let f = self.function(&format!("{base}_g{LANES_PER_ROW}_1_ids"));
+        let nb = (cols / dtype.block_elems()) as i32;
+        let rows_i = rows as i32;
+        let (cfg, chunk) = rows_launch(rows, LANES_PER_ROW, nseg, 1);
+        let mut b = self.stream.launch_builder(f);
+        b.arg(&p_ptrs).arg(&p_starts).arg(&p_lens).arg(&rows_i).arg(&nb);
+        b.arg(&x.d).arg(&x.qs).arg(&x.bsums).arg(&x.qs16).arg(&p_rows).arg(&chunk).arg(out);
+        // SAFETY: the caller's table (written in stream order before this launch) names `nseg`
+        // live matrices of rows × nb blocks of this format, segments of one entry each and
+        // activation rows below x.n; `out` holds nseg × rows floats (checked above).
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
     /// Host-to-host convenience: uploads `x` (n × cols), quantizes, multiplies, copies back.
     pub fn matmul_host(&self, w: &GpuMatrix, x: &[f32], n: usize) -> Result<Vec<f32>, GpuError> {
         let xd = self.stream.clone_htod(x)?;

@@ -30,7 +30,7 @@ use crate::vram_cache::{ExpertKey, HostPart};
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 use sluice_kernels::quant::act::ActKind;
 use sluice_kernels::DType;
-use sluice_model::config::{Activation, MixerKind, QkNorm};
+use sluice_model::config::{Activation, Gating, MixerKind, QkNorm};
 use sluice_model::error::{ModelError, Result};
 use sluice_model::ffn::router::route;
 use sluice_model::ffn::FfnWeights;
@@ -45,12 +45,14 @@ use std::time::Instant;
 /// The kernels of `kernels/step.cu`.
 pub const KERNELS: &[&str] = &[
     "step_rms_norm",
-    "step_rope",
     "step_attention",
     "step_add",
     "step_matvec_f32",
     "step_silu_mul",
     "step_weighted_add",
+    "step_route",
+    "step_qk_norm_rope",
+    "step_add_rms_norm",
 ];
 
 const THREADS: u32 = 256;
@@ -64,7 +66,30 @@ struct StepLayer {
     qk_norm: Option<[CudaSlice<f32>; 2]>,
     /// The router widened to f32 (MoE layers).
     router: Option<CudaSlice<f32>>,
+    /// The layer's softmax gate, computed on the device whatever the tier holds (so that the
+    /// weights have the same bits either way); `None`: the host's routing code runs it.
+    gate: Option<DeviceGate>,
+    /// Where every expert of this layer sits in the VRAM tier, when the tier holds them all:
+    /// the step then chooses and reads them with no host in between.
+    held: Option<HeldExperts>,
 }
+
+#[derive(Clone, Copy)]
+struct DeviceGate {
+    norm: bool,
+    topk_first: bool,
+}
+
+/// A layer's experts as the tier holds them: matrix pointers (gate, up, down; `ne` each)
+/// and their shapes, (dtype, rows, cols) of the gate (and up) and of the down matrices.
+struct HeldExperts {
+    ptrs: CudaSlice<u64>,
+    gate: Shape,
+    down: Shape,
+}
+
+/// A matrix's (dtype, rows, cols).
+type Shape = (DType, usize, usize);
 
 pub struct CudaStep {
     gpu: Arc<Gpu>,
@@ -100,6 +125,9 @@ struct State {
     /// Time the host waited for the router's logits, and for the experts' residency.
     route_ns: u64,
     acquire_ns: u64,
+    /// MoE layers routed on the device (no wait), and on the host.
+    device_routed: u64,
+    host_routed: u64,
     /// Positions copied up from the host's cache.
     synced: u64,
 }
@@ -170,6 +198,9 @@ struct Bufs {
     u: CudaSlice<f32>,
     y: CudaSlice<f32>,
     weights: CudaSlice<f32>,
+    /// The device's routing: the chosen ids and the grouped products' three tables.
+    ids: CudaSlice<i32>,
+    tables: CudaSlice<u8>,
     logits: CudaSlice<f32>,
     scores: CudaSlice<f32>,
     scores_stride: usize,
@@ -211,6 +242,9 @@ pub fn unsupported(m: &Model, dense: &CudaDense) -> Option<String> {
     if cfg.qk_norm == QkNorm::Full {
         return Some("QK-norm over the whole projection".into());
     }
+    if cfg.head_dim > 256 {
+        return Some(format!("heads of {} values (the attention kernel takes up to 256)", cfg.head_dim));
+    }
     if m.rope.cfg.dim > cfg.head_dim || !m.rope.cfg.dim.is_multiple_of(2) {
         return Some("a rotary width wider than a head".into());
     }
@@ -242,6 +276,45 @@ pub fn unsupported(m: &Model, dense: &CudaDense) -> Option<String> {
         }
     }
     None
+}
+
+/// The gate the device computes for `m`'s sparse layers: a softmax over every expert
+/// (Qwen-style, or Mixtral's softmax over the chosen logits) with at most 1024 experts and
+/// 64 chosen; others are routed by the host.
+fn device_gate(m: &Model) -> Option<DeviceGate> {
+    let moe = m.cfg.moe.as_ref()?;
+    let g = match moe.gating {
+        Gating::SoftmaxTopK { norm_topk } => DeviceGate { norm: norm_topk, topk_first: false },
+        Gating::TopKSoftmax => DeviceGate { norm: false, topk_first: true },
+        _ => return None,
+    };
+    (moe.n_expert <= 1024 && (1..=64).contains(&moe.n_expert_used) && moe.n_expert >= moe.n_expert_used).then_some(g)
+}
+
+/// Sparse layer `l`'s experts where the tier holds every one of them, in one shape and format.
+fn held_experts(m: &Model, l: usize, c: &CudaExperts, gpu: &Gpu) -> std::result::Result<Option<HeldExperts>, String> {
+    let ne = m.cfg.moe.as_ref().expect("a sparse layer of an MoE model").n_expert;
+    let found = c.with_tier(|v| -> Option<(Vec<u64>, [Shape; 3])> {
+        let mut ptrs = vec![0u64; 3 * ne];
+        let mut shape = None;
+        for e in 0..ne {
+            let parts = v.parts_of_held(gpu, ExpertKey { layer: l as u32, expert: e as u32 })?;
+            let sh: [Shape; 3] = [0, 1, 2].map(|p| (parts[p].dtype, parts[p].rows, parts[p].cols));
+            if *shape.get_or_insert(sh) != sh || sh[0] != sh[1] {
+                return None; // one grouped launch needs one shape and format
+            }
+            for p in 0..3 {
+                ptrs[p * ne + e] = parts[p].ptr;
+            }
+        }
+        Some((ptrs, shape?))
+    });
+    let Some((ptrs, [gate, _, down])) = found else { return Ok(None) };
+    if kernel_name(gate.0).is_none() || kernel_name(down.0).is_none() {
+        return Ok(None);
+    }
+    let ptrs = gpu.stream.clone_htod(&ptrs).map_err(|e| e.to_string())?;
+    Ok(Some(HeldExperts { ptrs, gate, down }))
 }
 
 impl CudaStep {
@@ -286,7 +359,7 @@ impl CudaStep {
         let up = |v: &[f32]| gpu.stream.clone_htod(v).map_err(|e| e.to_string());
         let mut vram_bytes = 0;
         let mut layers = Vec::with_capacity(m.layers.len());
-        for layer in &m.layers {
+        for (l, layer) in m.layers.iter().enumerate() {
             let Mixer::Attention(a) = &layer.mixer else { unreachable!("checked by `unsupported`") };
             let bias = match (&a.q.b, &a.k.b, &a.v.b) {
                 (Some(q), Some(k), Some(v)) => Some([up(q)?, up(k)?, up(v)?]),
@@ -309,7 +382,16 @@ impl CudaStep {
                 FfnWeights::Dense(_) => None,
             };
             vram_bytes += 4 * (layer.attn_norm.len() + layer.ffn_norm.len());
+            let (gate, held) = match (&layer.ffn, &experts) {
+                (FfnWeights::Moe(_), Some(c)) => {
+                    let gate = device_gate(m);
+                    (gate, if gate.is_some() { held_experts(m, l, c, &gpu)? } else { None })
+                }
+                _ => (None, None),
+            };
             layers.push(StepLayer {
+                gate,
+                held,
                 attn_norm: up(&layer.attn_norm)?,
                 ffn_norm: up(&layer.ffn_norm)?,
                 bias,
@@ -375,6 +457,8 @@ impl CudaStep {
             u: s.alloc_zeros(k * ff)?,
             y: s.alloc_zeros(k * cfg.hidden)?,
             weights: s.alloc_zeros(k)?,
+            ids: s.alloc_zeros(k)?,
+            tables: s.alloc_zeros(3 * 24 * k)?,
             logits: s.alloc_zeros(cfg.vocab_size)?,
             scores: s.alloc_zeros(cfg.n_head * positions)?,
             scores_stride: positions,
@@ -442,7 +526,20 @@ impl CudaStep {
         let (hd, qd, kvd, dh) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
         let pos = state.len();
         self.sync_mirror(m, st, state)?;
-        let State { mirror, bufs, acts, up, router_back, kv_back, out_back, route_ns, acquire_ns, .. } = st;
+        let State {
+            mirror,
+            bufs,
+            acts,
+            up,
+            router_back,
+            kv_back,
+            out_back,
+            route_ns,
+            acquire_ns,
+            device_routed,
+            host_routed,
+            ..
+        } = st;
         let mirror = mirror.as_mut().expect("made by sync_mirror");
         let b = bufs.as_mut().expect("made by sync_mirror");
         // The input: the token's embedding, then the position's cosines and sines.
@@ -476,19 +573,30 @@ impl CudaStep {
                 self.add(kp, ptr(bk, gpu), kvd)?;
                 self.add(vp, ptr(bv, gpu), kvd)?;
             }
-            if let Some([nq, nk]) = &sl.qk_norm {
-                self.rms_norm(q, nq, q, cfg.n_head, dh, cfg.rms_eps)?;
-                self.rms_norm(kp, nk, kp, cfg.n_head_kv, dh, cfg.rms_eps)?;
-            }
-            if rot > 0 {
-                for (p, heads) in [(q, cfg.n_head), (kp, cfg.n_head_kv)] {
-                    let c = LaunchConfig { grid_dim: (heads as u32, 1, 1), block_dim: (64, 1, 1), shared_mem_bytes: 0 };
-                    self.launch(
-                        "step_rope",
-                        c,
-                        &[Arg::P(p), Arg::P(cs), Arg::I(dh as i32), Arg::I(rot as i32), Arg::I(neox)],
-                    )?;
-                }
+            // QK-norm (where the model has it) and rotary embedding, every head in one launch.
+            if sl.qk_norm.is_some() || rot > 0 {
+                let (wq, wk, norm) = match &sl.qk_norm {
+                    Some([nq, nk]) => (ptr(nq, gpu), ptr(nk, gpu), 1),
+                    None => (0, 0, 0),
+                };
+                let c = rows(cfg.n_head + cfg.n_head_kv);
+                self.launch(
+                    "step_qk_norm_rope",
+                    c,
+                    &[
+                        Arg::P(q),
+                        Arg::P(kp),
+                        Arg::P(wq),
+                        Arg::P(wk),
+                        Arg::I(norm),
+                        Arg::F(cfg.rms_eps),
+                        Arg::I(cfg.n_head as i32),
+                        Arg::I(dh as i32),
+                        Arg::P(cs),
+                        Arg::I(rot as i32),
+                        Arg::I(neox),
+                    ],
+                )?;
             }
             // The position's keys and values go back to the host's cache as well (read after
             // the step's one final wait).
@@ -518,8 +626,18 @@ impl CudaStep {
             if let Some(ob) = &sl.o_bias {
                 self.add(o, ptr(ob, gpu), hd)?;
             }
-            self.add(x, o, hd)?;
-            self.rms_norm(x, &sl.ffn_norm, h, 1, hd, cfg.rms_eps)?;
+            self.launch(
+                "step_add_rms_norm",
+                rows(1),
+                &[
+                    Arg::P(x),
+                    Arg::P(o),
+                    Arg::P(ptr(&sl.ffn_norm, gpu)),
+                    Arg::F(cfg.rms_eps),
+                    Arg::P(h),
+                    Arg::I(hd as i32),
+                ],
+            )?;
             match &layer.ffn {
                 FfnWeights::Dense(f) => {
                     let (wg, wu, wd) = (self.mat(&f.gate), self.mat(&f.up), self.mat(&f.down));
@@ -550,6 +668,26 @@ impl CudaStep {
                             Arg::I(hd as i32),
                         ],
                     )?;
+                    if let (Some(g), None) = (sl.gate, m.experts.route_mask(l)) {
+                        // The gate on the device, whatever the tier holds (the same weights).
+                        self.route_on_device(m, g, sl.held.as_ref(), b)?;
+                        if let Some(held) = &sl.held {
+                            self.held_experts_into(m, held, acts, b)?;
+                            *device_routed += 1;
+                            continue;
+                        }
+                        // The chosen ids go to the host, which makes those experts resident.
+                        let t0 = Instant::now();
+                        let k = cfg.moe.as_ref().expect("a sparse layer of an MoE model").n_expert_used;
+                        let mut ids = vec![0i32; k];
+                        s.memcpy_dtoh(&b.ids.slice(0..k), &mut ids)?;
+                        s.synchronize()?;
+                        *route_ns += t0.elapsed().as_nanos() as u64;
+                        *host_routed += 1;
+                        let ids: Vec<u32> = ids.iter().map(|&e| e as u32).collect();
+                        self.experts_into(m, l, &ids, None, acts, b, acquire_ns, Instant::now())?;
+                        continue;
+                    }
                     let t0 = Instant::now();
                     let logits = router_back.room(gpu, ne)?;
                     s.memcpy_dtoh(&b.router.slice(0..ne), &mut *logits)?;
@@ -566,8 +704,9 @@ impl CudaStep {
                         &mut wts,
                     );
                     *route_ns += t0.elapsed().as_nanos() as u64;
+                    *host_routed += 1;
                     let t0 = Instant::now();
-                    self.experts_into(m, l, &ids, &wts, acts, b, acquire_ns, t0)?;
+                    self.experts_into(m, l, &ids, Some(&wts), acts, b, acquire_ns, t0)?;
                 }
             }
         }
@@ -605,15 +744,84 @@ impl CudaStep {
         self.launch("step_silu_mul", grid(n), &[Arg::P(ptr(&b.g, gpu)), Arg::P(ptr(&b.u, gpu)), Arg::I(n as i32)])
     }
 
-    /// Experts `ids` of sparse layer `l` (weights `wts`, rank order) on the normed input
-    /// `b.h`, their weighted sum added to the residual `b.x`.
+    /// The device's gate on the router's logits in `b.router`: the chosen ids and weights
+    /// in `b.ids` and `b.weights`, and, for experts the tier holds (`held`), the grouped
+    /// products' tables in `b.tables`.
+    fn route_on_device(
+        &self,
+        m: &Model,
+        g: DeviceGate,
+        held: Option<&HeldExperts>,
+        b: &Bufs,
+    ) -> std::result::Result<(), GpuError> {
+        let gpu = &*self.gpu;
+        let moe = m.cfg.moe.as_ref().expect("a sparse layer of an MoE model");
+        let one = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+        self.launch(
+            "step_route",
+            one,
+            &[
+                Arg::P(ptr(&b.router, gpu)),
+                Arg::I(moe.n_expert as i32),
+                Arg::I(moe.n_expert_used as i32),
+                Arg::I(i32::from(g.norm)),
+                Arg::I(i32::from(g.topk_first)),
+                Arg::P(held.map_or(0, |h| ptr(&h.ptrs, gpu))),
+                Arg::P(ptr(&b.weights, gpu)),
+                Arg::P(ptr(&b.tables, gpu)),
+                Arg::P(ptr(&b.ids, gpu)),
+            ],
+        )
+    }
+
+    /// The experts `route_on_device` chose, all held by the tier: their gate, up and down
+    /// products read their matrices through its tables, and their weighted sum joins the
+    /// residual.
+    fn held_experts_into(
+        &self,
+        m: &Model,
+        held: &HeldExperts,
+        acts: &mut Acts,
+        b: &mut Bufs,
+    ) -> std::result::Result<(), GpuError> {
+        let gpu = &*self.gpu;
+        let (hd, k) = (m.cfg.hidden, m.cfg.moe.as_ref().expect("a sparse layer of an MoE model").n_expert_used);
+        let tables = ptr(&b.tables, gpu);
+        let table = |t: u64| tables + t * 24 * k as u64;
+        let ((gd, ff, _), (dd, _, _)) = (held.gate, held.down);
+        acts.quantize(gpu, &[gd], &b.h, 1, hd)?;
+        gpu.matmul_ids_table(gd, ff, hd, k, table(0), acts.get(gd, hd), &mut b.g.slice_mut(0..k * ff))?;
+        gpu.matmul_ids_table(gd, ff, hd, k, table(1), acts.get(gd, hd), &mut b.u.slice_mut(0..k * ff))?;
+        self.silu_mul(b, k * ff)?;
+        acts.quantize(gpu, &[dd], &b.g, k, ff)?;
+        gpu.matmul_ids_table(dd, hd, ff, k, table(2), acts.get(dd, ff), &mut b.y.slice_mut(0..k * hd))?;
+        self.weighted_add(b, k, hd)
+    }
+
+    fn weighted_add(&self, b: &Bufs, k: usize, hd: usize) -> std::result::Result<(), GpuError> {
+        let gpu = &*self.gpu;
+        self.launch(
+            "step_weighted_add",
+            grid(hd),
+            &[
+                Arg::P(ptr(&b.x, gpu)),
+                Arg::P(ptr(&b.y, gpu)),
+                Arg::P(ptr(&b.weights, gpu)),
+                Arg::I(k as i32),
+                Arg::I(hd as i32),
+            ],
+        )
+    }
+
+    /// Experts `ids` of sparse layer `l` (weights `wts`, rank order, or already in
+    /// `b.weights`) on the normed input `b.h`, their weighted sum added to the residual `b.x`.
     #[allow(clippy::too_many_arguments)]
     fn experts_into(
         &self,
         m: &Model,
         l: usize,
         ids: &[u32],
-        wts: &[f32],
+        wts: Option<&[f32]>,
         acts: &mut Acts,
         b: &mut Bufs,
         acquire_ns: &mut u64,
@@ -663,18 +871,10 @@ impl CudaStep {
             let own: Vec<i32> = (0..k as i32).collect();
             gpu.matmul_ids_into(&part(2), acts.get(down.dtype, down.cols), &own, &mut b.y.slice_mut(0..k * hd))?;
             drop(res);
-            gpu.stream.memcpy_htod(wts, &mut b.weights.slice_mut(0..k))?;
-            self.launch(
-                "step_weighted_add",
-                grid(hd),
-                &[
-                    Arg::P(ptr(&b.x, gpu)),
-                    Arg::P(ptr(&b.y, gpu)),
-                    Arg::P(ptr(&b.weights, gpu)),
-                    Arg::I(k as i32),
-                    Arg::I(hd as i32),
-                ],
-            )?;
+            if let Some(w) = wts {
+                gpu.stream.memcpy_htod(w, &mut b.weights.slice_mut(0..k))?;
+            }
+            self.weighted_add(b, k, hd)?;
             Ok(())
         })
     }
@@ -737,11 +937,13 @@ impl StepCompute for CudaStep {
         let st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let per = |ns: u64| ns as f64 / 1e3 / st.steps.max(1) as f64;
         format!(
-            "GPU steps: {} ({:.0} µs each: waiting for router logits {:.0} µs, for experts {:.0} µs); {} positions of KV copied up from the host",
+            "GPU steps: {} ({:.0} µs each: waiting for router logits {:.0} µs, for experts {:.0} µs); MoE layers routed on the GPU {}, on the host {}; {} positions of KV copied up from the host",
             st.steps,
             per(st.step_ns),
             per(st.route_ns),
             per(st.acquire_ns),
+            st.device_routed,
+            st.host_routed,
             st.synced
         )
     }

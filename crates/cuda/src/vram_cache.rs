@@ -153,6 +153,32 @@ impl VramExperts {
         self.index.contains_key(&key)
     }
 
+    /// The parts of `key` where its slot holds them, counted as no access: for a caller that
+    /// computes on every expert of the model without asking for each (the tier holds them
+    /// all, so no acquire can evict one: a miss is what evicts, and none can miss).
+    pub(crate) fn parts_of_held(&self, gpu: &Gpu, key: ExpertKey) -> Option<Vec<DeviceMat<'_>>> {
+        let s = *self.index.get(&key)?;
+        if let Some(ev) = &self.slots[s].ready {
+            // The copy that filled it is done before anyone reads it without `acquire`.
+            ev.synchronize().ok()?;
+        }
+        let (base, _sync) = self.slab.device_ptr(&gpu.stream);
+        let base = base + (s * self.slot_bytes) as u64;
+        Some(
+            self.slots[s]
+                .parts
+                .iter()
+                .map(|&(dtype, rows, cols, off)| DeviceMat {
+                    dtype,
+                    rows,
+                    cols,
+                    ptr: base + off as u64,
+                    _owner: std::marker::PhantomData,
+                })
+                .collect(),
+        )
+    }
+
     pub fn stats(&self) -> VramStats {
         self.stats.clone()
     }
