@@ -16,14 +16,15 @@ Cases (each tool: one warm-up and --reps timed repetitions per test, llama-bench
                N = all layers (every expert computed by the CPU: the usual setting) and N =
                7/8 of the layers (the same VRAM share for experts as sluice's tier); the
                better of the two is the denominator.
-  cpu          sluice with no GPU, for reference (no ratio; --skip-cpu leaves it out).
+  cpu          sluice with no GPU, for reference (no ratio).
 sluice's dense matrices are in VRAM. Decode steps run whole on the GPU (attention, norms, the
 KV cache and each MoE layer's routing in VRAM; the host steps in only to acquire experts the
 tier does not hold), prefill sends each product to the GPU with attention on the CPU. Beside the resident case two variants run once:
 --gpu-per-product (decode steps on the host, each product on the GPU: the CPU's bits) and
---cpu-dense (dense products on the CPU too).
+--cpu-dense (dense products on the CPU too). --ratios-only leaves out the cases with no ratio
+(those two variants and the run with no GPU).
 
-    python3 bench/cuda.py --peer-bin DIR [--model M.gguf] [--threads 16] [--skip-cpu] [--out DIR]
+    python3 bench/cuda.py --peer-bin DIR [--model M.gguf] [--threads 16] [--ratios-only] [--out DIR]
 """
 
 import argparse
@@ -88,7 +89,7 @@ def main():
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--skip-cpu", action="store_true", help="leave out the reference case with no GPU (it has no ratio)")
+    ap.add_argument("--ratios-only", action="store_true", help="leave out the cases that have no ratio: the resident variants and the run with no GPU")
     ap.add_argument("--out", metavar="DIR", default=lib.RESULTS, help="where the result goes (default: bench/results)")
     a = ap.parse_args()
 
@@ -120,20 +121,19 @@ def main():
         return r
 
     s_res = measured("sluice_resident", sluice_case(exe, model, a, everything))
-    s_res_pp = measured("sluice_resident_per_product", sluice_case(exe, model, a, everything, ["--gpu-per-product"]))
-    s_res_cd = measured("sluice_resident_cpu_dense", sluice_case(exe, model, a, everything, ["--cpu-dense"]))
     p_res = measured("peer_resident", peer_case(a.peer_bin, model, a, 0))
     s_8 = measured("sluice_eighth", sluice_case(exe, model, a, eighth))
     p_all = measured("peer_ncmoe_all", peer_case(a.peer_bin, model, a, layers))
     p_share = measured("peer_ncmoe_share", peer_case(a.peer_bin, model, a, ncmoe_share))
-    s_cpu = None if a.skip_cpu else measured("sluice_cpu", sluice_case(exe, model, a, 0))
     cases["resident"] = {
         "sluice": s_res,
-        "sluice_per_product": s_res_pp,
-        "sluice_cpu_dense": s_res_cd,
         "peer": p_res,
         "ratio": {k: ratio(s_res, [p_res], k) for k in ("prefill_tok_s", "decode_tok_s")},
     }
+    # The cases with no ratio come last, so that a run cut short has the compared ones.
+    if not a.ratios_only:
+        cases["resident"]["sluice_per_product"] = measured("sluice_resident_per_product", sluice_case(exe, model, a, everything, ["--gpu-per-product"]))
+        cases["resident"]["sluice_cpu_dense"] = measured("sluice_resident_cpu_dense", sluice_case(exe, model, a, everything, ["--cpu-dense"]))
     cases["experts-1/8"] = {
         "sluice": s_8,
         "sluice_gpu_expert_bytes": eighth,
@@ -141,8 +141,8 @@ def main():
         "peer_ncmoe_share": dict(p_share, ncmoe=ncmoe_share),
         "ratio": {k: ratio(s_8, [p_all, p_share], k) for k in ("prefill_tok_s", "decode_tok_s")},
     }
-    if s_cpu is not None:
-        cases["cpu"] = {"sluice": s_cpu}
+    if not a.ratios_only:
+        cases["cpu"] = {"sluice": measured("sluice_cpu", sluice_case(exe, model, a, 0))}
     m = lib.machine()
     m["gpu"] = gpu()
     result = {
@@ -154,7 +154,7 @@ def main():
         "sluice": {"version": lib.version(state), "gpu_backend": "decode steps whole on the GPU (attention, norms, KV cache, routing, dense and expert products; the host only acquires experts the VRAM tier lacks); prefill: each product on the GPU, attention and norms on the CPU"},
         "peer": {"version": lib.PEER_VERSION, "backend": "CUDA (tools/cuda/build-peer.sh)"},
         "model": dict(lib.model_info(model), layers=layers, expert_bytes=expert_bytes, dense_bytes=info["dense_bytes"]),
-        "protocol": {"threads": a.threads, "n_prompt": a.prompt, "n_gen": a.gen, "reps": a.reps},
+        "protocol": {"threads": a.threads, "n_prompt": a.prompt, "n_gen": a.gen, "reps": a.reps, "ratios_only": a.ratios_only},
         "commands": cmds,
         "cases": cases,
     }
