@@ -11,7 +11,8 @@ Cases (each tool: one warm-up and --reps timed repetitions per test, llama-bench
   resident     llama.cpp: everything in VRAM (-ngl 99).
                sluice: every routed expert in VRAM (--gpu-experts of the experts' size).
   experts-1/8  sluice: a VRAM expert tier of 1/8 of the experts' bytes, the rest in host RAM
-               (misses copied or computed by the CPU, whichever finishes the layer sooner).
+               (decode steps copy every miss to the tier; prefill's products copy them or
+               have the CPU compute them, whichever finishes the layer sooner).
                llama.cpp: -ngl 99 with the experts of the first N layers on the CPU (-ncmoe):
                N = all layers (every expert computed by the CPU: the usual setting) and N =
                7/8 of the layers (the same VRAM share for experts as sluice's tier); the
@@ -89,7 +90,7 @@ def main():
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--ratios-only", action="store_true", help="leave out the cases that have no ratio: the resident variants and the run with no GPU")
+    ap.add_argument("--ratios-only", action="store_true", help="leave out the cases that have no ratio: the resident case with --gpu-per-product and with --cpu-dense, and the run with no GPU")
     ap.add_argument("--out", metavar="DIR", default=lib.RESULTS, help="where the result goes (default: bench/results)")
     a = ap.parse_args()
 

@@ -1,7 +1,11 @@
 //! A whole decode step on the GPU (`StepCompute`): the hidden state stays in VRAM from the
-//! embedding to the logits, and the host takes part once per MoE layer — it reads the
-//! router's logits back, chooses the experts with the model's own routing code and has the
-//! VRAM tier make them resident — and once at the end, for the logits.
+//! embedding to the logits. Softmax gates are computed on the device; where the VRAM tier
+//! holds every expert of the model, the step reads them through tables the gate writes and
+//! the host waits only once, at the end, for the logits. Otherwise the host takes part once
+//! per MoE layer: it reads the chosen ids back (or, for gates the device does not compute,
+//! the router's logits, and routes with the model's own code) and has the tier make those
+//! experts resident. Where the device's copy of the KV cache cannot grow, the step is left
+//! to the host.
 //!
 //! Per attention layer: RMSNorm, the q/k/v products (the dense weights `CudaDense` holds),
 //! biases, per-head QK-norm, rotary embedding (the host's cosines and sines for the step's
@@ -99,6 +103,9 @@ pub struct CudaStep {
     output_norm: CudaSlice<f32>,
     state: Mutex<State>,
     vram_bytes: usize,
+    /// The tier's eviction count when the held tables were made: they are read only while it
+    /// stays so (an eviction would have moved an expert out from under a table).
+    held_evictions: u64,
 }
 
 /// The device's copy of one sequence's keys and values.
@@ -130,6 +137,10 @@ struct State {
     host_routed: u64,
     /// Positions copied up from the host's cache.
     synced: u64,
+    /// Steps handed back to the host because the device's copy of the cache could not grow,
+    /// and why the last one was.
+    declined: u64,
+    declined_why: Option<String>,
 }
 
 /// Inputs quantized for the kinds of weights they meet (K-quants: Q8_K; Q8_0: Q16), one
@@ -278,9 +289,9 @@ pub fn unsupported(m: &Model, dense: &CudaDense) -> Option<String> {
     None
 }
 
-/// The gate the device computes for `m`'s sparse layers: a softmax over every expert
-/// (Qwen-style, or Mixtral's softmax over the chosen logits) with at most 1024 experts and
-/// 64 chosen; others are routed by the host.
+/// The gate the device computes for `m`'s sparse layers: a softmax over every expert, the
+/// chosen weights renormalized or not (Qwen3-MoE, OLMoE, Mixtral), or a softmax over the
+/// chosen logits; at most 1024 experts and 64 chosen. Others are routed by the host.
 fn device_gate(m: &Model) -> Option<DeviceGate> {
     let moe = m.cfg.moe.as_ref()?;
     let g = match moe.gating {
@@ -400,8 +411,26 @@ impl CudaStep {
                 router,
             });
         }
+        // Tables only where the tier holds every expert of every sparse layer: then no pass of
+        // this model can miss, so none evicts (a miss in a layer the tier holds in part
+        // could evict an expert of a layer whose table points at it).
+        if layers.iter().any(|sl| sl.gate.is_some() && sl.held.is_none()) {
+            for sl in &mut layers {
+                sl.held = None;
+            }
+        }
+        let held_evictions = experts.as_ref().map_or(0, |c| c.with_tier(|v| v.stats().evictions));
         let output_norm = up(&m.output_norm)?;
-        Ok(CudaStep { gpu, dense, experts, layers, output_norm, state: Mutex::new(State::default()), vram_bytes })
+        Ok(CudaStep {
+            gpu,
+            dense,
+            experts,
+            layers,
+            output_norm,
+            state: Mutex::new(State::default()),
+            vram_bytes,
+            held_evictions,
+        })
     }
 
     fn launch(&self, name: &str, cfg: LaunchConfig, args: &[Arg]) -> std::result::Result<(), GpuError> {
@@ -470,9 +499,13 @@ impl CudaStep {
         let cfg = &m.cfg;
         let (kvd, need) = (cfg.kv_dim(), state.len() + 1);
         let s = &self.gpu.stream;
-        let grow = st.mirror.as_ref().is_none_or(|mi| mi.cap < need);
+        let grow = st.mirror.as_ref().is_none_or(|mi| mi.cap < need)
+            || st.bufs.as_ref().is_none_or(|b| b.scores_stride < need);
         if grow {
             let cap = need.next_power_of_two().max(256).min(state.max_len().max(need));
+            // Both made before either replaces the old: a failed allocation leaves the two
+            // as they were, in step with each other.
+            let bufs = self.bufs(m, cap)?;
             let mut kv = Vec::with_capacity(cfg.n_layer);
             for l in 0..cfg.n_layer {
                 let (mut kk, mut vv) = (s.alloc_zeros::<f32>(cap * kvd)?, s.alloc_zeros::<f32>(cap * kvd)?);
@@ -487,7 +520,7 @@ impl CudaStep {
             }
             let (lineage, len) = st.mirror.as_ref().map_or(((0, 0), 0), |o| (o.lineage, o.len));
             st.mirror = Some(Mirror { kv, cap, lineage, len });
-            st.bufs = Some(self.bufs(m, cap)?);
+            st.bufs = Some(bufs);
         }
         let mi = st.mirror.as_mut().expect("made above");
         if mi.lineage != state.lineage() {
@@ -525,7 +558,6 @@ impl CudaStep {
         let s = &gpu.stream;
         let (hd, qd, kvd, dh) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
         let pos = state.len();
-        self.sync_mirror(m, st, state)?;
         let State {
             mirror,
             bufs,
@@ -540,8 +572,18 @@ impl CudaStep {
             host_routed,
             ..
         } = st;
-        let mirror = mirror.as_mut().expect("made by sync_mirror");
-        let b = bufs.as_mut().expect("made by sync_mirror");
+        let (Some(mirror), Some(b)) = (mirror.as_mut(), bufs.as_mut()) else {
+            return Err(StepError::Gpu(GpuError::Shape("the step ran before its buffers were made".into())));
+        };
+        if b.scores_stride <= pos || mirror.cap <= pos {
+            return Err(StepError::Gpu(GpuError::Shape(format!(
+                "position {pos} past the device cache's {} positions",
+                mirror.cap.min(b.scores_stride)
+            ))));
+        }
+        // The tables stand while the tier has evicted nothing since they were made.
+        let held_valid = self.layers.iter().any(|sl| sl.held.is_some())
+            && self.experts.as_ref().is_some_and(|c| c.with_tier(|v| v.stats().evictions) == self.held_evictions);
         // The input: the token's embedding, then the position's cosines and sines.
         let rot = m.rope.cfg.dim;
         let up = up.room(gpu, hd + rot)?;
@@ -670,8 +712,9 @@ impl CudaStep {
                     )?;
                     if let (Some(g), None) = (sl.gate, m.experts.route_mask(l)) {
                         // The gate on the device, whatever the tier holds (the same weights).
-                        self.route_on_device(m, g, sl.held.as_ref(), b)?;
-                        if let Some(held) = &sl.held {
+                        let held = sl.held.as_ref().filter(|_| held_valid);
+                        self.route_on_device(m, g, held, b)?;
+                        if let Some(held) = held {
                             self.held_experts_into(m, held, acts, b)?;
                             *device_routed += 1;
                             continue;
@@ -684,6 +727,12 @@ impl CudaStep {
                         s.synchronize()?;
                         *route_ns += t0.elapsed().as_nanos() as u64;
                         *host_routed += 1;
+                        let ne = cfg.moe.as_ref().map_or(0, |moe| moe.n_expert);
+                        if let Some(bad) = ids.iter().find(|&&e| e < 0 || e as usize >= ne) {
+                            return Err(StepError::Gpu(GpuError::Shape(format!(
+                                "layer {l}'s router chose expert {bad} of {ne}"
+                            ))));
+                        }
                         let ids: Vec<u32> = ids.iter().map(|&e| e as u32).collect();
                         self.experts_into(m, l, &ids, None, acts, b, acquire_ns, Instant::now())?;
                         continue;
@@ -907,12 +956,22 @@ impl StepCompute for CudaStep {
     fn step(&self, m: &Model, state: &mut SeqState, token: u32, want: Logits) -> Option<Result<(Vec<f32>, Vec<f32>)>> {
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let t0 = Instant::now();
+        if let Err(e) = self.sync_mirror(m, &mut st, state) {
+            // No room for the sequence's cache on the device (or its copy failed): the host
+            // computes this step, with the state untouched.
+            let _ = self.gpu.stream.synchronize();
+            st.declined += 1;
+            st.declined_why = Some(e.to_string());
+            return None;
+        }
         let r = self.run(m, &mut st, state, token, want);
         st.steps += 1;
         st.step_ns += t0.elapsed().as_nanos() as u64;
         Some(match r {
             Ok(out) => Ok(out),
             Err(e) => {
+                // Copies in flight read and write the staging buffers the next step reuses.
+                let _ = self.gpu.stream.synchronize();
                 // The device's copy may hold part of this position: it is rewritten next time.
                 if let Some(mi) = st.mirror.as_mut() {
                     mi.len = mi.len.min(state.len());
@@ -937,14 +996,18 @@ impl StepCompute for CudaStep {
         let st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let per = |ns: u64| ns as f64 / 1e3 / st.steps.max(1) as f64;
         format!(
-            "GPU steps: {} ({:.0} µs each: waiting for router logits {:.0} µs, for experts {:.0} µs); MoE layers routed on the GPU {}, on the host {}; {} positions of KV copied up from the host",
+            "GPU steps: {} ({:.0} µs each: waiting for routing {:.0} µs, for experts {:.0} µs); MoE layers routed on the GPU {}, on the host {}; {} positions of KV copied up from the host{}",
             st.steps,
             per(st.step_ns),
             per(st.route_ns),
             per(st.acquire_ns),
             st.device_routed,
             st.host_routed,
-            st.synced
+            st.synced,
+            match &st.declined_why {
+                Some(why) => format!("; {} steps left to the host ({why})", st.declined),
+                None => String::new(),
+            }
         )
     }
 }

@@ -139,7 +139,7 @@ extern "C" __global__ void step_weighted_add(float* x, const float* __restrict__
 // A MoE layer's routing on the device, for softmax gates: probabilities over the `ne`
 // logits, the `k` largest (ties to the lower index) in rank order, their weights (divided by
 // their sum when `norm`); `topk_first`: the weights are instead the softmax of the chosen
-// logits (Mixtral's order). One block. Then each grouped product's table (matrix pointers,
+// logits. One block. Then each grouped product's table (matrix pointers,
 // segment starts, lengths, activation rows: matmul_ids' layout) for the gate, up and down
 // products from `ptrs` (the layer's experts' gate, up and down matrices, ne each), when the
 // layer's experts all sit in VRAM (`ptrs` null otherwise).
@@ -172,6 +172,8 @@ extern "C" __global__ void step_route(const float* __restrict__ logits, int ne, 
             bool taken = false;
             for (int j = 0; j < r; j++) taken |= chosen[j] == e;
             float v = p[e];
+            // NaN ranks lowest (as −∞), so that every pick is an expert not yet chosen.
+            if (v != v) v = __int_as_float(0xff800000);
             if (!taken && (v > bv || (v == bv && e < bi))) { bv = v; bi = e; }
         }
         for (int o = 16; o > 0; o >>= 1) {
