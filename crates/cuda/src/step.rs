@@ -137,10 +137,12 @@ struct State {
     host_routed: u64,
     /// Positions copied up from the host's cache.
     synced: u64,
-    /// Steps handed back to the host because the device's copy of the cache could not grow,
-    /// and why the last one was.
+    /// Steps handed back to the host (the device's copy of the cache could not grow, or an
+    /// expert came in a format the device has no kernel for), and why the last one was.
     declined: u64,
     declined_why: Option<String>,
+    /// Set when a step met a format with no kernel: every later step is the host's.
+    off: bool,
 }
 
 /// Inputs quantized for the kinds of weights they meet (K-quants: Q8_K; Q8_0: Q16), one
@@ -955,6 +957,10 @@ impl From<cudarc::driver::DriverError> for StepError {
 impl StepCompute for CudaStep {
     fn step(&self, m: &Model, state: &mut SeqState, token: u32, want: Logits) -> Option<Result<(Vec<f32>, Vec<f32>)>> {
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if st.off {
+            st.declined += 1;
+            return None;
+        }
         let t0 = Instant::now();
         if let Err(e) = self.sync_mirror(m, &mut st, state) {
             // No room for the sequence's cache on the device (or its copy failed): the host
@@ -969,6 +975,16 @@ impl StepCompute for CudaStep {
         st.step_ns += t0.elapsed().as_nanos() as u64;
         Some(match r {
             Ok(out) => Ok(out),
+            Err(StepError::Gpu(GpuError::Unsupported(d))) => {
+                // Experts of a streamed source are seen only when a step first needs them;
+                // the host's state is untouched until the step's end, so the host can take
+                // this step and the rest.
+                let _ = self.gpu.stream.synchronize();
+                st.off = true;
+                st.declined += 1;
+                st.declined_why = Some(format!("no CUDA kernel for {d} experts"));
+                return None;
+            }
             Err(e) => {
                 // Copies in flight read and write the staging buffers the next step reuses.
                 let _ = self.gpu.stream.synchronize();
