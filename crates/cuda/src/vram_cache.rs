@@ -162,21 +162,24 @@ impl VramExperts {
             // The copy that filled it is done before anyone reads it without `acquire`.
             ev.synchronize().ok()?;
         }
+        Some(self.slot_parts(gpu, s))
+    }
+
+    /// Slot `s`'s parts, as device matrices.
+    fn slot_parts(&self, gpu: &Gpu, s: usize) -> Vec<DeviceMat<'_>> {
         let (base, _sync) = self.slab.device_ptr(&gpu.stream);
         let base = base + (s * self.slot_bytes) as u64;
-        Some(
-            self.slots[s]
-                .parts
-                .iter()
-                .map(|&(dtype, rows, cols, off)| DeviceMat {
-                    dtype,
-                    rows,
-                    cols,
-                    ptr: base + off as u64,
-                    _owner: std::marker::PhantomData,
-                })
-                .collect(),
-        )
+        self.slots[s]
+            .parts
+            .iter()
+            .map(|&(dtype, rows, cols, off)| DeviceMat {
+                dtype,
+                rows,
+                cols,
+                ptr: base + off as u64,
+                _owner: std::marker::PhantomData,
+            })
+            .collect()
     }
 
     pub fn stats(&self) -> VramStats {
@@ -375,20 +378,7 @@ impl Resident<'_> {
 
     /// The parts of the batch's expert `i`, as device matrices.
     pub fn expert(&self, i: usize) -> Vec<DeviceMat<'_>> {
-        let s = self.slots[i];
-        let (base, _sync) = self.cache.slab.device_ptr(&self.gpu.stream);
-        let base = base + (s * self.cache.slot_bytes) as u64;
-        self.cache.slots[s]
-            .parts
-            .iter()
-            .map(|&(dtype, rows, cols, off)| DeviceMat {
-                dtype,
-                rows,
-                cols,
-                ptr: base + off as u64,
-                _owner: std::marker::PhantomData,
-            })
-            .collect()
+        self.cache.slot_parts(self.gpu, self.slots[i])
     }
 }
 
