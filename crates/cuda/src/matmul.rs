@@ -345,22 +345,44 @@ impl Gpu {
         let dev = meta.as_mut().expect("allocated above");
         s.memcpy_htod(&table, &mut dev.slice_mut(0..table.len()))?;
         let (tp, _sync) = dev.device_ptr(s);
-        let (p_ptrs, p_starts, p_lens, p_rows) =
-            (tp, tp + 8 * nseg as u64, tp + 12 * nseg as u64, tp + 16 * nseg as u64);
-        let lanes = LANES_PER_ROW;
-        let f = self.function(&format!("{base}_g{lanes}_{}_ids", if max_len == 1 { 1 } else { 8 }));
-        let nb = (cols / dtype.block_elems()) as i32;
-        let rows_i = rows as i32;
-        let (cfg, chunk) = rows_launch(rows, lanes, nseg, max_len);
-        let mut b = s.launch_builder(f);
-        b.arg(&p_ptrs).arg(&p_starts).arg(&p_lens).arg(&rows_i).arg(&nb);
-        b.arg(&x.d).arg(&x.qs).arg(&x.bsums).arg(&x.qs16).arg(&p_rows).arg(&chunk).arg(out);
         // SAFETY: every pointer is a live matrix of rows × nb blocks of this format, borrowed
         // for the call (its owner frees device memory in stream order, after this launch);
         // the table was copied in stream order before the launch and is rewritten only by a
         // later call on the same stream; segments are consecutive ranges of the entry list;
         // each activation row index is below x.n; `out` holds entries × rows floats.
-        unsafe { b.launch(cfg) }?;
+        unsafe { self.launch_ids(base, (dtype, rows, cols), nseg, max_len, tp, x, out) }
+    }
+
+    /// The grouped kernel of `base`'s format over the table at `table` (`nseg` matrix
+    /// pointers, then segment starts, lengths and activation rows), `max_len` the longest
+    /// segment.
+    ///
+    /// # Safety
+    ///
+    /// The table is in device memory, written in stream order before this launch, and names
+    /// `nseg` live matrices of `shape`, consecutive segments and activation rows below `x.n`;
+    /// `out` holds (entries) × rows floats.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn launch_ids(
+        &self,
+        base: &str,
+        (dtype, rows, cols): (DType, usize, usize),
+        nseg: usize,
+        max_len: usize,
+        table: u64,
+        x: &GpuAct,
+        out: &mut CudaViewMut<'_, f32>,
+    ) -> Result<(), GpuError> {
+        let (p_ptrs, p_starts, p_lens, p_rows) =
+            (table, table + 8 * nseg as u64, table + 12 * nseg as u64, table + 16 * nseg as u64);
+        let f = self.function(&format!("{base}_g{LANES_PER_ROW}_{}_ids", if max_len == 1 { 1 } else { 8 }));
+        let nb = (cols / dtype.block_elems()) as i32;
+        let rows_i = rows as i32;
+        let (cfg, chunk) = rows_launch(rows, LANES_PER_ROW, nseg, max_len);
+        let mut b = self.stream.launch_builder(f);
+        b.arg(&p_ptrs).arg(&p_starts).arg(&p_lens).arg(&rows_i).arg(&nb);
+        b.arg(&x.d).arg(&x.qs).arg(&x.bsums).arg(&x.qs16).arg(&p_rows).arg(&chunk).arg(out);
+        b.launch(cfg)?;
         Ok(())
     }
 
@@ -387,20 +409,10 @@ impl Gpu {
         if nseg == 0 || rows == 0 {
             return Ok(());
         }
-        let (p_ptrs, p_starts, p_lens, p_rows) =
-            (table, table + 8 * nseg as u64, table + 12 * nseg as u64, table + 16 * nseg as u64);
-        let f = self.function(&format!("{base}_g{LANES_PER_ROW}_1_ids"));
-        let nb = (cols / dtype.block_elems()) as i32;
-        let rows_i = rows as i32;
-        let (cfg, chunk) = rows_launch(rows, LANES_PER_ROW, nseg, 1);
-        let mut b = self.stream.launch_builder(f);
-        b.arg(&p_ptrs).arg(&p_starts).arg(&p_lens).arg(&rows_i).arg(&nb);
-        b.arg(&x.d).arg(&x.qs).arg(&x.bsums).arg(&x.qs16).arg(&p_rows).arg(&chunk).arg(out);
         // SAFETY: the caller's table (written in stream order before this launch) names `nseg`
         // live matrices of rows × nb blocks of this format, segments of one entry each and
         // activation rows below x.n; `out` holds nseg × rows floats (checked above).
-        unsafe { b.launch(cfg) }?;
-        Ok(())
+        unsafe { self.launch_ids(base, (dtype, rows, cols), nseg, 1, table, x, out) }
     }
 
     /// Host-to-host convenience: uploads `x` (n × cols), quantizes, multiplies, copies back.

@@ -729,7 +729,6 @@ impl CudaStep {
                         s.synchronize()?;
                         *route_ns += t0.elapsed().as_nanos() as u64;
                         *host_routed += 1;
-                        let ne = cfg.moe.as_ref().map_or(0, |moe| moe.n_expert);
                         if let Some(bad) = ids.iter().find(|&&e| e < 0 || e as usize >= ne) {
                             return Err(StepError::Gpu(GpuError::Shape(format!(
                                 "layer {l}'s router chose expert {bad} of {ne}"
