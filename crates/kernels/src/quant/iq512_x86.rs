@@ -89,11 +89,20 @@ unsafe fn lanes64(v: __m256i) -> [u64; 4] {
 /// for them.
 #[inline(always)]
 unsafe fn odd_scales16(bits: u64) -> __m512i {
+    _mm512_castsi256_si512(_mm256_cvtepu8_epi16(odd_scale_bytes(bits)))
+}
+
+/// The sixteen odd scales 2·nibble + 1 of the nibbles of `bits`, low nibble first, as bytes.
+///
+/// # Safety
+///
+/// Needs only SSE2 (the callers' target features include it).
+#[inline(always)]
+pub(super) unsafe fn odd_scale_bytes(bits: u64) -> __m128i {
     let v = _mm_cvtsi64_si128(bits as i64);
     let m = _mm_set1_epi8(0x0f);
     let n = _mm_unpacklo_epi8(_mm_and_si128(v, m), _mm_and_si128(_mm_srli_epi16(v, 4), m));
-    let s = _mm_add_epi8(_mm_add_epi8(n, n), _mm_set1_epi8(1));
-    _mm512_castsi256_si512(_mm256_cvtepu8_epi16(s))
+    _mm_add_epi8(_mm_add_epi8(n, n), _mm_set1_epi8(1))
 }
 
 /// The i16 scales of values 64c..64c+64 from `sc` (i16 lanes: one scale per S values, S 16

@@ -495,7 +495,8 @@ const _: () = assert!(x86_512::PANELS == tiled_avx2::PANELS);
 #[cfg(target_arch = "x86_64")]
 fn gemm_tiled(kernel: Tiled, pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, n: usize, o: SendPtr) {
     use panel::{Panel, ROWS, TILE};
-    let panels: Vec<Panel> = (0..n).step_by(TILE).map(|t0| Panel::new(act, t0, (n - t0).min(TILE))).collect();
+    let flip = kernel == Tiled::Vnni && x86_512::flips(w.dtype);
+    let panels: Vec<Panel> = (0..n).step_by(TILE).map(|t0| Panel::new(act, t0, (n - t0).min(TILE), flip)).collect();
     let per_call = match kernel {
         Tiled::Vnni => x86_512::PANELS,
         Tiled::Avx2 => tiled_avx2::PANELS,

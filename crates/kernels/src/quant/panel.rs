@@ -4,6 +4,10 @@
 //! integer dot-product instruction (`x86_512`: one 512-bit vector of 16 tokens; `tiled_avx2`: two
 //! 256-bit halves of 8). Per-block activation scales and sums are laid out the same way, one lane
 //! per token. Lanes past the panel's tokens hold zeros.
+//!
+//! A flipped panel holds 8-bit activation codes plus 128 (their sign bits flipped: unsigned
+//! bytes), for the kernels that multiply signed weight codes (`x86_512::flips`); it leaves out
+//! the pairs of 16-value sums, which those kernels do not read.
 
 use super::act::QuantAct;
 
@@ -31,16 +35,18 @@ pub struct Panel {
 }
 
 impl Panel {
-    /// Tokens `t0..t0 + n` (n ≤ 16) of `act`.
-    pub fn new(act: &QuantAct, t0: usize, n: usize) -> Panel {
+    /// Tokens `t0..t0 + n` (n ≤ 16) of `act`, flipped if `flip` (8-bit codes only).
+    pub fn new(act: &QuantAct, t0: usize, n: usize, flip: bool) -> Panel {
         assert!((1..=TILE).contains(&n));
         let (k, nb, bl) = (act.cols, act.blocks_per_row(), act.kind.block());
         let wide = !act.qs16.is_empty();
+        assert!(!(wide && flip), "only 8-bit activation codes are flipped");
+        let sign = if flip { 0x8080_8080 } else { 0 };
         let mut codes = vec![0u32; if wide { k / 2 } else { k / 4 } * TILE];
         let mut dx = vec![0f32; nb * TILE];
         let mut sx = vec![0f32; if act.s.is_empty() { 0 } else { nb * TILE }];
         let mut xsum = vec![0i32; nb * TILE];
-        let mut bpairs = vec![0u32; if act.bsums.is_empty() { 0 } else { nb * 8 * TILE }];
+        let mut bpairs = vec![0u32; if act.bsums.is_empty() || flip { 0 } else { nb * 8 * TILE }];
         for c in 0..n {
             let t = t0 + c;
             let base = act.idx(t, 0) * bl;
@@ -50,7 +56,7 @@ impl Panel {
                 }
             } else {
                 for (g, q) in act.qs[base..base + k].chunks_exact(4).enumerate() {
-                    codes[g * TILE + c] = u32::from_le_bytes([q[0] as u8, q[1] as u8, q[2] as u8, q[3] as u8]);
+                    codes[g * TILE + c] = u32::from_le_bytes([q[0] as u8, q[1] as u8, q[2] as u8, q[3] as u8]) ^ sign;
                 }
             }
             for b in 0..nb {

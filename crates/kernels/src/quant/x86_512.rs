@@ -21,6 +21,7 @@
 #![allow(clippy::needless_range_loop)]
 
 use super::blocks::e8m0_half;
+use super::iq512_x86::odd_scale_bytes;
 use super::x86::{codes32, codes_q4k, codes_q6k, f16_bits, f16_to_f32};
 use crate::DType;
 use std::arch::x86_64::*;
@@ -95,17 +96,10 @@ fn qs_shifts(m: usize) -> [u16; 32] {
     std::array::from_fn(|i| if i < 16 { 4 * m as u16 } else { 4 * m as u16 + 2 })
 }
 
-/// The N odd scales 2·nibble + 1 of the nibbles of `bits`, low nibble first (IQ2_XS's and
-/// IQ2_S's sixteen, IQ3_S's eight).
-#[inline(always)]
-fn odd_scales<const N: usize>(bits: u64) -> [i32; N] {
-    std::array::from_fn(|k| 1 + 2 * ((bits >> (4 * k)) & 15) as i32)
-}
-
 /// Two dot-product chains per row (even and odd dwords, so four rows keep eight `vpdpbusd` in
 /// flight) over a block's 256 codes against the panel's 64 dwords at `xc`, summed. Codes are
-/// unsigned against signed activations, or with `SIGNED` signed against the activations plus
-/// 128 (their sign bit flipped).
+/// unsigned against signed activations, or with `SIGNED` signed against a flipped panel's
+/// activations plus 128 (`flips`).
 ///
 /// # Safety
 ///
@@ -113,29 +107,58 @@ fn odd_scales<const N: usize>(bits: u64) -> [i32; N] {
 /// `cpu::has_vnni()`).
 #[inline(always)]
 unsafe fn dot_block<const R: usize, const SIGNED: bool>(codes: &[[u8; 256]; R], xc: *const u32) -> [__m512i; R] {
-    let flip = _mm512_set1_epi8(-128);
     let mut s0 = [_mm512_setzero_si512(); R];
     let mut s1 = [_mm512_setzero_si512(); R];
     for g in 0..32 {
-        let (mut x0, mut x1) = (ld(xc.add(2 * g * TILE)), ld(xc.add((2 * g + 1) * TILE)));
-        if SIGNED {
-            (x0, x1) = (_mm512_xor_si512(x0, flip), _mm512_xor_si512(x1, flip));
-        }
+        let (x0, x1) = (ld(xc.add(2 * g * TILE)), ld(xc.add((2 * g + 1) * TILE)));
         for r in 0..R {
             let (w0, w1) = (bcast(codes[r].as_ptr().add(8 * g)), bcast(codes[r].as_ptr().add(8 * g + 4)));
-            if SIGNED {
-                s0[r] = _mm512_dpbusd_epi32(s0[r], x0, w0);
-                s1[r] = _mm512_dpbusd_epi32(s1[r], x1, w1);
-            } else {
-                s0[r] = _mm512_dpbusd_epi32(s0[r], w0, x0);
-                s1[r] = _mm512_dpbusd_epi32(s1[r], w1, x1);
-            }
+            (s0[r], s1[r]) = (dp::<SIGNED>(s0[r], w0, x0), dp::<SIGNED>(s1[r], w1, x1));
         }
     }
     for r in 0..R {
         s0[r] = _mm512_add_epi32(s0[r], s1[r]);
     }
     s0
+}
+
+/// `acc` plus the 4-byte dot products of weight codes `w` and panel activations `x`: codes
+/// unsigned and activations signed, or with `SIGNED` codes signed and activations flipped
+/// (unsigned, plus 128).
+///
+/// # Safety
+///
+/// The CPU has AVX-512 VNNI (checked by `cpu::isa()` and `cpu::has_vnni()`); inlined only into
+/// functions compiled for it.
+#[inline(always)]
+unsafe fn dp<const SIGNED: bool>(acc: __m512i, w: __m512i, x: __m512i) -> __m512i {
+    if SIGNED {
+        _mm512_dpbusd_epi32(acc, x, w)
+    } else {
+        _mm512_dpbusd_epi32(acc, w, x)
+    }
+}
+
+/// Whether the kernel for `dtype` takes its panels flipped (`Panel::new`): activations plus
+/// 128, unsigned, against the format's signed codes. The correction that then comes off,
+/// 128 · Σ scale · code, belongs to the weight row alone, so it is formed once per block and
+/// row (`signed_offset`), where codes offset to unsigned would need one per token: the
+/// activations' 16-value sums times each group's scale, eight `vpdpwssd` more per block, row
+/// and panel.
+pub fn flips(dtype: DType) -> bool {
+    matches!(
+        dtype,
+        DType::Q3_K
+            | DType::Q6_K
+            | DType::IQ2_XXS
+            | DType::IQ2_XS
+            | DType::IQ2_S
+            | DType::IQ3_XXS
+            | DType::IQ3_S
+            | DType::IQ1_S
+            | DType::IQ1_M
+            | DType::IQ4_XS
+    )
 }
 
 /// Q2_K's and Q3_K's 2-bit codes of 64-value chunk c (0..4) of a block whose `qs` start at `qs`:
@@ -153,18 +176,19 @@ unsafe fn low2(qs: *const u8, c: usize, shift: &[__m512i; 2]) -> __m512i {
 }
 
 /// Per lane (token): Σ over a 256-value block's N groups (16 of 16 values or 8 of 32) of the
-/// group's scale · (its codes · the panel's activation codes), for R rows (`codes[r]`, `sc[r]`);
-/// `xc` points to the block's 64 panel dwords. The formats with one scale per 32 values take
-/// N = 8: half the multiplies and adds.
+/// group's scale · (its codes · the panel's activation codes), for R rows (`codes[r]`; the
+/// scales `sc[r]`, S of them evenly spread, so group g's is `sc[r][g · S / N]`); `xc` points
+/// to the block's 64 panel dwords. Codes and activations as `dp` takes them (`SIGNED`). The
+/// formats with one scale per 32 values take N = 8: half the multiplies and adds.
 ///
 /// # Safety
 ///
 /// `xc` is valid for 64 · TILE dwords; the CPU has AVX-512 VNNI (checked by `cpu::isa()` and
 /// `cpu::has_vnni()`).
 #[inline(always)]
-unsafe fn groups<const R: usize, const N: usize>(
+unsafe fn groups<const R: usize, const N: usize, const S: usize, const SIGNED: bool>(
     codes: &[[u8; 256]; R],
-    sc: &[[i32; N]; R],
+    sc: &[[i32; S]; R],
     xc: *const u32,
 ) -> [__m512i; R] {
     let dwords = 64 / N;
@@ -174,11 +198,11 @@ unsafe fn groups<const R: usize, const N: usize>(
         for g in 0..dwords {
             let xv = ld(xc.add((dwords * gi + g) * TILE));
             for r in 0..R {
-                raw[r] = _mm512_dpbusd_epi32(raw[r], bcast(codes[r].as_ptr().add(4 * (dwords * gi + g))), xv);
+                raw[r] = dp::<SIGNED>(raw[r], bcast(codes[r].as_ptr().add(4 * (dwords * gi + g))), xv);
             }
         }
         for r in 0..R {
-            s1[r] = _mm512_add_epi32(s1[r], _mm512_mullo_epi32(raw[r], _mm512_set1_epi32(sc[r][gi])));
+            s1[r] = _mm512_add_epi32(s1[r], _mm512_mullo_epi32(raw[r], _mm512_set1_epi32(sc[r][gi * S / N])));
         }
     }
     s1
@@ -368,7 +392,7 @@ unsafe fn gemm_q4k<const R: usize, const P: usize>(q5: bool, w: &[u8], row_bytes
             let accf = &mut accf[pi];
             let xc = p.codes.as_ptr().add(b * 64 * TILE);
             let s1 = if q5 {
-                groups::<R, 8>(&codes, &sc, xc)
+                groups::<R, 8, 8, false>(&codes, &sc, xc)
             } else {
                 let mut s1 = [_mm512_setzero_si512(); R];
                 // Q4_K: a 16-value sum of 4-bit codes times activations is within ±15·128·16 =
@@ -415,70 +439,152 @@ unsafe fn gemm_q4k<const R: usize, const P: usize>(q5: bool, w: &[u8], row_bytes
 #[inline(always)]
 unsafe fn gemm_q6k<const R: usize, const P: usize>(w: &[u8], row_bytes: usize, ps: &[Panel], out: &mut Out) {
     let bb = DType::Q6_K.block_bytes();
-    // Codes are q + 32.
-    gemm_offset16::<R, P>(ps, out, 32, false, |r, b, codes, sc| {
+    gemm_signed16::<R, P>(ps, out, false, |r, b| {
         let blk = std::slice::from_raw_parts(w.as_ptr().add(r * row_bytes + b * bb), bb);
+        // `codes_q6k` gives q + 32, 32 values a vector.
         let u = codes_q6k(blk);
-        for (j, v) in u.iter().enumerate() {
-            _mm256_storeu_si256(codes.as_mut_ptr().add(32 * j) as *mut __m256i, *v);
+        let mut q = [_mm512_setzero_si512(); 4];
+        for (c, v) in q.iter_mut().enumerate() {
+            *v = _mm512_inserti64x4(_mm512_castsi256_si512(u[2 * c]), u[2 * c + 1], 1);
+            *v = _mm512_sub_epi8(*v, _mm512_set1_epi8(32));
         }
-        for g in 0..16 {
-            sc[g] = (blk[192 + g] as i8) as i32;
-        }
-        f16_to_f32(f16_bits(blk, 208))
+        (q, _mm_loadu_si128(blk.as_ptr().add(192) as *const __m128i), f16_to_f32(f16_bits(blk, 208)))
     });
 }
 
-/// The frame of the formats whose 256-value blocks unpack to unsigned codes `q + bias` with a
-/// scale per 16 values and one float scale `d` (Q6_K, the IQ formats): `unpack(r, b, codes,
-/// scales)` fills row r's block b and returns its `d`; per lane (token) the block's integer sum
-/// is Σ_g scale_g · (codes_g · x_g) − bias · Σ_g scale_g · Σx_g (the activations' 16-value
-/// sums), then `acc = fma(d·dx, isum, acc)`, `accumulate`'s step. With `per32` (the formats
-/// whose two 16-value halves share a scale) the products are scaled per 32 values
-/// (`groups` with N = 8): half the multiplies, the same integer.
+/// The frame of the formats whose 256-value blocks unpack to signed codes q (one byte each)
+/// with a scale per 16 values and one float scale `d` (Q6_K, the IQ formats), against flipped
+/// panels (`flips`): `unpack(r, b)` gives row r's block b as its codes in value order (64 a
+/// vector), its sixteen scales as bytes (−128..=127) and its `d`. Per lane (token), with
+/// x + 128 the flipped activations, the block's integer sum is
+/// Σ_g scale_g · (q_g · (x_g + 128)) − 128 · W, W = Σ_g scale_g · Σ q_g the row's own
+/// (`signed_offset`), then `acc = fma(d·dx, isum, acc)`, `accumulate`'s step. With `per32`
+/// (the formats whose two 16-value halves share a scale) the products are scaled per 32
+/// values (`groups` with N = 8): half the multiplies, the same integer.
+///
+/// Against the codes offset to unsigned (q + bias, the bias taken off per token as
+/// bias · Σ_g scale_g · the activations' 16-value sums), kernel lab, Intel Xeon with AVX-512
+/// VNNI, 1024×2048, one thread, GMAC per CPU second, medians of five interleaved rounds: 128
+/// tokens IQ4_XS 100.1 → 109.8, Q6_K 97.2 → 105.2, IQ2_XS 93.5 → 101.9, IQ3_S 97.5 → 106.4,
+/// IQ1_M 88.3 → 100.7, Q3_K (flipped panels only) 114.0 → 121.9; 16 tokens (one panel, where
+/// W's cost is not shared) 0.99–1.07×.
 ///
 /// # Safety
 ///
 /// The CPU has AVX-512 VNNI (the caller, compiled for it, was dispatched after `cpu::isa()`
-/// and `cpu::has_vnni()`); the panel holds Q8_K activations; `unpack` reads only whole blocks.
+/// and `cpu::has_vnni()`); the panels hold flipped Q8_K activations; `unpack` reads only
+/// whole blocks.
 #[inline(always)]
-unsafe fn gemm_offset16<const R: usize, const P: usize>(
+unsafe fn gemm_signed16<const R: usize, const P: usize>(
     ps: &[Panel],
     out: &mut Out,
-    bias: i32,
     per32: bool,
-    mut unpack: impl FnMut(usize, usize, &mut [u8; 256], &mut [i32; 16]) -> f32,
+    mut unpack: impl FnMut(usize, usize) -> ([__m512i; 4], __m128i, f32),
 ) {
     let mut accf: Acc<R> = [[_mm512_setzero_ps(); R]; PANELS];
     let mut codes = [[0u8; 256]; R];
     let mut sc = [[0i32; 16]; R];
-    let mut sc32 = [[0i32; 8]; R];
-    let mut sp = [[0i32; 8]; R];
+    let mut wv = [_mm512_setzero_si512(); ROWS];
     let mut d = [0f32; R];
-    let bias = _mm512_set1_epi32(bias);
     for b in 0..ps[0].nb {
         for r in 0..R {
-            d[r] = unpack(r, b, &mut codes[r], &mut sc[r]);
-            for j in 0..8 {
-                sp[r][j] = (sc[r][2 * j] & 0xFFFF) | (sc[r][2 * j + 1] << 16);
-                if per32 {
-                    sc32[r][j] = sc[r][2 * j];
-                }
+            let (q, bytes, dr) = unpack(r, b);
+            for (c, v) in q.iter().enumerate() {
+                _mm512_storeu_si512(codes[r].as_mut_ptr().add(64 * c) as *mut _, *v);
             }
+            let sv = _mm512_cvtepi8_epi32(bytes);
+            _mm512_storeu_si512(sc[r].as_mut_ptr() as *mut _, sv);
+            wv[r] = signed_offset(&q, bytes, sv);
+            d[r] = dr;
         }
+        let off = times128_spread(&wv);
         for (pi, p) in ps[..P].iter().enumerate() {
             let accf = &mut accf[pi];
             let xc = p.codes.as_ptr().add(b * 64 * TILE);
-            let s1 = if per32 { groups::<R, 8>(&codes, &sc32, xc) } else { groups::<R, 16>(&codes, &sc, xc) };
-            let corr = pair_sums::<R>(p, b, &sp);
+            let s1 = if per32 {
+                groups::<R, 8, 16, true>(&codes, &sc, xc)
+            } else {
+                groups::<R, 16, 16, true>(&codes, &sc, xc)
+            };
             let dx = ldf(p.dx.as_ptr().add(b * TILE));
             for r in 0..R {
-                let isum = _mm512_sub_epi32(s1[r], _mm512_mullo_epi32(corr[r], bias));
+                let isum = _mm512_sub_epi32(s1[r], off[r]);
                 accf[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(d[r]), dx), _mm512_cvtepi32_ps(isum), accf[r]);
             }
         }
     }
     store(&accf, P, out);
+}
+
+/// W = Σ_g scale_g · Σ (signed codes `q` of 16-value group g) of one block, spread over the
+/// i32 lanes (their sum is W), from its scale bytes (`bytes`, and `sv` the same as i32 lanes):
+/// one `vpdpbusd` per 64 codes, the codes made unsigned (q + 128, their sign bit flipped)
+/// against each value's scale byte, and 128 · 16 · Σ_g scale_g taken off.
+///
+/// # Safety
+///
+/// The CPU has AVX-512 VNNI (checked by `cpu::isa()` and `cpu::has_vnni()`); inlined only into
+/// functions compiled for it.
+#[inline(always)]
+unsafe fn signed_offset(q: &[__m512i; 4], bytes: __m128i, sv: __m512i) -> __m512i {
+    let bytes = _mm512_broadcast_i32x4(bytes);
+    let flip = _mm512_set1_epi8(-128);
+    let lane = 0x0101_0101_0101_0101i64;
+    let lane_index = _mm512_setr_epi64(0, 0, lane, lane, 2 * lane, 2 * lane, 3 * lane, 3 * lane);
+    let mut acc = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sv, 11));
+    for (c, v) in q.iter().enumerate() {
+        // 128-bit lane k of chunk c holds group 4c + k's values: its scale byte in all 16.
+        let pick = _mm512_add_epi8(_mm512_set1_epi8(4 * c as i8), lane_index);
+        acc = _mm512_dpbusd_epi32(acc, _mm512_xor_si512(*v, flip), _mm512_shuffle_epi8(bytes, pick));
+    }
+    acc
+}
+
+/// 128 · (the sum of `v[r]`'s lanes), in every lane of result r: four rows' sums found together
+/// (pairs of rows interleaved, then the 128-bit lanes folded), cheaper than four reductions.
+///
+/// # Safety
+///
+/// The CPU has AVX-512 F (checked by `cpu::isa()`); inlined only into functions compiled for it.
+#[inline(always)]
+unsafe fn times128_spread(v: &[__m512i; ROWS]) -> [__m512i; ROWS] {
+    // Per 128-bit lane: [v0 0+2, v1 0+2, v0 1+3, v1 1+3], the same for v2 and v3.
+    let t0 = _mm512_add_epi32(_mm512_unpacklo_epi32(v[0], v[1]), _mm512_unpackhi_epi32(v[0], v[1]));
+    let t1 = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2], v[3]), _mm512_unpackhi_epi32(v[2], v[3]));
+    // Per 128-bit lane: each row's sum of that lane, rows 0..4.
+    let u = _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
+    // Every 128-bit lane: the rows' whole sums.
+    let u = _mm512_add_epi32(u, _mm512_shuffle_i32x4(u, u, 0b01_00_11_10));
+    let u = _mm512_slli_epi32(_mm512_add_epi32(u, _mm512_shuffle_i32x4(u, u, 0b10_11_00_01)), 7);
+    [
+        _mm512_shuffle_epi32(u, _MM_PERM_AAAA),
+        _mm512_shuffle_epi32(u, _MM_PERM_BBBB),
+        _mm512_shuffle_epi32(u, _MM_PERM_CCCC),
+        _mm512_shuffle_epi32(u, _MM_PERM_DDDD),
+    ]
+}
+
+/// Sixteen scale bytes, one per 16 values, from eight, one per 32 (bytes 0..8 of `b`).
+///
+/// # Safety
+///
+/// Needs only SSE2 (the callers' target features include it).
+#[inline(always)]
+unsafe fn per16(b: __m128i) -> __m128i {
+    _mm_unpacklo_epi8(b, b)
+}
+
+/// The eight odd scales 2·s + 1 of the 4-bit fields s in bits 28..32 of eight u32 (IQ3_XXS's
+/// and IQ2_XXS's words of sign fields and scale, one per 32 values), as bytes 0..8.
+///
+/// # Safety
+///
+/// The CPU has AVX-512 F/VL (checked by `cpu::isa()`); inlined only into functions compiled for
+/// them.
+#[inline(always)]
+unsafe fn aux_scale_bytes(aux: __m256i) -> __m128i {
+    let ls = _mm256_srli_epi32(aux, 28);
+    _mm256_cvtepi32_epi8(_mm256_add_epi32(_mm256_add_epi32(ls, ls), _mm256_set1_epi32(1)))
 }
 
 /// Q2_K with each code multiplied by its group's scale before the dot products: a 2-bit code
@@ -555,7 +661,7 @@ unsafe fn gemm_q2k<const R: usize, const P: usize>(w: &[u8], row_bytes: usize, p
 /// Q3_K with each code multiplied by its group's scale while unpacking, as Q2_K's kernel does,
 /// but signed: a code c (−4..3) times a 6-bit scale s (−32..31) lies in −124..128, one value
 /// past a signed byte, so the bytes are −c·s (−128..124, always a byte), and the activations,
-/// `vpdpbusd`'s unsigned operand, go in as x + 128 (their sign bit flipped; Q8_K's are
+/// `vpdpbusd`'s unsigned operand, go in as x + 128 (a flipped panel, `flips`; Q8_K's are
 /// −128..127). The dot product of a row is then −Σ x·c·s − 128·Σ c·s, and the block's integer
 /// Σ x·c·s is 128·W − dot, W = Σ −c·s over the block (the row's own, from `vpsadbw`). No
 /// per-group multiply and add (those of `groups`), no activation sums; the same integer as
@@ -641,10 +747,9 @@ unsafe fn gemm_q3k<const R: usize, const P: usize>(w: &[u8], row_bytes: usize, p
 }
 
 /// IQ4_XS, IQ1_S and IQ1_M, unpacked 64 values at a time as the decode kernels unpack them
-/// (`iq512_x86`) and made one unsigned byte per value — IQ4_XS's levels plus 128 by one
-/// shuffle of its codes, IQ1's codes as they come (already offset by 9) — with one scale per
-/// 16 values; the offset comes off after as B · Σ scale · (16-value activation sum), as Q6_K's
-/// +32 does. The integer sum is `iq::block_isum`'s, the float step `accumulate`'s (`D` = the
+/// (`iq512_x86`) and made one signed byte per value — IQ4_XS's levels by one shuffle of its
+/// codes, IQ1's codes (which come offset by 9) less 9 — with one scale per 16 values, through
+/// `gemm_signed16`. The integer sum is `iq::block_isum`'s, the float step `accumulate`'s (`D` = the
 /// stored f16 times the format's power of two, exact). Kernel lab, Intel Xeon, one thread,
 /// 1024×4096, GMAC per CPU second, against the AVX2 kernels' 32-value groups: 16 tokens IQ4_XS
 /// 91.8 → 100.4, IQ1_M 66.7 → 83.6; 512 tokens IQ4_XS 89.5 → 90.0, IQ1_S 82.0 → 87.1, IQ1_M
@@ -663,39 +768,31 @@ unsafe fn gemm_iq<const R: usize, const P: usize, const DT: u32>(
     out: &mut Out,
 ) {
     use super::iq_tables::IQ4NL_VALUES;
-    use super::iq_x86::{d_bits, dtype_const, signed};
+    use super::iq_x86::{d_bits, dtype_const};
     let dt = const { dtype_const(DT) };
     let bb = dt.block_bytes();
     let factor = super::iq::scale_factor(dt);
-    let c128 = _mm512_set1_epi8(-128);
-    // IQ4_XS's levels plus 128, a `vpshufb` table in each 128-bit lane (formed once per call).
-    let levels =
-        _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128(IQ4NL_VALUES.as_ptr() as *const __m128i)), c128);
+    // IQ4_XS's levels, a `vpshufb` table in each 128-bit lane (formed once per call).
+    let levels = _mm512_broadcast_i32x4(_mm_loadu_si128(IQ4NL_VALUES.as_ptr() as *const __m128i));
     // IQ1_M has a scale per 16 values, IQ4_XS and IQ1_S one per 32.
-    gemm_offset16::<R, P>(ps, out, if signed(dt) { 128 } else { 9 }, dt != DType::IQ1_M, |r, b, codes, sc| {
+    gemm_signed16::<R, P>(ps, out, dt != DType::IQ1_M, |r, b| {
         let blk = w.as_ptr().add(r * row_bytes + b * bb);
+        let d = f16_to_f32(d_bits::<DT>(blk)) * factor;
+        let mut q = [_mm512_setzero_si512(); 4];
         if dt == DType::IQ4_XS {
-            // The levels plus 128 straight from the codes, one shuffle per 64 values.
+            // The levels straight from the codes, one shuffle per 64 values.
             let (n, sc8) = super::iq512_x86::iq4xs_parts(blk);
             for c in 0..4 {
-                _mm512_storeu_si512(codes.as_mut_ptr().add(64 * c) as *mut _, _mm512_shuffle_epi8(levels, n[c]));
+                q[c] = _mm512_shuffle_epi8(levels, n[c]);
             }
-            let s16 = _mm256_set_m128i(_mm_unpackhi_epi16(sc8, sc8), _mm_unpacklo_epi16(sc8, sc8));
-            _mm512_storeu_si512(sc.as_mut_ptr() as *mut _, _mm512_cvtepi16_epi32(s16));
-            return f16_to_f32(d_bits::<DT>(blk)) * factor;
+            return (q, per16(_mm_packs_epi16(sc8, sc8)), d);
         }
+        // IQ1: codes offset by 9.
         let k = super::iq512_x86::unpack::<DT>(blk);
         for c in 0..4 {
-            // Signed magnitudes are at most 127: 128 ± m is a byte either way.
-            let u = if signed(dt) {
-                _mm512_mask_sub_epi8(_mm512_add_epi8(k.u[c], c128), k.signs[c], c128, k.u[c])
-            } else {
-                k.u[c]
-            };
-            _mm512_storeu_si512(codes.as_mut_ptr().add(64 * c) as *mut _, u);
+            q[c] = _mm512_sub_epi8(k.u[c], _mm512_set1_epi8(9));
         }
-        _mm512_storeu_si512(sc.as_mut_ptr() as *mut _, _mm512_cvtepi16_epi32(k.s16));
-        f16_to_f32(d_bits::<DT>(blk)) * factor
+        (q, _mm256_cvtepi16_epi8(k.s16), d)
     });
 }
 
@@ -703,9 +800,9 @@ unsafe fn gemm_iq<const R: usize, const P: usize, const DT: u32>(
 /// hold a 9-bit codebook index (eight values, bytes 0..8 of the entry) and a 7-bit sign field
 /// each; eight entries come by one 64-bit gather, the sign fields, narrowed to bytes and
 /// completed with their parity bit (`iq_x86::with_parity`), are the block's 256 sign bits in
-/// value order, four 64-bit byte masks of a masked subtract (128 ± magnitude, at most 43).
+/// value order, four 64-bit byte masks of a masked negation (± magnitude, at most 43).
 /// Two 4-bit scales per 32 values (values 0..16, 16..32), odd: 2·nibble + 1. Through
-/// `gemm_offset16`: the same integers and float step as `gemm_iq`.
+/// `gemm_signed16`: the same integers and float step as `gemm_iq`.
 ///
 /// # Safety
 ///
@@ -715,37 +812,36 @@ unsafe fn gemm_iq2xs<const R: usize, const P: usize>(w: &[u8], row_bytes: usize,
     use super::iq_tables::IQ2XS_GRID;
     let bb = DType::IQ2_XS.block_bytes();
     let factor = super::iq::scale_factor(DType::IQ2_XS);
-    gemm_offset16::<R, P>(ps, out, 128, false, |r, b, codes, sc| {
+    gemm_signed16::<R, P>(ps, out, false, |r, b| {
         let blk = w.as_ptr().add(r * row_bytes + b * bb);
-        let q = _mm512_loadu_si512(blk.add(2) as *const _);
+        let v = _mm512_loadu_si512(blk.add(2) as *const _);
         let mut idx = [0u16; 32];
-        _mm512_storeu_si512(idx.as_mut_ptr() as *mut _, _mm512_and_si512(q, _mm512_set1_epi16(511)));
-        let fields = _mm512_cvtepi16_epi8(_mm512_srli_epi16(q, 9));
+        _mm512_storeu_si512(idx.as_mut_ptr() as *mut _, _mm512_and_si512(v, _mm512_set1_epi16(511)));
+        let fields = _mm512_cvtepi16_epi8(_mm512_srli_epi16(v, 9));
         let mut signs = [0u64; 4];
         _mm256_storeu_si256(signs.as_mut_ptr() as *mut __m256i, super::iq_x86::with_parity(fields));
+        let mut q = [_mm512_setzero_si512(); 4];
         for c in 0..4 {
             let i = _mm256_cvtepu16_epi32(_mm_loadu_si128(idx.as_ptr().add(8 * c) as *const __m128i));
             // Nine-bit indices: inside the 512-entry codebook.
-            iq2_entries(&IQ2XS_GRID, i, signs[c], codes.as_mut_ptr().add(64 * c));
+            q[c] = iq2_entries(&IQ2XS_GRID, i, signs[c]);
         }
-        *sc = odd_scales((blk.add(66) as *const u64).read_unaligned());
-        f16_to_f32((blk as *const u16).read_unaligned()) * factor
+        let sc = odd_scale_bytes((blk.add(66) as *const u64).read_unaligned());
+        (q, sc, f16_to_f32((blk as *const u16).read_unaligned()) * factor)
     });
 }
 
 /// Eight codebook entries of eight values each (by one 64-bit gather, indices `i`), signed by
-/// the byte mask `signs` and offset by 128 (magnitudes at most 43: a byte either way), into
-/// `out[..64]`.
+/// the byte mask `signs` (magnitudes at most 43).
 ///
 /// # Safety
 ///
-/// Every index is below N; `out` is valid for 64 bytes; the CPU has AVX-512 F/BW (checked by
-/// `cpu::isa()`); inlined only into functions compiled for them.
+/// Every index is below N; the CPU has AVX-512 F/BW (checked by `cpu::isa()`); inlined only
+/// into functions compiled for them.
 #[inline(always)]
-unsafe fn iq2_entries<const N: usize>(grid: &[u64; N], i: __m256i, signs: u64, out: *mut u8) {
-    let c128 = _mm512_set1_epi8(-128);
+unsafe fn iq2_entries<const N: usize>(grid: &[u64; N], i: __m256i, signs: u64) -> __m512i {
     let mag = _mm512_i32gather_epi64::<8>(i, grid.as_ptr() as *const i64);
-    _mm512_storeu_si512(out as *mut _, _mm512_mask_sub_epi8(_mm512_add_epi8(mag, c128), signs, c128, mag));
+    _mm512_mask_sub_epi8(mag, signs, _mm512_setzero_si512(), mag)
 }
 
 /// IQ2_XXS unpacked with AVX-512 whole blocks at a time (see `gemm_iq2xs`): per 32 values a
@@ -760,7 +856,7 @@ unsafe fn gemm_iq2xxs<const R: usize, const P: usize>(w: &[u8], row_bytes: usize
     use super::iq_tables::IQ2XXS_GRID;
     let bb = DType::IQ2_XXS.block_bytes();
     let factor = super::iq::scale_factor(DType::IQ2_XXS);
-    gemm_offset16::<R, P>(ps, out, 128, true, |r, b, codes, sc| {
+    gemm_signed16::<R, P>(ps, out, true, |r, b| {
         let blk = w.as_ptr().add(r * row_bytes + b * bb);
         let v = _mm512_loadu_si512(blk.add(2) as *const _);
         let aux = _mm512_cvtepi64_epi32(_mm512_srli_epi64(v, 32));
@@ -768,17 +864,12 @@ unsafe fn gemm_iq2xxs<const R: usize, const P: usize>(w: &[u8], row_bytes: usize
         _mm256_storeu_si256(idx.as_mut_ptr() as *mut __m256i, _mm512_cvtepi64_epi32(v));
         let mut signs = [0u64; 4];
         _mm256_storeu_si256(signs.as_mut_ptr() as *mut __m256i, super::iq_x86::sign_words(aux));
+        let mut q = [_mm512_setzero_si512(); 4];
         for c in 0..4 {
             let i = _mm256_cvtepu8_epi32(_mm_loadl_epi64(idx.as_ptr().add(8 * c) as *const __m128i));
-            iq2_entries(&IQ2XXS_GRID, i, signs[c], codes.as_mut_ptr().add(64 * c));
+            q[c] = iq2_entries(&IQ2XXS_GRID, i, signs[c]);
         }
-        let mut ls = [0u32; 8];
-        _mm256_storeu_si256(ls.as_mut_ptr() as *mut __m256i, _mm256_srli_epi32(aux, 28));
-        for k in 0..8 {
-            sc[2 * k] = 1 + 2 * ls[k] as i32;
-            sc[2 * k + 1] = sc[2 * k];
-        }
-        f16_to_f32((blk as *const u16).read_unaligned()) * factor
+        (q, per16(aux_scale_bytes(aux)), f16_to_f32((blk as *const u16).read_unaligned()) * factor)
     });
 }
 
@@ -795,16 +886,17 @@ unsafe fn gemm_iq2s<const R: usize, const P: usize>(w: &[u8], row_bytes: usize, 
     use super::iq_tables::IQ2S_GRID;
     let bb = DType::IQ2_S.block_bytes();
     let factor = super::iq::scale_factor(DType::IQ2_S);
-    gemm_offset16::<R, P>(ps, out, 128, false, |r, b, codes, sc| {
+    gemm_signed16::<R, P>(ps, out, false, |r, b| {
         let blk = w.as_ptr().add(r * row_bytes + b * bb);
+        let mut q = [_mm512_setzero_si512(); 4];
         for c in 0..4 {
             let signs = (blk.add(34 + 8 * c) as *const u64).read_unaligned();
             // Ten-bit indices: inside the 1024-entry codebook.
             let idx = super::iq512_x86::iq2s_indices(blk, c);
-            iq2_entries(&IQ2S_GRID, idx, signs, codes.as_mut_ptr().add(64 * c));
+            q[c] = iq2_entries(&IQ2S_GRID, idx, signs);
         }
-        *sc = odd_scales((blk.add(74) as *const u64).read_unaligned());
-        f16_to_f32((blk as *const u16).read_unaligned()) * factor
+        let sc = odd_scale_bytes((blk.add(74) as *const u64).read_unaligned());
+        (q, sc, f16_to_f32((blk as *const u16).read_unaligned()) * factor)
     });
 }
 
@@ -815,10 +907,9 @@ unsafe fn gemm_iq2s<const R: usize, const P: usize>(w: &[u8], row_bytes: usize, 
 /// `qs` bytes with bit i of the 8 `qh` bytes (read as one little-endian u64) as bit 8 of index
 /// i, set by a masked OR. The block's 256 sign bits in value order (IQ3_S's as stored, IQ3_XXS's
 /// widened from their 7-bit fields by `iq_x86::sign_words`) are four 64-bit byte masks for a
-/// masked subtract: 128 + m where the bit is clear, 128 − m where set — the unsigned codes
-/// `gemm_iq` makes. Through `gemm_offset16`, scaled per 32 values: the same integers (Σ over
-/// 32-value groups of the odd scale 1 + 2·nibble · codes · activations, less 128 · Σ scale ·
-/// activation sums) and the same float step.
+/// masked negation: m where the bit is clear, −m where set. Through `gemm_signed16`, scaled
+/// per 32 values: the same integers (Σ over 32-value groups of the odd scale 1 + 2·nibble ·
+/// codes · activations) and the same float step.
 ///
 /// # Safety
 ///
@@ -838,8 +929,8 @@ unsafe fn gemm_iq3<const R: usize, const P: usize, const XXS: bool>(
     let bb = dt.block_bytes();
     let factor = super::iq::scale_factor(dt);
     let grid = if XXS { IQ3XXS_GRID.as_ptr() } else { IQ3S_GRID.as_ptr() } as *const i32;
-    let (bit8, c128) = (_mm512_set1_epi32(256), _mm512_set1_epi8(-128));
-    gemm_offset16::<R, P>(ps, out, 128, true, |r, b, codes, sc| {
+    let bit8 = _mm512_set1_epi32(256);
+    gemm_signed16::<R, P>(ps, out, true, |r, b| {
         let blk = w.as_ptr().add(r * row_bytes + b * bb);
         // IQ3_XXS: after `qs`, eight u32 of four 7-bit sign fields and a 4-bit scale.
         let aux = _mm256_loadu_si256(blk.add(66) as *const __m256i);
@@ -848,6 +939,7 @@ unsafe fn gemm_iq3<const R: usize, const P: usize, const XXS: bool>(
             _mm256_storeu_si256(xxs_signs.as_mut_ptr() as *mut __m256i, super::iq_x86::sign_words(aux));
         }
         let qh = (blk.add(66) as *const u64).read_unaligned();
+        let mut q = [_mm512_setzero_si512(); 4];
         for c in 0..4 {
             let mut idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(blk.add(2 + 16 * c) as *const __m128i));
             if !XXS {
@@ -855,24 +947,17 @@ unsafe fn gemm_iq3<const R: usize, const P: usize, const XXS: bool>(
             }
             // Every index has as many bits as the codebook has entries (8 or 9).
             let mag = _mm512_i32gather_epi32::<4>(idx, grid);
-            // Magnitudes are at most 62: 128 ± m is a byte either way.
+            // Magnitudes are at most 62.
             let signs = if XXS { xxs_signs[c] } else { (blk.add(74 + 8 * c) as *const u64).read_unaligned() };
-            let u = _mm512_mask_sub_epi8(_mm512_add_epi8(mag, c128), signs, c128, mag);
-            _mm512_storeu_si512(codes.as_mut_ptr().add(64 * c) as *mut _, u);
+            q[c] = _mm512_mask_sub_epi8(mag, signs, _mm512_setzero_si512(), mag);
         }
         // One scale per 32 values, given for both of its 16-value halves.
-        let per32: [i32; 8] = if XXS {
-            let mut ls = [0u32; 8];
-            _mm256_storeu_si256(ls.as_mut_ptr() as *mut __m256i, _mm256_srli_epi32(aux, 28));
-            ls.map(|v| 1 + 2 * v as i32)
+        let per32 = if XXS {
+            aux_scale_bytes(aux)
         } else {
-            odd_scales((blk.add(106) as *const u32).read_unaligned() as u64)
+            odd_scale_bytes((blk.add(106) as *const u32).read_unaligned() as u64)
         };
-        for k in 0..8 {
-            sc[2 * k] = per32[k];
-            sc[2 * k + 1] = per32[k];
-        }
-        f16_to_f32((blk as *const u16).read_unaligned()) * factor
+        (q, per16(per32), f16_to_f32((blk as *const u16).read_unaligned()) * factor)
     });
 }
 
