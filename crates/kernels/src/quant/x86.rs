@@ -134,31 +134,27 @@ pub(crate) unsafe fn reduce8x8(a: &[__m256i; 8]) -> __m256i {
     _mm256_add_epi32(_mm256_permute2x128_si256(g1, g2, 0x20), _mm256_permute2x128_si256(g1, g2, 0x31))
 }
 
-/// Asks for the blocks that a kernel walking R rows together, group by group, reads after the
-/// group `b0..b0 + m` (of `nb` blocks a row) of the row whose group starts at `base`: the next
-/// group of the same row, or, at the row's end, the first group of the row R further down.
-/// For rows of one group this is what these kernels asked for before (the next pass's
-/// blocks); for long rows walked one at a time (`decode_k`) it keeps the stream ahead
-/// (kernel lab, AVX-512 EPYC, Q6_K 4096×14336 decode with 2 threads 18.8 → 26.7 GB/s over
-/// asking for the next row's blocks).
+/// How far ahead of its reads a kernel that walks its rows as one sequential stream (the
+/// K-quant decode) asks for lines: far enough that a line arrives from memory before the
+/// kernel's compute reaches it. Asking for the next group of eight blocks only (1.1 KiB of
+/// Q4_K) left the reads waiting: kernel lab, Intel Xeon, 2048×2048 decode, one thread, the
+/// next group → 4 KiB ahead, GB/s: AVX-512 Q4_K 8.6 → 9.3, Q2_K 7.0 → 8.1, Q3_K 7.6 → 8.7, Q5_K
+/// 9.1 → 9.5, Q6_K 10.8 → 11.7; AVX2 Q2_K 6.5 → 7.1, Q3_K 6.5 → 7.2, Q5_K 9.0 → 9.6, Q6_K 9.9
+/// → 10.3 (2 KiB and 4 KiB about equal). Asking for the next group had itself replaced asking
+/// for the next row's blocks (AVX-512 EPYC, Q6_K 4096×14336 decode with 2 threads 18.8 → 26.7
+/// GB/s); no AMD machine has measured the longer distance.
+const STREAM_AHEAD: usize = 4096;
+
+/// Asks for the `len` bytes that lie `STREAM_AHEAD` past `p`: for a kernel reading its
+/// weights in memory order, what it will read a little later.
 ///
 /// # Safety
 ///
 /// As `prefetch_rows` (what is asked for may lie past the matrix: prefetches never fault, and
 /// the pointer arithmetic wraps).
 #[inline(always)]
-pub(crate) unsafe fn prefetch_next(
-    base: *const u8,
-    row_bytes: usize,
-    rows: usize,
-    (b0, m, nb): (usize, usize, usize),
-    bb: usize,
-) {
-    if b0 + m < nb {
-        prefetch_rows(base.wrapping_add(m * bb), (nb - b0 - m).min(8) * bb);
-    } else {
-        prefetch_rows(base.wrapping_add(rows * row_bytes).wrapping_sub(b0 * bb), nb.min(8) * bb);
-    }
+pub(crate) unsafe fn prefetch_stream(p: *const u8, len: usize) {
+    prefetch_rows(p.wrapping_add(STREAM_AHEAD), len);
 }
 
 /// Asks for the cache lines of `len` bytes at `p`, into L2 (`T1`), not L1: a prefetch into L1
@@ -395,7 +391,7 @@ unsafe fn decode_body<const R: usize, const K: u32, const Z: bool>(
                 // Activation rows are padded with zero blocks to whole groups of eight.
                 let dx = _mm256_loadu_ps(act.d.as_ptr().add(act.idx(0, b0)));
                 let base = w.as_ptr().add(r * row_bytes + b0 * bb);
-                prefetch_next(base, row_bytes, 1, (b0, m, nb), bb);
+                prefetch_stream(base.wrapping_add(m * bb), m * bb);
                 if r == 0 {
                     ts[g - g0].write(Terms::new());
                 }
