@@ -21,9 +21,9 @@ Cases (each tool: one warm-up and --reps timed repetitions per test, llama-bench
 sluice's dense matrices are in VRAM. Decode steps run whole on the GPU (attention, norms, the
 KV cache and each MoE layer's routing in VRAM; the host steps in only to acquire experts the
 tier does not hold), prefill sends each product to the GPU with attention on the CPU. Beside
-the resident case two variants run once: --gpu-per-product (decode steps on the host, each product on the GPU: the CPU's bits) and
---cpu-dense (dense products on the CPU too). --ratios-only leaves out the cases with no ratio
-(those two variants and the run with no GPU).
+the resident case two variants run once: --gpu-per-product (decode steps on the host, each
+product on the GPU: the CPU's bits) and --cpu-dense (dense products on the CPU too).
+--ratios-only leaves out the cases with no ratio (those two variants and the run with no GPU).
 
     python3 bench/cuda.py --peer-bin DIR [--model M.gguf] [--threads 16] [--ratios-only] [--out DIR]
 """
