@@ -14,6 +14,7 @@ use super::act::QuantAct;
 use super::{BatchOut, BatchScratch, SMALL_BATCH};
 use crate::DType;
 use std::arch::x86_64::*;
+use std::mem::MaybeUninit;
 
 /// 32 four-bit codes: low nibbles of `q` then high nibbles (the Q4_0/Q4_1/Q5 order).
 ///
@@ -381,7 +382,7 @@ unsafe fn decode_body<const R: usize, const K: u32, const Z: bool>(
     const MAXG: usize = 16;
     let groups = nb.div_ceil(8);
     let mut acc = _mm_setzero_ps();
-    let mut ts: [std::mem::MaybeUninit<Terms>; MAXG] = [const { std::mem::MaybeUninit::uninit() }; MAXG];
+    let mut ts: [MaybeUninit<Terms>; MAXG] = [const { MaybeUninit::uninit() }; MAXG];
     let mut g0 = 0;
     while g0 < groups {
         let g1 = (g0 + MAXG).min(groups);
@@ -393,11 +394,12 @@ unsafe fn decode_body<const R: usize, const K: u32, const Z: bool>(
                 let base = w.as_ptr().add(r * row_bytes + b0 * bb);
                 prefetch_stream(base.wrapping_add(m * bb), m * bb);
                 if r == 0 {
-                    ts[g - g0].write(Terms::new());
+                    Terms::zero_rows(ts[g - g0].as_mut_ptr(), R);
                 }
                 let mut kg = KGroup::new();
                 kg.blocks::<K, Z>(base, act, b0, m, 0);
-                kg.terms(f, dx, ts[g - g0].assume_init_mut(), r);
+                // Rows 0..R are written here, rows R..4 were zeroed above.
+                kg.terms(f, dx, ts[g - g0].as_mut_ptr(), r);
             }
         }
         for g in g0..g1 {
@@ -416,10 +418,12 @@ unsafe fn decode_body<const R: usize, const K: u32, const Z: bool>(
 }
 
 /// The integer sums and scale bits of up to eight blocks (of one row, or of two rows' four),
-/// slot j for block j.
+/// slot j for block j. The sums start unwritten: `blocks` writes its slots and zeroes those
+/// after them, so a whole group costs no zeroing (zeroing the 512 bytes of every group was a
+/// call to `memset` per eight blocks).
 struct KGroup {
-    a: [__m256i; 8],
-    mn: [__m256i; 8],
+    a: [MaybeUninit<__m256i>; 8],
+    mn: [MaybeUninit<__m256i>; 8],
     dbits: [u16; 8],
     mbits: [u16; 8],
 }
@@ -430,16 +434,17 @@ impl KGroup {
     /// Needs only the instruction set it is compiled for (AVX2), which the caller checked (`cpu::isa()`).
     #[inline(always)]
     unsafe fn new() -> KGroup {
-        KGroup { a: [_mm256_setzero_si256(); 8], mn: [_mm256_setzero_si256(); 8], dbits: [0; 8], mbits: [0; 8] }
+        KGroup { a: [MaybeUninit::uninit(); 8], mn: [MaybeUninit::uninit(); 8], dbits: [0; 8], mbits: [0; 8] }
     }
 
-    /// Blocks `b0..b0 + m` of the row whose block `b0` is at `base`, into slots `slot..`;
-    /// with `Z`, unpacked and multiplied in 512-bit vectors.
+    /// Blocks `b0..b0 + m` of the row whose block `b0` is at `base`, into slots `slot..`, and
+    /// zero sums into the slots after them; with `Z`, unpacked and multiplied in 512-bit
+    /// vectors.
     ///
     /// # Safety
     ///
     /// `base` holds the m blocks; `act` one token's activations for the row; `slot + m ≤ 8`;
-    /// AVX2, and AVX-512 F and BW where `Z`.
+    /// slots below `slot` were written by an earlier call; AVX2, and AVX-512 F and BW where `Z`.
     #[inline(always)]
     unsafe fn blocks<const K: u32, const Z: bool>(
         &mut self,
@@ -457,36 +462,46 @@ impl KGroup {
             let xi = i0 + j;
             let xq = act.qs.as_ptr().add(xi * 256);
             let bs = _mm256_loadu_si256(act.bsums.as_ptr().add(xi * 16) as *const __m256i);
-            (self.a[slot + j], self.mn[slot + j]) = if Z {
+            let (a, mn) = if Z {
                 let (u, sv, sums16) = super::k512_x86::unpack::<K>(blk);
                 super::x86_512::dot_unpacked(f.offset_shift, &u, &sv, sums16, xq, bs)
             } else {
                 let (u, sv, sums16) = unpack::<K>(blk);
                 dot_unpacked(f.offset_shift, &u, &sv, sums16, xq, bs)
             };
+            self.a[slot + j].write(a);
+            self.mn[slot + j].write(mn);
             self.dbits[slot + j] = (blk.add(f.d_at) as *const u16).read_unaligned();
             if let Some(m_at) = f.m_at {
                 self.mbits[slot + j] = (blk.add(m_at) as *const u16).read_unaligned();
             }
         }
+        for j in slot + m..8 {
+            self.a[j].write(_mm256_setzero_si256());
+            self.mn[j].write(_mm256_setzero_si256());
+        }
     }
 
     /// The float terms of the eight slots into `t`'s vectors `i`: `d·dx` and the sums, and for
-    /// a format with minima `−(dmin·dx)` and the min sums.
+    /// a format with minima `−(dmin·dx)` and the min sums (zero for the others).
     ///
     /// # Safety
     ///
-    /// The CPU has AVX2 and F16C (checked by `cpu::isa()`).
+    /// `blocks` has written all eight slots; `t` points to a `Terms` (whose other vectors may
+    /// be unwritten); the CPU has AVX2 and F16C (checked by `cpu::isa()`).
     #[inline(always)]
-    unsafe fn terms(&self, f: KFormat, dx: __m256, t: &mut Terms, i: usize) {
+    unsafe fn terms(&self, f: KFormat, dx: __m256, t: *mut Terms, i: usize) {
+        let (a, mn) = (self.a.as_ptr() as *const [__m256i; 8], self.mn.as_ptr() as *const [__m256i; 8]);
         let dw = _mm256_cvtph_ps(_mm_loadu_si128(self.dbits.as_ptr() as *const __m128i));
-        t.ddx[i] = _mm256_mul_ps(dw, dx);
-        t.isf[i] = _mm256_cvtepi32_ps(reduce8x8(&self.a));
+        (*t).ddx[i] = _mm256_mul_ps(dw, dx);
+        (*t).isf[i] = _mm256_cvtepi32_ps(reduce8x8(&*a));
+        let (mut m, mut sx) = (_mm256_setzero_ps(), _mm256_setzero_ps());
         if f.m_at.is_some() {
             let mw = _mm256_cvtph_ps(_mm_loadu_si128(self.mbits.as_ptr() as *const __m128i));
-            t.m[i] = _mm256_xor_ps(_mm256_mul_ps(mw, dx), _mm256_set1_ps(-0.0));
-            t.sx[i] = _mm256_cvtepi32_ps(reduce8x8(&self.mn));
+            m = _mm256_xor_ps(_mm256_mul_ps(mw, dx), _mm256_set1_ps(-0.0));
+            sx = _mm256_cvtepi32_ps(reduce8x8(&*mn));
         }
+        ((*t).m[i], (*t).sx[i]) = (m, sx);
     }
 }
 
@@ -509,6 +524,20 @@ impl Terms {
     pub(crate) unsafe fn new() -> Terms {
         let z = [_mm256_setzero_ps(); 4];
         Terms { ddx: z, isf: z, m: z, sx: z }
+    }
+
+    /// Zero vectors `from..4` of the `Terms` at `t` (the pairs a kernel of fewer than four
+    /// rows leaves unwritten), leaving the others as they are.
+    ///
+    /// # Safety
+    ///
+    /// `t` is valid for writes; AVX2 is present.
+    #[inline(always)]
+    unsafe fn zero_rows(t: *mut Terms, from: usize) {
+        for i in from..4 {
+            let z = _mm256_setzero_ps();
+            ((*t).ddx[i], (*t).isf[i], (*t).m[i], (*t).sx[i]) = (z, z, z, z);
+        }
     }
 
     /// The four term vectors transposed (`transpose4`); the second pair only with `second`.
