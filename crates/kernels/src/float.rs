@@ -262,6 +262,18 @@ pub fn exp_le0(x: f32) -> f32 {
     p * f32::from_bits(((n as i32 + 127) as u32) << 23)
 }
 
+/// The vector part of `ops::glu_isa`: `gate[i] = act(gate[i]) * up[i]` over the whole
+/// vectors of eight values at the front, with `ops::silu`'s or `ops::gelu_tanh`'s operations
+/// in each lane; returns how many values it did (none at the scalar level).
+pub(crate) fn glu_lanes(isa: crate::cpu::Isa, gate: &mut [f32], up: &[f32], act: crate::ops::GluAct) -> usize {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the ISA level was detected on this CPU (AVX2 and FMA).
+        crate::cpu::Isa::Avx512 | crate::cpu::Isa::Avx2 => unsafe { x86::glu_avx2(gate, up, act) },
+        _ => 0,
+    }
+}
+
 /// `weighted_rows` at a chosen ISA level.
 pub fn weighted_rows_isa(isa: crate::cpu::Isa, out: &mut [f32], w: &[f32], rows: &[f32], stride: usize) {
     let d = out.len();
@@ -347,6 +359,60 @@ mod x86 {
         // Lanes below EXP_MIN (their n may be out of range) are masked to 0.
         let e = _mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)));
         _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), ok)
+    }
+
+    /// `ops::sigma` in each lane.
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX2 and FMA (checked by `cpu::isa()`).
+    #[inline(always)]
+    unsafe fn sigma8(z: __m256) -> __m256 {
+        let t = exp8_le0(_mm256_or_ps(z, _mm256_set1_ps(-0.0)));
+        let one = _mm256_set1_ps(1.0);
+        let nonneg = _mm256_cmp_ps::<_CMP_GE_OQ>(z, _mm256_setzero_ps());
+        _mm256_div_ps(_mm256_blendv_ps(t, one, nonneg), _mm256_add_ps(one, t))
+    }
+
+    /// `ops::silu` in each lane.
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX2 and FMA (checked by `cpu::isa()`).
+    #[inline(always)]
+    unsafe fn silu8(x: __m256) -> __m256 {
+        _mm256_mul_ps(x, sigma8(x))
+    }
+
+    /// `ops::gelu_tanh` in each lane.
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX2 and FMA (checked by `cpu::isa()`).
+    #[inline(always)]
+    unsafe fn gelu8(x: __m256) -> __m256 {
+        use crate::ops::{GELU_2C, GELU_A};
+        let cube = _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(GELU_A), x), x), x);
+        _mm256_mul_ps(x, sigma8(_mm256_mul_ps(_mm256_set1_ps(GELU_2C), _mm256_add_ps(x, cube))))
+    }
+
+    /// `float::glu_lanes` with AVX2.
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX2 and FMA (checked by `cpu::isa()`); `up` is at least as long as `gate`.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn glu_avx2(gate: &mut [f32], up: &[f32], act: crate::ops::GluAct) -> usize {
+        let n = gate.len() / 8 * 8;
+        for i in (0..n).step_by(8) {
+            let g = _mm256_loadu_ps(gate.as_ptr().add(i));
+            let a = match act {
+                crate::ops::GluAct::Silu => silu8(g),
+                crate::ops::GluAct::GeluTanh => gelu8(g),
+            };
+            _mm256_storeu_ps(gate.as_mut_ptr().add(i), _mm256_mul_ps(a, _mm256_loadu_ps(up.as_ptr().add(i))));
+        }
+        n
     }
 
     /// `x[i] = exp_le0(x[i] - max)`, returning the eight lane sums of `softmax_isa` (element i

@@ -633,7 +633,7 @@ fn time_ops(json: bool) {
             3 * 8192 * 4,
             Box::new(|o: &mut [f32]| {
                 o[..8192].copy_from_slice(&x8k);
-                ops::glu(&mut o[..8192], &u8k, ops::silu)
+                ops::glu(&mut o[..8192], &u8k, ops::GluAct::Silu)
             }),
         ),
         (
@@ -642,7 +642,7 @@ fn time_ops(json: bool) {
             3 * 8192 * 4,
             Box::new(|o: &mut [f32]| {
                 o[..8192].copy_from_slice(&x8k);
-                ops::glu(&mut o[..8192], &u8k, ops::gelu_tanh)
+                ops::glu(&mut o[..8192], &u8k, ops::GluAct::GeluTanh)
             }),
         ),
         (

@@ -58,8 +58,8 @@ impl FfnWeights {
 /// `gate = act(gate) ⊙ up` for the FFN's activation (gpt-oss's clamped form included).
 pub fn combine(a: Activation, gate: &mut [f32], up: &[f32]) {
     match a {
-        Activation::Silu => ops::glu(gate, up, ops::silu),
-        Activation::GeluTanh => ops::glu(gate, up, ops::gelu_tanh),
+        Activation::Silu => ops::glu(gate, up, ops::GluAct::Silu),
+        Activation::GeluTanh => ops::glu(gate, up, ops::GluAct::GeluTanh),
         Activation::SwigluOai { alpha, limit } => {
             for (g, u) in gate.iter_mut().zip(up) {
                 let x = g.min(limit);
