@@ -185,7 +185,19 @@ pub(super) unsafe fn iq4xs_parts(b: *const u8) -> ([__m512i; 4], __m128i) {
 }
 
 /// The odd scales 2·s + 1 of the 4-bit fields s in bits 28..32 of eight u32 (IQ3_XXS's and
-/// IQ2_XXS's words of sign fields and scale, one per 32 values), as i16 lanes 0..8.
+/// IQ2_XXS's words of sign fields and scale, one per 32 values), as i32 lanes; callers narrow
+/// them to the width they multiply with (`aux_scales` here, bytes in the prefill).
+///
+/// # Safety
+///
+/// Needs only AVX2 (the callers' target features include it).
+#[inline(always)]
+pub(super) unsafe fn aux_odd_scales(aux: __m256i) -> __m256i {
+    let ls = _mm256_srli_epi32(aux, 28);
+    _mm256_add_epi32(_mm256_add_epi32(ls, ls), _mm256_set1_epi32(1))
+}
+
+/// `aux_odd_scales` as i16 lanes 0..8.
 ///
 /// # Safety
 ///
@@ -193,8 +205,7 @@ pub(super) unsafe fn iq4xs_parts(b: *const u8) -> ([__m512i; 4], __m128i) {
 /// them.
 #[inline(always)]
 unsafe fn aux_scales(aux: __m256i) -> __m512i {
-    let ls = _mm256_srli_epi32(aux, 28);
-    _mm512_castsi128_si512(_mm256_cvtepi32_epi16(_mm256_add_epi32(_mm256_add_epi32(ls, ls), _mm256_set1_epi32(1))))
+    _mm512_castsi128_si512(_mm256_cvtepi32_epi16(aux_odd_scales(aux)))
 }
 
 /// A block unpacked for `dot`: values 64c..64c+64 are codes `u[c]` (unsigned bytes), negated

@@ -574,8 +574,8 @@ unsafe fn per16(b: __m128i) -> __m128i {
     _mm_unpacklo_epi8(b, b)
 }
 
-/// The eight odd scales 2·s + 1 of the 4-bit fields s in bits 28..32 of eight u32 (IQ3_XXS's
-/// and IQ2_XXS's words of sign fields and scale, one per 32 values), as bytes 0..8.
+/// `iq512_x86::aux_odd_scales` (IQ3_XXS's and IQ2_XXS's scales, one per 32 values) as
+/// bytes 0..8.
 ///
 /// # Safety
 ///
@@ -583,8 +583,7 @@ unsafe fn per16(b: __m128i) -> __m128i {
 /// them.
 #[inline(always)]
 unsafe fn aux_scale_bytes(aux: __m256i) -> __m128i {
-    let ls = _mm256_srli_epi32(aux, 28);
-    _mm256_cvtepi32_epi8(_mm256_add_epi32(_mm256_add_epi32(ls, ls), _mm256_set1_epi32(1)))
+    _mm256_cvtepi32_epi8(super::iq512_x86::aux_odd_scales(aux))
 }
 
 /// Q2_K with each code multiplied by its group's scale before the dot products: a 2-bit code
