@@ -143,7 +143,13 @@ pub(crate) unsafe fn reduce8x8(a: &[__m256i; 8]) -> __m256i {
 /// 9.1 → 9.5, Q6_K 10.8 → 11.7; AVX2 Q2_K 6.5 → 7.1, Q3_K 6.5 → 7.2, Q5_K 9.0 → 9.6, Q6_K 9.9
 /// → 10.3 (2 KiB and 4 KiB about equal). Asking for the next group had itself replaced asking
 /// for the next row's blocks (AVX-512 EPYC, Q6_K 4096×14336 decode with 2 threads 18.8 → 26.7
-/// GB/s); no AMD machine has measured the longer distance.
+/// GB/s); no AMD machine has measured the longer distance. On that Xeon (Q4_K 2048×2048, one
+/// thread, medians of three alternated runs, GB/s) every other way measured was slower or
+/// the same: no software prefetch 7.0 against 9.6 (the hardware streamer alone; with the
+/// thread's rows walked as two interleaved halves, 7.3); one line in two (the adjacent-line
+/// prefetcher fetching its pair) 9.0 against 10.1; `T0` instead of `T1` 10.4 against 10.2;
+/// the matrices in 2 MiB pages 10.6 against 9.5 at this shape but 10.2 against 10.4 at an
+/// OLMoE expert's 1024×2048, and no change in OLMoE's decode.
 const STREAM_AHEAD: usize = 4096;
 
 /// Asks for the `len` bytes that lie `STREAM_AHEAD` past `p`: for a kernel reading its
