@@ -511,8 +511,8 @@ impl CudaStep {
             let mut kv = Vec::with_capacity(cfg.n_layer);
             for l in 0..cfg.n_layer {
                 let (mut kk, mut vv) = (s.alloc_zeros::<f32>(cap * kvd)?, s.alloc_zeros::<f32>(cap * kvd)?);
-                if let Some(old) = st.mirror.as_ref().filter(|o| o.lineage == state.lineage()) {
-                    let keep = old.len.min(state.len()) * kvd;
+                if let Some(old) = &st.mirror {
+                    let keep = old.len.min(state.unchanged_below(old.lineage)) * kvd;
                     if keep > 0 {
                         s.memcpy_dtod(&old.kv[l].0.slice(0..keep), &mut kk.slice_mut(0..keep))?;
                         s.memcpy_dtod(&old.kv[l].1.slice(0..keep), &mut vv.slice_mut(0..keep))?;
@@ -525,11 +525,10 @@ impl CudaStep {
             st.bufs = Some(bufs);
         }
         let mi = st.mirror.as_mut().expect("made above");
-        if mi.lineage != state.lineage() {
-            mi.lineage = state.lineage();
-            mi.len = 0;
-        }
-        mi.len = mi.len.min(state.len());
+        // Positions the sequence took back (a rejected draft, a restored snapshot) are copied
+        // again from the shortest cut since the copy was made, not from the start.
+        mi.len = mi.len.min(state.unchanged_below(mi.lineage));
+        mi.lineage = state.lineage();
         if mi.len < state.len() {
             let (from, to) = (mi.len * kvd, state.len() * kvd);
             for l in 0..cfg.n_layer {

@@ -54,6 +54,7 @@ fn whole_steps_match_the_cpu_and_their_own_bits_at_every_quota() {
     let one = e.model.experts.expert_bytes();
     let k = e.model.cfg.moe.as_ref().unwrap().n_expert_used;
     let mut reference: Option<Vec<u32>> = None;
+    let mut last_step = None;
     // 47 warm slots hold the first layers whole and the last in part: a miss there evicts
     // an expert of a whole layer, so no layer may be read through tables.
     for (slots, warm) in [(48, true), (47, true), (k, false), (k + 1, true), (48, false)] {
@@ -65,6 +66,7 @@ fn whole_steps_match_the_cpu_and_their_own_bits_at_every_quota() {
         e.model.dense_compute = Some(dense.clone());
         e.model.expert_compute = Some(c.clone());
         e.model.step_compute = Some(step.clone());
+        last_step = Some(step.clone());
         let (per, after) = steps(&e);
         let line = sluice_model::step::StepCompute::stats_line(&*step);
         assert!(line.starts_with(&format!("GPU steps: {}", NEXT.len())), "{line}");
@@ -97,22 +99,50 @@ fn whole_steps_match_the_cpu_and_their_own_bits_at_every_quota() {
         }
     }
 
-    // Cut back and decoded again: the device's cache is rebuilt from the host's, same bits.
+    // Cut back and decoded again: the device's cache keeps the positions below the cut and
+    // copies up only what the host changed (here nothing), with the same bits.
+    let step = last_step.expect("the loop ran");
+    let copied = || -> u64 {
+        let line = sluice_model::step::StepCompute::stats_line(&*step);
+        let head = line.split(" positions of KV copied up").next().unwrap();
+        head.rsplit(' ').next().unwrap().parse().unwrap_or_else(|_| panic!("no copy count in {line}"))
+    };
     let mut st = e.new_state();
     e.model.forward(&mut st, &PROMPT, Logits::Last, None).unwrap();
+    let c0 = copied();
     let first: Vec<u32> = NEXT
         .iter()
         .flat_map(|t| e.model.forward(&mut st, &[*t], Logits::Last, None).unwrap())
         .map(|v| v.to_bits())
         .collect();
+    let c1 = copied();
+    assert_eq!(c1 - c0, PROMPT.len() as u64, "a new sequence's prefill is copied up once");
     st.truncate(PROMPT.len()).unwrap();
     let again: Vec<u32> = NEXT
         .iter()
         .flat_map(|t| e.model.forward(&mut st, &[*t], Logits::Last, None).unwrap())
         .map(|v| v.to_bits())
         .collect();
+    assert_eq!(copied(), c1, "a truncation made the device copy positions it already held");
     assert!(first == again, "decoding again after a truncation changed the bits");
     assert!(Some(&first) == reference.as_ref(), "a fresh sequence gave other bits");
+    // Cut below what the GPU steps wrote, then a host pass of two tokens: those two, and only
+    // those, are copied up before the next step, which gives the bits of a sequence decoded
+    // the same way from the start.
+    st.truncate(PROMPT.len() + 1).unwrap();
+    e.model.forward(&mut st, &[40, 41], Logits::Last, None).unwrap();
+    let c2 = copied();
+    let tail = e.model.forward(&mut st, &[42], Logits::Last, None).unwrap();
+    assert_eq!(copied() - c2, 2, "copied up other than the two positions the host rewrote");
+    let mut fresh = e.new_state();
+    e.model.forward(&mut fresh, &PROMPT, Logits::Last, None).unwrap();
+    e.model.forward(&mut fresh, &NEXT[..1], Logits::Last, None).unwrap();
+    e.model.forward(&mut fresh, &[40, 41], Logits::Last, None).unwrap();
+    let want = e.model.forward(&mut fresh, &[42], Logits::Last, None).unwrap();
+    assert!(
+        tail.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+        "after a cut and a host pass, the step's bits differ from a sequence decoded straight"
+    );
 
     // A long sequence: the device's cache grows past its first 256 positions (moving what it
     // holds), and attention over ~300 positions stays within rounding of the CPU's.

@@ -112,7 +112,14 @@ pub struct SeqState {
     /// is still a copy of its first positions at the same pair.
     id: u64,
     edits: u64,
+    /// The length each of the last `CUTS_KEPT` edits cut back to (the newest last): the
+    /// positions below it were not touched by that edit.
+    cuts: std::collections::VecDeque<usize>,
 }
+
+/// Edits whose cut `SeqState::unchanged_below` remembers: a copy older than that many edits
+/// is treated as holding nothing (a speculative decoder edits once per rejected draft).
+const CUTS_KEPT: usize = 64;
 
 /// The next `SeqState::id`.
 static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -167,7 +174,7 @@ impl SeqState {
             })
             .collect();
         let id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        SeqState { layers, len: 0, max_len, id, edits: 0 }
+        SeqState { layers, len: 0, max_len, id, edits: 0, cuts: Default::default() }
     }
 
     /// Positions stored.
@@ -187,6 +194,32 @@ impl SeqState {
     /// `len()` stay as they were when they were appended.
     pub fn lineage(&self) -> (u64, u64) {
         (self.id, self.edits)
+    }
+
+    /// How many leading positions hold the same keys and values now as when this state's
+    /// lineage was `then` (and had at least that many positions): what a copy made then still
+    /// holds correctly. 0 for another sequence's lineage, or one more than `CUTS_KEPT` edits
+    /// ago. Taking positions back (`truncate`, `restore`) leaves those below the cut as they
+    /// were, so a copy need only be brought up from the shortest cut since.
+    pub fn unchanged_below(&self, then: (u64, u64)) -> usize {
+        let (id, edits) = then;
+        if id != self.id || edits > self.edits {
+            return 0;
+        }
+        let since = (self.edits - edits) as usize;
+        if since > self.cuts.len() {
+            return 0;
+        }
+        self.cuts.iter().rev().take(since).fold(self.len, |m, &c| m.min(c))
+    }
+
+    /// Records an edit that kept the first `len` positions as they were.
+    fn edited(&mut self, len: usize) {
+        self.edits += 1;
+        if self.cuts.len() == CUTS_KEPT {
+            self.cuts.pop_front();
+        }
+        self.cuts.push_back(len);
     }
 
     /// Whether any layer keeps a recurrent state (which cannot be cut back by `truncate`).
@@ -231,7 +264,7 @@ impl SeqState {
             )));
         }
         self.cut_kv(len);
-        self.edits += 1;
+        self.edited(len);
         if len == 0 {
             for l in &mut self.layers {
                 if let LayerState::Recurrent(r) = l {
@@ -300,7 +333,7 @@ impl SeqState {
             )));
         }
         self.cut_kv(snap.len);
-        self.edits += 1;
+        self.edited(snap.len);
         for ((l, saved), tail) in self.layers.iter_mut().zip(&snap.recurrent).zip(&snap.tails) {
             match (l, saved, tail) {
                 (LayerState::Recurrent(r), Some((c, s)), _) => {

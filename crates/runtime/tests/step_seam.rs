@@ -167,6 +167,8 @@ fn a_sequence_changes_lineage_when_positions_are_taken_back() {
     let l0 = st.lineage();
     e.model.forward(&mut st, &[1, 2, 3], Logits::Last, None).unwrap();
     assert_eq!(st.lineage(), l0, "appending changed the lineage");
+    assert_eq!(st.unchanged_below(l0), 3);
+    assert_eq!(st.unchanged_below(other.lineage()), 0, "another sequence's copy holds nothing of this one");
     let snap = st.snapshot();
     e.model.forward(&mut st, &[4], Logits::Last, None).unwrap();
     st.truncate(5).unwrap(); // longer than it is: nothing taken back
@@ -175,10 +177,25 @@ fn a_sequence_changes_lineage_when_positions_are_taken_back() {
     let l1 = st.lineage();
     assert_ne!(l1, l0);
     assert_eq!(l1.0, l0.0, "the identity stays");
-    e.model.forward(&mut st, &[3], Logits::Last, None).unwrap();
+    // A copy made before the cut still holds the two positions below it.
+    assert_eq!(st.unchanged_below(l0), 2);
+    e.model.forward(&mut st, &[3, 9], Logits::Last, None).unwrap();
+    assert_eq!((st.unchanged_below(l0), st.unchanged_below(l1)), (2, 4), "positions appended after a cut are new");
     st.restore(&snap).unwrap();
-    assert_ne!(st.lineage(), l1);
+    let l2 = st.lineage();
+    assert_ne!(l2, l1);
+    // Back at the snapshot's 3 positions: what a copy made before the cut to 2 holds stays 2.
+    assert_eq!((st.unchanged_below(l0), st.unchanged_below(l1), st.unchanged_below(l2)), (2, 3, 3));
+    // A lineage from the future (another state's counter) is not trusted.
+    assert_eq!(st.unchanged_below((l2.0, l2.1 + 1)), 0);
+    // Cuts far enough back are forgotten: a copy that old is treated as holding nothing.
+    for _ in 0..100 {
+        e.model.forward(&mut st, &[5], Logits::Last, None).unwrap();
+        st.truncate(3).unwrap();
+    }
+    assert_eq!((st.unchanged_below(l0), st.unchanged_below(st.lineage())), (0, 3));
     st.reset();
     assert_eq!(st.len(), 0);
+    assert_eq!(st.unchanged_below(l2), 0);
     std::fs::remove_dir_all(&dir).ok();
 }
