@@ -501,6 +501,10 @@ impl CudaStep {
         let cfg = &m.cfg;
         let (kvd, need) = (cfg.kv_dim(), state.len() + 1);
         let s = &self.gpu.stream;
+        // What the device's copy still holds: positions the sequence took back since (a
+        // rejected draft, a restored snapshot) are copied again from the shortest cut, not
+        // from the start.
+        let held = st.mirror.as_ref().map_or(0, |o| o.len.min(state.unchanged_below(o.lineage)));
         let grow = st.mirror.as_ref().is_none_or(|mi| mi.cap < need)
             || st.bufs.as_ref().is_none_or(|b| b.scores_stride < need);
         if grow {
@@ -509,25 +513,20 @@ impl CudaStep {
             // as they were, in step with each other.
             let bufs = self.bufs(m, cap)?;
             let mut kv = Vec::with_capacity(cfg.n_layer);
+            let keep = held * kvd;
             for l in 0..cfg.n_layer {
                 let (mut kk, mut vv) = (s.alloc_zeros::<f32>(cap * kvd)?, s.alloc_zeros::<f32>(cap * kvd)?);
-                if let Some(old) = &st.mirror {
-                    let keep = old.len.min(state.unchanged_below(old.lineage)) * kvd;
-                    if keep > 0 {
-                        s.memcpy_dtod(&old.kv[l].0.slice(0..keep), &mut kk.slice_mut(0..keep))?;
-                        s.memcpy_dtod(&old.kv[l].1.slice(0..keep), &mut vv.slice_mut(0..keep))?;
-                    }
+                if let Some(old) = st.mirror.as_ref().filter(|_| keep > 0) {
+                    s.memcpy_dtod(&old.kv[l].0.slice(0..keep), &mut kk.slice_mut(0..keep))?;
+                    s.memcpy_dtod(&old.kv[l].1.slice(0..keep), &mut vv.slice_mut(0..keep))?;
                 }
                 kv.push((kk, vv));
             }
-            let (lineage, len) = st.mirror.as_ref().map_or(((0, 0), 0), |o| (o.lineage, o.len));
-            st.mirror = Some(Mirror { kv, cap, lineage, len });
+            st.mirror = Some(Mirror { kv, cap, lineage: state.lineage(), len: held });
             st.bufs = Some(bufs);
         }
         let mi = st.mirror.as_mut().expect("made above");
-        // Positions the sequence took back (a rejected draft, a restored snapshot) are copied
-        // again from the shortest cut since the copy was made, not from the start.
-        mi.len = mi.len.min(state.unchanged_below(mi.lineage));
+        mi.len = held;
         mi.lineage = state.lineage();
         if mi.len < state.len() {
             let (from, to) = (mi.len * kvd, state.len() * kvd);
