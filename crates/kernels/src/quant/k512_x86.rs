@@ -7,12 +7,16 @@
 //!
 //! Q6_K and Q3_K are unpacked here with 512-bit operations: their codes cost the AVX2
 //! unpacking a shift, mask and merge per 32 values, here per 64 (Q3_K decode, 113×4096, one
-//! thread: 20.1 → 23.2 GMAC per CPU second against the AVX2 kernel). The other formats take the AVX2
-//! unpacking and join its halves. Q4_K and Q5_K were unpacked natively too (a broadcast chunk
-//! per 64 values, the upper half shifted; scales by `vpermw`), and their decode was no faster
-//! than the AVX2 kernel's (kernel lab, Intel Xeon, one thread: Q4_K 23.9 against 25.1 GMAC
-//! per CPU second, Q5_K 19.8 against 19.6): 512-bit operations issue on two ports, 256-bit
-//! ones on three, so halving the instructions gains only where it more than halves them.
+//! thread: 20.1 → 23.2 GMAC per CPU second against the AVX2 kernel). Q2_K takes the AVX2
+//! unpacking and joins its halves. Q4_K and Q5_K are unpacked natively (`unpack_q4k`: a
+//! broadcast chunk per 64 values, the upper half shifted) only for the VNNI decode, whose
+//! `vpdpwssd` fuses each product's scaling and sum: with `vpmaddwd` and an add in its place
+//! their native decode was no faster than the AVX2 kernel's (kernel lab, Intel Xeon, one
+//! thread: Q4_K 23.9 against 25.1 GMAC per CPU second, Q5_K 19.8 against 19.6): 512-bit
+//! operations issue on two ports, 256-bit ones on three, so halving the instructions gains
+//! only where it more than halves them. With VNNI, 400×4096 in L2, one thread, the fastest
+//! of five alternated runs against the widened AVX2 unpacking without VNNI: Q5_K 72.4 against
+//! 81.3 µs, Q4_K 60.6 against 60.9; widened with VNNI, Q4_K 65.1 and Q5_K 87.9 (slower).
 
 use super::x86;
 use std::arch::x86_64::*;
@@ -26,9 +30,12 @@ use std::arch::x86_64::*;
 /// `blk` points to one whole block; the CPU has AVX-512 F and BW (checked by `cpu::isa()`);
 /// inlined only into functions compiled for them.
 #[inline(always)]
-pub(crate) unsafe fn unpack<const K: u32>(blk: *const u8) -> ([__m512i; 4], [__m512i; 4], __m256i) {
+pub(crate) unsafe fn unpack<const K: u32, const NATIVE4: bool>(
+    blk: *const u8,
+) -> ([__m512i; 4], [__m512i; 4], __m256i) {
     match K {
         11 => unpack_q3k(blk),
+        12 | 13 if NATIVE4 => unpack_q4k(K == 13, blk),
         14 => unpack_q6k(blk),
         _ => {
             let (u, sv, sums16) = x86::unpack::<K>(blk);
@@ -137,4 +144,44 @@ unsafe fn unpack_q6k(blk: *const u8) -> ([__m512i; 4], [__m512i; 4], __m256i) {
     // One i8 scale per 16 values: 128-bit lane q of vector c takes scale 4c + q.
     let sums16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(blk.add(192) as *const __m128i));
     (u, scale_vectors16(sums16), sums16)
+}
+
+/// A Q4_K/Q5_K block. Element 64c + i (i < 32) is the low nibble of `qs` byte 32c + i and
+/// element 64c + 32 + i its high nibble (Q5_K: fifth bit at bits 2c and 2c + 1 of `qh` byte
+/// i). So vector c is `qs`'s 32 bytes c broadcast to both halves, the upper half shifted by 4,
+/// and for Q5_K `qh` broadcast likewise, each half's own bit tested into a mask that adds 16.
+/// The eight sub-block scales come from `x86::k4_scale_bytes`, each 256-bit half of vector c
+/// taking its own by one `vpshufb`.
+///
+/// # Safety
+///
+/// As `unpack`.
+#[inline(always)]
+unsafe fn unpack_q4k(q5: bool, blk: *const u8) -> ([__m512i; 4], [__m512i; 4], __m256i) {
+    let nib = _mm512_set1_epi8(0x0F);
+    let upper = halves16(0, 4);
+    let sb = x86::k4_scale_bytes(blk);
+    let sb512 = _mm512_broadcast_i64x4(sb);
+    let qs = blk.add(if q5 { 48 } else { 16 });
+    let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(blk.add(16) as *const __m256i));
+    let mut u = [_mm512_setzero_si512(); 4];
+    let mut sv = [_mm512_setzero_si512(); 4];
+    for c in 0..4 {
+        let q = _mm512_broadcast_i64x4(_mm256_loadu_si256(qs.add(32 * c) as *const __m256i));
+        u[c] = _mm512_and_si512(_mm512_srlv_epi16(q, upper), nib);
+        if q5 {
+            let bits = _mm512_mask_mov_epi8(
+                _mm512_set1_epi8(1 << (2 * c)),
+                0xFFFF_FFFF_0000_0000,
+                _mm512_set1_epi8(1 << (2 * c + 1)),
+            );
+            let k = _mm512_test_epi8_mask(qh, bits);
+            u[c] = _mm512_mask_add_epi8(u[c], k, u[c], _mm512_set1_epi8(16));
+        }
+        // i16 lanes of the lower half: scale byte 2c; of the upper: 2c + 1 (odd bytes cleared).
+        let pick = |k: i32| (0x8000u32 as i32 | k) as i16;
+        sv[c] = _mm512_shuffle_epi8(sb512, halves16(pick(2 * c as i32), pick(2 * c as i32 + 1)));
+    }
+    let mins2 = _mm256_shuffle_epi8(sb, _mm256_loadu_si256(x86::MINS_TWICE.as_ptr() as *const __m256i));
+    (u, sv, mins2)
 }

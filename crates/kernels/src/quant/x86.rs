@@ -317,7 +317,7 @@ pub unsafe fn rowsk_decode<const R: usize, const K: u32>(
     act: &QuantAct,
     out: &mut [f32; 4],
 ) {
-    decode_body::<R, K, false>(w, row_bytes, act, out)
+    decode_body::<R, K, false, false>(w, row_bytes, act, out)
 }
 
 /// `rowsk_decode` with each block unpacked into 512-bit vectors (`k512_x86`) and its
@@ -333,17 +333,35 @@ pub unsafe fn rowsk_decode_zmm<const R: usize, const K: u32>(
     act: &QuantAct,
     out: &mut [f32; 4],
 ) {
-    decode_body::<R, K, true>(w, row_bytes, act, out)
+    decode_body::<R, K, true, false>(w, row_bytes, act, out)
 }
 
-/// The body of `rowsk_decode` (Z = false) and `rowsk_decode_zmm` (Z = true), inlined into
-/// each with its instruction set.
+/// `rowsk_decode_zmm` with each 64-value product and its scaling fused by the AVX-512 VNNI
+/// `vpdpwssd` (and Q4_K/Q5_K unpacked natively into 512-bit vectors, `k512_x86`); the integer
+/// sums are the same, so are the bits.
 ///
 /// # Safety
 ///
-/// As `rowsk_decode` (and `rowsk_decode_zmm` where Z); only called from those two.
+/// As `rowsk_decode_zmm`, and the CPU has AVX-512 VNNI (checked by `Isa::uses_vnni`).
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+pub unsafe fn rowsk_decode_vnni<const R: usize, const K: u32>(
+    w: &[u8],
+    row_bytes: usize,
+    act: &QuantAct,
+    out: &mut [f32; 4],
+) {
+    decode_body::<R, K, true, true>(w, row_bytes, act, out)
+}
+
+/// The body of `rowsk_decode` (Z = false), `rowsk_decode_zmm` (Z) and `rowsk_decode_vnni`
+/// (Z and V), inlined into each with its instruction set.
+///
+/// # Safety
+///
+/// As `rowsk_decode` (and `rowsk_decode_zmm` where Z, `rowsk_decode_vnni` where V); only
+/// called from those three.
 #[inline(always)]
-unsafe fn decode_body<const R: usize, const K: u32, const Z: bool>(
+unsafe fn decode_body<const R: usize, const K: u32, const Z: bool, const V: bool>(
     w: &[u8],
     row_bytes: usize,
     act: &QuantAct,
@@ -365,7 +383,7 @@ unsafe fn decode_body<const R: usize, const K: u32, const Z: bool>(
             for h in 0..rows {
                 let base = w.as_ptr().add((2 * p + h) * row_bytes);
                 prefetch_rows(base.wrapping_add(R * row_bytes), row_bytes);
-                g.blocks::<K, Z>(base, act, 0, nb, 4 * h);
+                g.blocks::<K, Z, V>(base, act, 0, nb, 4 * h);
             }
             g.terms(f, dx, &mut t, p);
         }
@@ -403,7 +421,7 @@ unsafe fn decode_body<const R: usize, const K: u32, const Z: bool>(
                     Terms::zero_rows(ts[g - g0].as_mut_ptr(), R);
                 }
                 let mut kg = KGroup::new();
-                kg.blocks::<K, Z>(base, act, b0, m, 0);
+                kg.blocks::<K, Z, V>(base, act, b0, m, 0);
                 // Rows 0..R are written here, rows R..4 were zeroed above.
                 kg.terms(f, dx, ts[g - g0].as_mut_ptr(), r);
             }
@@ -445,14 +463,14 @@ impl KGroup {
 
     /// Blocks `b0..b0 + m` of the row whose block `b0` is at `base`, into slots `slot..`, and
     /// zero sums into the slots after them; with `Z`, unpacked and multiplied in 512-bit
-    /// vectors.
+    /// vectors, with `V` by VNNI.
     ///
     /// # Safety
     ///
     /// `base` holds the m blocks; `act` one token's activations for the row; `slot + m ≤ 8`;
-    /// slots below `slot` were written by an earlier call; AVX2, and AVX-512 F and BW where `Z`.
+    /// slots below `slot` were written by an earlier call; AVX2, AVX-512 F and BW where `Z`, and VNNI where `V`.
     #[inline(always)]
-    unsafe fn blocks<const K: u32, const Z: bool>(
+    unsafe fn blocks<const K: u32, const Z: bool, const V: bool>(
         &mut self,
         base: *const u8,
         act: &QuantAct,
@@ -469,8 +487,8 @@ impl KGroup {
             let xq = act.qs.as_ptr().add(xi * 256);
             let bs = _mm256_loadu_si256(act.bsums.as_ptr().add(xi * 16) as *const __m256i);
             let (a, mn) = if Z {
-                let (u, sv, sums16) = super::k512_x86::unpack::<K>(blk);
-                super::x86_512::dot_unpacked(f.offset_shift, &u, &sv, sums16, xq, bs)
+                let (u, sv, sums16) = super::k512_x86::unpack::<K, V>(blk);
+                super::x86_512::dot_unpacked::<V>(f.offset_shift, &u, &sv, sums16, xq, bs)
             } else {
                 let (u, sv, sums16) = unpack::<K>(blk);
                 dot_unpacked(f.offset_shift, &u, &sv, sums16, xq, bs)
@@ -726,12 +744,13 @@ unsafe fn batch_body<const R: usize, const K: u32, const Z: bool>(
             for j in 0..m {
                 let blk = base.add(j * bb);
                 if Z {
-                    let (u, sv, sums16) = super::k512_x86::unpack::<K>(blk);
+                    let (u, sv, sums16) = super::k512_x86::unpack::<K, false>(blk);
                     for t in 0..n {
                         let xi = act.idx(t0 + t, b0 + j);
                         let xq = act.qs.as_ptr().add(xi * 256);
                         let bs = _mm256_loadu_si256(act.bsums.as_ptr().add(xi * 16) as *const __m256i);
-                        (a[t][j], mn[t][j]) = super::x86_512::dot_unpacked(f.offset_shift, &u, &sv, sums16, xq, bs);
+                        (a[t][j], mn[t][j]) =
+                            super::x86_512::dot_unpacked::<false>(f.offset_shift, &u, &sv, sums16, xq, bs);
                     }
                 } else {
                     let (u, sv, sums16) = unpack::<K>(blk);
@@ -866,7 +885,7 @@ pub(crate) unsafe fn unpack<const K: u32>(blk: *const u8) -> ([__m256i; 8], [__m
 
 /// The `vpshufb` control that spreads the mins of `k4_scale_bytes` (bytes 8..15) as i16, each
 /// twice (one per 16-value sum): min j into i16 lanes 2j and 2j + 1, odd bytes cleared.
-const MINS_TWICE: [i8; 32] = [
+pub(crate) const MINS_TWICE: [i8; 32] = [
     8, -1, 8, -1, 9, -1, 9, -1, 10, -1, 10, -1, 11, -1, 11, -1, 12, -1, 12, -1, 13, -1, 13, -1, 14, -1, 14, -1, 15, -1,
     15, -1,
 ];
