@@ -8,15 +8,26 @@
 //! Q6_K and Q3_K are unpacked here with 512-bit operations: their codes cost the AVX2
 //! unpacking a shift, mask and merge per 32 values, here per 64 (Q3_K decode, 113×4096, one
 //! thread: 20.1 → 23.2 GMAC per CPU second against the AVX2 kernel). Q2_K takes the AVX2
-//! unpacking and joins its halves. Q4_K and Q5_K are unpacked natively (`unpack_q4k`: a
-//! broadcast chunk per 64 values, the upper half shifted) only for the VNNI decode, whose
-//! `vpdpwssd` fuses each product's scaling and sum: with `vpmaddwd` and an add in its place
-//! their native decode was no faster than the AVX2 kernel's (kernel lab, Intel Xeon, one
-//! thread: Q4_K 23.9 against 25.1 GMAC per CPU second, Q5_K 19.8 against 19.6): 512-bit
-//! operations issue on two ports, 256-bit ones on three, so halving the instructions gains
-//! only where it more than halves them. With VNNI, 400×4096 in L2, one thread, the fastest
-//! of five alternated runs against the widened AVX2 unpacking without VNNI: Q5_K 72.4 against
-//! 81.3 µs, Q4_K 60.6 against 60.9; widened with VNNI, Q4_K 65.1 and Q5_K 87.9 (slower).
+//! unpacking and joins its halves. Q4_K and Q5_K, unpacked natively (a broadcast chunk per 64
+//! values, the upper half shifted) and multiplied as above, decoded no faster than the AVX2
+//! kernel (kernel lab, Intel Xeon, one thread: Q4_K 23.9 against 25.1 GMAC per CPU second,
+//! Q5_K 19.8 against 19.6): 512-bit operations issue on two ports, 256-bit ones on three, so
+//! halving the instructions gains only where it more than halves them.
+//!
+//! Where the CPU has VNNI, the decode takes each block's products unscaled, one `vpdpbusd` per
+//! 64 values, narrows two vectors of sums to i16 with one `vpackssdw`, and applies their
+//! sub-block scales with one `vpdpwssd` (`dot_q4k`, `dot_per16`): ten operations per block
+//! (four products, two packs, two scale vectors, two scalings) where `vpmaddubsw`, `vpmaddwd`,
+//! an add and a scale vector per 64 values took sixteen.
+//! 400×4096 in L2, one thread, fastest of ten alternated runs, µs per product before → after:
+//! Q4_K 62.6 → 54.0 (medians 67.3 → 63.6), Q5_K 81.5 → 68.5 (89.7 → 76.2), Q6_K 61.6 → 54.5
+//! (68.3 → 64.2), Q3_K 65.7 → 59.8 (68.0 → 62.3), Q2_K 55.6 → 53.4 (58.3 → 54.8); at an OLMoE
+//! expert's 1024×2048 (eight runs) Q4_K 73.4 → 67.8, Q6_K 78.0 → 71.4. Fusing only the
+//! scaling (`vpdpwssd` in place of `vpmaddwd` and an add, scale vectors kept) gained about
+//! half of that for Q5_K and 0–3% for the others.
+
+// Index loops over the four 64-value parts of a block read most plainly in kernel code.
+#![allow(clippy::needless_range_loop)]
 
 use super::x86;
 use std::arch::x86_64::*;
@@ -30,12 +41,9 @@ use std::arch::x86_64::*;
 /// `blk` points to one whole block; the CPU has AVX-512 F and BW (checked by `cpu::isa()`);
 /// inlined only into functions compiled for them.
 #[inline(always)]
-pub(crate) unsafe fn unpack<const K: u32, const NATIVE4: bool>(
-    blk: *const u8,
-) -> ([__m512i; 4], [__m512i; 4], __m256i) {
+pub(crate) unsafe fn unpack<const K: u32>(blk: *const u8) -> ([__m512i; 4], [__m512i; 4], __m256i) {
     match K {
         11 => unpack_q3k(blk),
-        12 | 13 if NATIVE4 => unpack_q4k(K == 13, blk),
         14 => unpack_q6k(blk),
         _ => {
             let (u, sv, sums16) = x86::unpack::<K>(blk);
@@ -146,26 +154,24 @@ unsafe fn unpack_q6k(blk: *const u8) -> ([__m512i; 4], [__m512i; 4], __m256i) {
     (u, scale_vectors16(sums16), sums16)
 }
 
-/// A Q4_K/Q5_K block. Element 64c + i (i < 32) is the low nibble of `qs` byte 32c + i and
-/// element 64c + 32 + i its high nibble (Q5_K: fifth bit at bits 2c and 2c + 1 of `qh` byte
-/// i). So vector c is `qs`'s 32 bytes c broadcast to both halves, the upper half shifted by 4,
-/// and for Q5_K `qh` broadcast likewise, each half's own bit tested into a mask that adds 16.
-/// The eight sub-block scales come from `x86::k4_scale_bytes`, each 256-bit half of vector c
-/// taking its own by one `vpshufb`.
+/// A Q4_K/Q5_K block's codes, its scale bytes (`x86::k4_scale_bytes`) and its mins each twice
+/// (as `x86::unpack`'s third part). Element 64c + i (i < 32) is the low nibble of `qs` byte
+/// 32c + i and element 64c + 32 + i its high nibble (Q5_K: fifth bit at bits 2c and 2c + 1 of
+/// `qh` byte i). So vector c is `qs`'s 32 bytes c broadcast to both halves, the upper half
+/// shifted by 4, and for Q5_K `qh` broadcast likewise, each half's own bit tested into a mask
+/// that adds 16.
 ///
 /// # Safety
 ///
 /// As `unpack`.
 #[inline(always)]
-unsafe fn unpack_q4k(q5: bool, blk: *const u8) -> ([__m512i; 4], [__m512i; 4], __m256i) {
+unsafe fn unpack_q4k_codes(q5: bool, blk: *const u8) -> ([__m512i; 4], __m256i, __m256i) {
     let nib = _mm512_set1_epi8(0x0F);
     let upper = halves16(0, 4);
     let sb = x86::k4_scale_bytes(blk);
-    let sb512 = _mm512_broadcast_i64x4(sb);
     let qs = blk.add(if q5 { 48 } else { 16 });
     let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(blk.add(16) as *const __m256i));
     let mut u = [_mm512_setzero_si512(); 4];
-    let mut sv = [_mm512_setzero_si512(); 4];
     for c in 0..4 {
         let q = _mm512_broadcast_i64x4(_mm256_loadu_si256(qs.add(32 * c) as *const __m256i));
         u[c] = _mm512_and_si512(_mm512_srlv_epi16(q, upper), nib);
@@ -178,10 +184,121 @@ unsafe fn unpack_q4k(q5: bool, blk: *const u8) -> ([__m512i; 4], [__m512i; 4], _
             let k = _mm512_test_epi8_mask(qh, bits);
             u[c] = _mm512_mask_add_epi8(u[c], k, u[c], _mm512_set1_epi8(16));
         }
-        // i16 lanes of the lower half: scale byte 2c; of the upper: 2c + 1 (odd bytes cleared).
-        let pick = |k: i32| (0x8000u32 as i32 | k) as i16;
-        sv[c] = _mm512_shuffle_epi8(sb512, halves16(pick(2 * c as i32), pick(2 * c as i32 + 1)));
     }
     let mins2 = _mm256_shuffle_epi8(sb, _mm256_loadu_si256(x86::MINS_TWICE.as_ptr() as *const __m256i));
-    (u, sv, mins2)
+    (u, sb, mins2)
+}
+
+/// The `vpshufb` control that gives, in each 128-bit lane k of a vector of `vpackssdw`-packed
+/// sums, i16 lanes 0..4 the scale byte `a` (k < 2) or `a + 1`, and lanes 4..8 the scale byte
+/// `b` or `b + 1` (odd bytes cleared): see `dot_q4k`.
+const fn packed_scale_ctrl(a: i8, b: i8) -> [i8; 64] {
+    let mut c = [-1i8; 64];
+    let mut k = 0;
+    while k < 4 {
+        let up = if k >= 2 { 1 } else { 0 };
+        let mut i = 0;
+        while i < 8 {
+            c[16 * k + 2 * i] = if i < 4 { a } else { b } + up;
+            i += 1;
+        }
+        k += 1;
+    }
+    c
+}
+
+const SCALES_01: [i8; 64] = packed_scale_ctrl(0, 2);
+const SCALES_23: [i8; 64] = packed_scale_ctrl(4, 6);
+
+/// A Q4_K/Q5_K block against one token's codes `xq` and 16-value sums `bs`, as
+/// `x86_512::dot_unpacked` gives it (the scaled sums and the min sums, 8 i32 lanes each, the
+/// same totals), with each sub-block's scale applied after its products: vector c's products
+/// by one `vpdpbusd` (i32 lane l: values 64c + 4l..+4, so lanes 0..8 are sub-block 2c and
+/// 8..16 sub-block 2c + 1), two vectors' sums narrowed to i16 by one `vpackssdw` (at most
+/// 4·31·127 in magnitude, Q8_K codes being at most 127: exact) and their scales applied by one
+/// `vpdpwssd` — per block two operations fewer than a `vpmaddubsw` and a `vpdpwssd` per vector
+/// with its scale vector, six fewer than `vpmaddwd` and an add in place of the `vpdpwssd`.
+///
+/// # Safety
+///
+/// `blk` points to a whole block, `xq` to its 256 activation codes; the CPU has AVX-512 F, BW
+/// and VNNI (checked by `cpu::isa()` and `Isa::uses_vnni`); inlined only into functions
+/// compiled for them.
+#[inline(always)]
+pub(crate) unsafe fn dot_q4k(q5: bool, blk: *const u8, xq: *const i8, bs: __m256i) -> (__m256i, __m256i) {
+    let (u, _, mins2) = unpack_q4k_codes(q5, blk);
+    let z = _mm512_setzero_si512();
+    let mut d = [z; 4];
+    for c in 0..4 {
+        d[c] = _mm512_dpbusd_epi32(z, u[c], _mm512_loadu_si512(xq.add(64 * c) as *const _));
+    }
+    let sb512 = _mm512_broadcast_i64x4(x86::k4_scale_bytes(blk));
+    let s01 = _mm512_shuffle_epi8(sb512, _mm512_loadu_si512(SCALES_01.as_ptr() as *const _));
+    let s23 = _mm512_shuffle_epi8(sb512, _mm512_loadu_si512(SCALES_23.as_ptr() as *const _));
+    let v = _mm512_dpwssd_epi32(z, _mm512_packs_epi32(d[0], d[1]), s01);
+    let v = _mm512_dpwssd_epi32(v, _mm512_packs_epi32(d[2], d[3]), s23);
+    let v = _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+    (v, _mm256_madd_epi16(mins2, bs))
+}
+
+/// `vpermw` indices that give, in each 128-bit lane k of a vector of `vpackssdw`-packed sums of
+/// 16-value groups, i16 lanes 0..4 scale `a + k` and lanes 4..8 scale `b + k`: see
+/// `dot_per16`.
+const fn packed_group_idx(a: i16, b: i16) -> [i16; 32] {
+    let mut c = [0i16; 32];
+    let mut k = 0;
+    while k < 4 {
+        let mut i = 0;
+        while i < 8 {
+            c[8 * k + i] = if i < 4 { a } else { b } + k as i16;
+            i += 1;
+        }
+        k += 1;
+    }
+    c
+}
+
+const GROUPS_01: [i16; 32] = packed_group_idx(0, 4);
+const GROUPS_23: [i16; 32] = packed_group_idx(8, 12);
+
+/// A Q2_K (K = 10), Q3_K (11) or Q6_K (14) block against one token's codes and 16-value sums,
+/// as `x86_512::dot_unpacked` gives it (Q2_K's min sums second; Q3_K's and Q6_K's stored
+/// offset taken off through the sums, the second part zero), with the scales applied after the
+/// products as in `dot_q4k`: 128-bit lane k of vector c's `vpdpbusd` sums is group 4c + k, so
+/// the two vectors packed together take group scales 4c + k and 4c + 4 + k, placed by one
+/// `vpermw` each. Sums at most 4·63·127 = 32,004 in magnitude (Q6_K): exact in i16.
+///
+/// # Safety
+///
+/// As `dot_q4k`.
+#[inline(always)]
+pub(crate) unsafe fn dot_per16<const K: u32>(blk: *const u8, xq: *const i8, bs: __m256i) -> (__m256i, __m256i) {
+    // The scale vectors `unpack` also makes go unused, and the compiler drops them. Its third
+    // part is Q2_K's mins, the others' scales; Q2_K's scales are the low nibbles of bytes 0..16.
+    let (u, _, s16) = unpack::<K>(blk);
+    let scales = if K == 10 {
+        let sc = _mm_loadu_si128(blk as *const __m128i);
+        _mm256_cvtepu8_epi16(_mm_and_si128(sc, _mm_set1_epi8(0x0F)))
+    } else {
+        s16
+    };
+    let z = _mm512_setzero_si512();
+    let mut d = [z; 4];
+    for c in 0..4 {
+        d[c] = _mm512_dpbusd_epi32(z, u[c], _mm512_loadu_si512(xq.add(64 * c) as *const _));
+    }
+    let s = _mm512_castsi256_si512(scales);
+    let s01 = _mm512_permutexvar_epi16(_mm512_loadu_si512(GROUPS_01.as_ptr() as *const _), s);
+    let s23 = _mm512_permutexvar_epi16(_mm512_loadu_si512(GROUPS_23.as_ptr() as *const _), s);
+    let v = _mm512_dpwssd_epi32(z, _mm512_packs_epi32(d[0], d[1]), s01);
+    let v = _mm512_dpwssd_epi32(v, _mm512_packs_epi32(d[2], d[3]), s23);
+    let v = _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+    // Q2_K: its mins times the activation sums. Q3_K, Q6_K: the stored offset (4, 32) times
+    // each group's scale and activation sum.
+    let m = _mm256_madd_epi16(s16, bs);
+    match K {
+        10 => (v, m),
+        11 => (_mm256_sub_epi32(v, _mm256_slli_epi32::<2>(m)), _mm256_setzero_si256()),
+        _ => (_mm256_sub_epi32(v, _mm256_slli_epi32::<5>(m)), _mm256_setzero_si256()),
+    }
 }

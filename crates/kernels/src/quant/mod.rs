@@ -212,12 +212,9 @@ fn rows_by(
 /// 20.1 (17.7 with its AVX2 unpacking widened), Q2_K 27.7 against 26.0. Q4_K and Q5_K decode
 /// faster on the AVX2 kernel there (Q4_K 25.1 against 23.9; `k512_x86` says why).
 ///
-/// Where the CPU has AVX-512 VNNI, every K-quant takes `x86::rowsk_decode_vnni` (`vpdpwssd`
-/// in place of `vpmaddwd` and an add; Q4_K and Q5_K unpacked natively): 400×4096 in L2, one
-/// thread, fastest of five alternated runs, µs per product against the kernels above: Q5_K
-/// 72.4 against 81.3, Q2_K 54.8 against 55.8, Q6_K 59.6 against 60.4, Q4_K 60.6 against 60.9,
-/// Q3_K 66.0 against 65.9; at an OLMoE expert's 1024×2048 (six and five runs) Q5_K 90.6
-/// against 104.3, Q4_K 75.8 against 80.3. The integers are the same, so are the bits.
+/// Where the CPU has AVX-512 VNNI, every K-quant takes `x86::rowsk_decode_vnni`: products
+/// unscaled by `vpdpbusd`, scales applied to sums narrowed to i16 (`k512_x86` has the numbers,
+/// 9–19% less time per product). The integers are the same, so are the bits.
 #[cfg(target_arch = "x86_64")]
 fn decode_k(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, o: SendPtr) {
     let vnni = isa.uses_vnni();

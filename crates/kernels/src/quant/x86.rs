@@ -336,9 +336,9 @@ pub unsafe fn rowsk_decode_zmm<const R: usize, const K: u32>(
     decode_body::<R, K, true, false>(w, row_bytes, act, out)
 }
 
-/// `rowsk_decode_zmm` with each 64-value product and its scaling fused by the AVX-512 VNNI
-/// `vpdpwssd` (and Q4_K/Q5_K unpacked natively into 512-bit vectors, `k512_x86`); the integer
-/// sums are the same, so are the bits.
+/// `rowsk_decode_zmm` with each block's products taken unscaled by the AVX-512 VNNI
+/// `vpdpbusd` and its sub-block scales applied to the sums (`k512_x86::dot_q4k`,
+/// `dot_per16`); the integer sums are the same, so are the bits.
 ///
 /// # Safety
 ///
@@ -486,9 +486,13 @@ impl KGroup {
             let xi = i0 + j;
             let xq = act.qs.as_ptr().add(xi * 256);
             let bs = _mm256_loadu_si256(act.bsums.as_ptr().add(xi * 16) as *const __m256i);
-            let (a, mn) = if Z {
-                let (u, sv, sums16) = super::k512_x86::unpack::<K, V>(blk);
-                super::x86_512::dot_unpacked::<V>(f.offset_shift, &u, &sv, sums16, xq, bs)
+            let (a, mn) = if V && (K == 12 || K == 13) {
+                super::k512_x86::dot_q4k(K == 13, blk, xq, bs)
+            } else if V {
+                super::k512_x86::dot_per16::<K>(blk, xq, bs)
+            } else if Z {
+                let (u, sv, sums16) = super::k512_x86::unpack::<K>(blk);
+                super::x86_512::dot_unpacked(f.offset_shift, &u, &sv, sums16, xq, bs)
             } else {
                 let (u, sv, sums16) = unpack::<K>(blk);
                 dot_unpacked(f.offset_shift, &u, &sv, sums16, xq, bs)
@@ -744,13 +748,12 @@ unsafe fn batch_body<const R: usize, const K: u32, const Z: bool>(
             for j in 0..m {
                 let blk = base.add(j * bb);
                 if Z {
-                    let (u, sv, sums16) = super::k512_x86::unpack::<K, false>(blk);
+                    let (u, sv, sums16) = super::k512_x86::unpack::<K>(blk);
                     for t in 0..n {
                         let xi = act.idx(t0 + t, b0 + j);
                         let xq = act.qs.as_ptr().add(xi * 256);
                         let bs = _mm256_loadu_si256(act.bsums.as_ptr().add(xi * 16) as *const __m256i);
-                        (a[t][j], mn[t][j]) =
-                            super::x86_512::dot_unpacked::<false>(f.offset_shift, &u, &sv, sums16, xq, bs);
+                        (a[t][j], mn[t][j]) = super::x86_512::dot_unpacked(f.offset_shift, &u, &sv, sums16, xq, bs);
                     }
                 } else {
                     let (u, sv, sums16) = unpack::<K>(blk);

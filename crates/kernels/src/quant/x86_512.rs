@@ -988,7 +988,7 @@ pub(crate) unsafe fn widen_unpacked(u: &[__m256i; 8], sv: &[__m256i; 8]) -> ([__
 /// `xq` points to the block's 256 activation codes; the CPU has AVX-512 F and BW (checked by
 /// `cpu::isa()`); inlined only into functions compiled for them.
 #[inline(always)]
-pub(crate) unsafe fn dot_unpacked<const VNNI: bool>(
+pub(crate) unsafe fn dot_unpacked(
     offset_shift: Option<i32>,
     u: &[__m512i; 4],
     sv: &[__m512i; 4],
@@ -996,21 +996,11 @@ pub(crate) unsafe fn dot_unpacked<const VNNI: bool>(
     xq: *const i8,
     bs: __m256i,
 ) -> (__m256i, __m256i) {
-    let x = |c: usize| _mm512_loadu_si512(xq.add(64 * c) as *const _);
-    let v = if VNNI {
-        // Two chains of two, so that `vpdpwssd`'s latency overlaps.
-        let mut v = [_mm512_setzero_si512(); 2];
-        for c in 0..4 {
-            v[c % 2] = _mm512_dpwssd_epi32(v[c % 2], _mm512_maddubs_epi16(u[c], x(c)), sv[c]);
-        }
-        _mm512_add_epi32(v[0], v[1])
-    } else {
-        let mut v = _mm512_setzero_si512();
-        for c in 0..4 {
-            v = _mm512_add_epi32(v, _mm512_madd_epi16(_mm512_maddubs_epi16(u[c], x(c)), sv[c]));
-        }
-        v
-    };
+    let mut v = _mm512_setzero_si512();
+    for c in 0..4 {
+        let x = _mm512_loadu_si512(xq.add(64 * c) as *const _);
+        v = _mm512_add_epi32(v, _mm512_madd_epi16(_mm512_maddubs_epi16(u[c], x), sv[c]));
+    }
     let v = _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
     let m = _mm256_madd_epi16(sums16, bs);
     match offset_shift {
