@@ -468,7 +468,8 @@ impl KGroup {
     /// # Safety
     ///
     /// `base` holds the m blocks; `act` one token's activations for the row; `slot + m ≤ 8`;
-    /// slots below `slot` were written by an earlier call; AVX2, AVX-512 F and BW where `Z`, and VNNI where `V`.
+    /// slots below `slot` were written by an earlier call; AVX2, AVX-512 F and BW where `Z`,
+    /// and VNNI where `V`.
     #[inline(always)]
     unsafe fn blocks<const K: u32, const Z: bool, const V: bool>(
         &mut self,
