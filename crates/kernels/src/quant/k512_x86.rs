@@ -16,7 +16,7 @@
 //!
 //! Where the CPU has VNNI, the decode takes each block's products unscaled, one `vpdpbusd` per
 //! 64 values, narrows two vectors of sums to i16 with one `vpackssdw`, and applies their
-//! sub-block scales with one `vpdpwssd` (`dot_q4k`, `dot_per16`): ten operations per block
+//! sub-block scales with one `vpdpwssd` (`Packed`): ten operations per block
 //! (four products, two packs, two scale vectors, two scalings) where `vpmaddubsw`, `vpmaddwd`,
 //! an add and a scale vector per 64 values took sixteen.
 //! 400×4096 in L2, one thread, fastest of ten alternated runs, µs per product before → after:
@@ -24,7 +24,10 @@
 //! (68.3 → 64.2), Q3_K 65.7 → 59.8 (68.0 → 62.3), Q2_K 55.6 → 53.4 (58.3 → 54.8); at an OLMoE
 //! expert's 1024×2048 (eight runs) Q4_K 73.4 → 67.8, Q6_K 78.0 → 71.4. Fusing only the
 //! scaling (`vpdpwssd` in place of `vpmaddwd` and an add, scale vectors kept) gained about
-//! half of that for Q5_K and 0–3% for the others.
+//! half of that for Q5_K and 0–3% for the others. The small-batch kernel takes the same
+//! products, each block unpacked once for all its tokens: 400×4096, fastest of five or six
+//! alternated runs, µs, before → after: 4 tokens Q4_K 157.0 → 150.0, Q5_K 179.7 → 157.9, Q6_K
+//! 143.2 → 131.8; 6 tokens Q3_K 200.5 → 181.6.
 
 // Index loops over the four 64-value parts of a block read most plainly in kernel code.
 #![allow(clippy::needless_range_loop)]
@@ -191,7 +194,7 @@ unsafe fn unpack_q4k_codes(q5: bool, blk: *const u8) -> ([__m512i; 4], __m256i, 
 
 /// The `vpshufb` control that gives, in each 128-bit lane k of a vector of `vpackssdw`-packed
 /// sums, i16 lanes 0..4 the scale byte `a` (k < 2) or `a + 1`, and lanes 4..8 the scale byte
-/// `b` or `b + 1` (odd bytes cleared): see `dot_q4k`.
+/// `b` or `b + 1` (odd bytes cleared): see `Packed`.
 const fn packed_scale_ctrl(a: i8, b: i8) -> [i8; 64] {
     let mut c = [-1i8; 64];
     let mut k = 0;
@@ -210,40 +213,8 @@ const fn packed_scale_ctrl(a: i8, b: i8) -> [i8; 64] {
 const SCALES_01: [i8; 64] = packed_scale_ctrl(0, 2);
 const SCALES_23: [i8; 64] = packed_scale_ctrl(4, 6);
 
-/// A Q4_K/Q5_K block against one token's codes `xq` and 16-value sums `bs`, as
-/// `x86_512::dot_unpacked` gives it (the scaled sums and the min sums, 8 i32 lanes each, the
-/// same totals), with each sub-block's scale applied after its products: vector c's products
-/// by one `vpdpbusd` (i32 lane l: values 64c + 4l..+4, so lanes 0..8 are sub-block 2c and
-/// 8..16 sub-block 2c + 1), two vectors' sums narrowed to i16 by one `vpackssdw` (at most
-/// 4·31·127 in magnitude, Q8_K codes being at most 127: exact) and their scales applied by one
-/// `vpdpwssd` — per block two operations fewer than a `vpmaddubsw` and a `vpdpwssd` per vector
-/// with its scale vector, six fewer than `vpmaddwd` and an add in place of the `vpdpwssd`.
-///
-/// # Safety
-///
-/// `blk` points to a whole block, `xq` to its 256 activation codes; the CPU has AVX-512 F, BW
-/// and VNNI (checked by `cpu::isa()` and `Isa::uses_vnni`); inlined only into functions
-/// compiled for them.
-#[inline(always)]
-pub(crate) unsafe fn dot_q4k(q5: bool, blk: *const u8, xq: *const i8, bs: __m256i) -> (__m256i, __m256i) {
-    let (u, _, mins2) = unpack_q4k_codes(q5, blk);
-    let z = _mm512_setzero_si512();
-    let mut d = [z; 4];
-    for c in 0..4 {
-        d[c] = _mm512_dpbusd_epi32(z, u[c], _mm512_loadu_si512(xq.add(64 * c) as *const _));
-    }
-    let sb512 = _mm512_broadcast_i64x4(x86::k4_scale_bytes(blk));
-    let s01 = _mm512_shuffle_epi8(sb512, _mm512_loadu_si512(SCALES_01.as_ptr() as *const _));
-    let s23 = _mm512_shuffle_epi8(sb512, _mm512_loadu_si512(SCALES_23.as_ptr() as *const _));
-    let v = _mm512_dpwssd_epi32(z, _mm512_packs_epi32(d[0], d[1]), s01);
-    let v = _mm512_dpwssd_epi32(v, _mm512_packs_epi32(d[2], d[3]), s23);
-    let v = _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
-    (v, _mm256_madd_epi16(mins2, bs))
-}
-
 /// `vpermw` indices that give, in each 128-bit lane k of a vector of `vpackssdw`-packed sums of
-/// 16-value groups, i16 lanes 0..4 scale `a + k` and lanes 4..8 scale `b + k`: see
-/// `dot_per16`.
+/// 16-value groups, i16 lanes 0..4 scale `a + k` and lanes 4..8 scale `b + k`: see `Packed`.
 const fn packed_group_idx(a: i16, b: i16) -> [i16; 32] {
     let mut c = [0i16; 32];
     let mut k = 0;
@@ -261,44 +232,81 @@ const fn packed_group_idx(a: i16, b: i16) -> [i16; 32] {
 const GROUPS_01: [i16; 32] = packed_group_idx(0, 4);
 const GROUPS_23: [i16; 32] = packed_group_idx(8, 12);
 
-/// A Q2_K (K = 10), Q3_K (11) or Q6_K (14) block against one token's codes and 16-value sums,
-/// as `x86_512::dot_unpacked` gives it (Q2_K's min sums second; Q3_K's and Q6_K's stored
-/// offset taken off through the sums, the second part zero), with the scales applied after the
-/// products as in `dot_q4k`: 128-bit lane k of vector c's `vpdpbusd` sums is group 4c + k, so
-/// the two vectors packed together take group scales 4c + k and 4c + 4 + k, placed by one
-/// `vpermw` each. Sums at most 4·63·127 = 32,004 in magnitude (Q6_K): exact in i16.
+/// A K-quant block unpacked for the VNNI kernels, which take each block's products unscaled
+/// and apply its scales to the sums: codes in value order (`u`, 64 to a vector), the scales of
+/// two vectors' `vpackssdw`-packed sums (`s01` for vectors 0 and 1, `s23` for 2 and 3), and
+/// the i16 factors of the 16-value activation sums (`x86::unpack`'s third part).
+///
+/// Vector c's `vpdpbusd` sums hold values 64c + 4l..+4 in i32 lane l, so each 128-bit lane is
+/// one 16-value group and each 256-bit half one 32-value sub-block; packed two vectors
+/// together, 128-bit lane k holds vector 2c's lane k in its i16 lanes 0..4 and vector 2c + 1's
+/// in 4..8, whose scales `s01`/`s23` place there. The sums are at most 4·63·127 = 32,004 in
+/// magnitude (Q6_K's codes against Q8_K's, which are at most 127): exact in i16. Per block and
+/// token this takes four `vpdpbusd`, two `vpackssdw` and two `vpdpwssd`, where a
+/// `vpmaddubsw`, a `vpmaddwd` and an add per 64 values took twelve.
+pub(crate) struct Packed {
+    u: [__m512i; 4],
+    s01: __m512i,
+    s23: __m512i,
+    sums16: __m256i,
+}
+
+/// Block `blk` of K-quant `K` (GGML ids, Q2_K = 10 … Q6_K = 14) for `Packed::dot`.
 ///
 /// # Safety
 ///
-/// As `dot_q4k`.
+/// As `unpack`, and the CPU has AVX-512 VNNI (checked by `Isa::uses_vnni`).
 #[inline(always)]
-pub(crate) unsafe fn dot_per16<const K: u32>(blk: *const u8, xq: *const i8, bs: __m256i) -> (__m256i, __m256i) {
-    // The scale vectors `unpack` also makes go unused, and the compiler drops them. Its third
-    // part is Q2_K's mins, the others' scales; Q2_K's scales are the low nibbles of bytes 0..16.
-    let (u, _, s16) = unpack::<K>(blk);
+pub(crate) unsafe fn unpack_packed<const K: u32>(blk: *const u8) -> Packed {
+    if K == 12 || K == 13 {
+        // One scale per 32 values: placed from the block's scale bytes by one `vpshufb` each.
+        let (u, sb, mins2) = unpack_q4k_codes(K == 13, blk);
+        let sb512 = _mm512_broadcast_i64x4(sb);
+        let s01 = _mm512_shuffle_epi8(sb512, _mm512_loadu_si512(SCALES_01.as_ptr() as *const _));
+        let s23 = _mm512_shuffle_epi8(sb512, _mm512_loadu_si512(SCALES_23.as_ptr() as *const _));
+        return Packed { u, s01, s23, sums16: mins2 };
+    }
+    // One scale per 16 values, placed by one `vpermw` each. The scale vectors `unpack` also
+    // makes go unused, and the compiler drops them. Its third part is Q2_K's mins, the others'
+    // scales; Q2_K's scales are the low nibbles of its bytes 0..16.
+    let (u, _, sums16) = unpack::<K>(blk);
     let scales = if K == 10 {
         let sc = _mm_loadu_si128(blk as *const __m128i);
         _mm256_cvtepu8_epi16(_mm_and_si128(sc, _mm_set1_epi8(0x0F)))
     } else {
-        s16
+        sums16
     };
-    let z = _mm512_setzero_si512();
-    let mut d = [z; 4];
-    for c in 0..4 {
-        d[c] = _mm512_dpbusd_epi32(z, u[c], _mm512_loadu_si512(xq.add(64 * c) as *const _));
-    }
     let s = _mm512_castsi256_si512(scales);
     let s01 = _mm512_permutexvar_epi16(_mm512_loadu_si512(GROUPS_01.as_ptr() as *const _), s);
     let s23 = _mm512_permutexvar_epi16(_mm512_loadu_si512(GROUPS_23.as_ptr() as *const _), s);
-    let v = _mm512_dpwssd_epi32(z, _mm512_packs_epi32(d[0], d[1]), s01);
-    let v = _mm512_dpwssd_epi32(v, _mm512_packs_epi32(d[2], d[3]), s23);
-    let v = _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
-    // Q2_K: its mins times the activation sums. Q3_K, Q6_K: the stored offset (4, 32) times
-    // each group's scale and activation sum.
-    let m = _mm256_madd_epi16(s16, bs);
-    match K {
-        10 => (v, m),
-        11 => (_mm256_sub_epi32(v, _mm256_slli_epi32::<2>(m)), _mm256_setzero_si256()),
-        _ => (_mm256_sub_epi32(v, _mm256_slli_epi32::<5>(m)), _mm256_setzero_si256()),
+    Packed { u, s01, s23, sums16 }
+}
+
+impl Packed {
+    /// The block against one token's codes `xq` and 16-value sums `bs`, as
+    /// `x86_512::dot_unpacked` gives it: the scaled sums in 8 i32 lanes, and the min sums (Q2_K,
+    /// Q4_K, Q5_K) or zero (Q3_K's and Q6_K's stored offset, 4 and 32, taken off the first
+    /// through the sums) — the same totals.
+    ///
+    /// # Safety
+    ///
+    /// `xq` points to the block's 256 activation codes; the CPU has AVX-512 F, BW and VNNI;
+    /// inlined only into functions compiled for them.
+    #[inline(always)]
+    pub(crate) unsafe fn dot<const K: u32>(&self, xq: *const i8, bs: __m256i) -> (__m256i, __m256i) {
+        let z = _mm512_setzero_si512();
+        let mut d = [z; 4];
+        for c in 0..4 {
+            d[c] = _mm512_dpbusd_epi32(z, self.u[c], _mm512_loadu_si512(xq.add(64 * c) as *const _));
+        }
+        let v = _mm512_dpwssd_epi32(z, _mm512_packs_epi32(d[0], d[1]), self.s01);
+        let v = _mm512_dpwssd_epi32(v, _mm512_packs_epi32(d[2], d[3]), self.s23);
+        let v = _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+        let m = _mm256_madd_epi16(self.sums16, bs);
+        match K {
+            11 => (_mm256_sub_epi32(v, _mm256_slli_epi32::<2>(m)), _mm256_setzero_si256()),
+            14 => (_mm256_sub_epi32(v, _mm256_slli_epi32::<5>(m)), _mm256_setzero_si256()),
+            _ => (v, m),
+        }
     }
 }

@@ -363,11 +363,16 @@ pub(crate) fn small_batches(
 #[cfg(target_arch = "x86_64")]
 fn batch_k(isa: Isa, pool: &ThreadPool, w: MatRef<'_>, act: &QuantAct, n: usize, o: SendPtr) {
     let zmm = isa == Isa::Avx512;
+    let vnni = isa.uses_vnni();
     let rb = w.row_bytes();
     small_batches(pool, w, n, o, |wr, k, t0, nt, vals, s| {
         macro_rules! go {
             ($dt:expr) => {
                 match (zmm, k) {
+                    (true, 4) if vnni => x86::rowsk_batch_vnni::<4, { $dt }>(wr, rb, act, t0, nt, vals, s),
+                    (true, 3) if vnni => x86::rowsk_batch_vnni::<3, { $dt }>(wr, rb, act, t0, nt, vals, s),
+                    (true, 2) if vnni => x86::rowsk_batch_vnni::<2, { $dt }>(wr, rb, act, t0, nt, vals, s),
+                    (true, _) if vnni => x86::rowsk_batch_vnni::<1, { $dt }>(wr, rb, act, t0, nt, vals, s),
                     (true, 4) => x86::rowsk_batch_zmm::<4, { $dt }>(wr, rb, act, t0, nt, vals, s),
                     (true, 3) => x86::rowsk_batch_zmm::<3, { $dt }>(wr, rb, act, t0, nt, vals, s),
                     (true, 2) => x86::rowsk_batch_zmm::<2, { $dt }>(wr, rb, act, t0, nt, vals, s),

@@ -337,8 +337,8 @@ pub unsafe fn rowsk_decode_zmm<const R: usize, const K: u32>(
 }
 
 /// `rowsk_decode_zmm` with each block's products taken unscaled by the AVX-512 VNNI
-/// `vpdpbusd` and its sub-block scales applied to the sums (`k512_x86::dot_q4k`,
-/// `dot_per16`); the integer sums are the same, so are the bits.
+/// `vpdpbusd` and its sub-block scales applied to the sums (`k512_x86::Packed`); the
+/// integer sums are the same, so are the bits.
 ///
 /// # Safety
 ///
@@ -487,10 +487,8 @@ impl KGroup {
             let xi = i0 + j;
             let xq = act.qs.as_ptr().add(xi * 256);
             let bs = _mm256_loadu_si256(act.bsums.as_ptr().add(xi * 16) as *const __m256i);
-            let (a, mn) = if V && (K == 12 || K == 13) {
-                super::k512_x86::dot_q4k(K == 13, blk, xq, bs)
-            } else if V {
-                super::k512_x86::dot_per16::<K>(blk, xq, bs)
+            let (a, mn) = if V {
+                super::k512_x86::unpack_packed::<K>(blk).dot::<K>(xq, bs)
             } else if Z {
                 let (u, sv, sums16) = super::k512_x86::unpack::<K>(blk);
                 super::x86_512::dot_unpacked(f.offset_shift, &u, &sv, sums16, xq, bs)
@@ -677,7 +675,7 @@ pub unsafe fn rowsk_batch<const R: usize, const K: u32>(
     out: &mut BatchOut,
     s: &mut BatchScratch,
 ) {
-    batch_body::<R, K, false>(w, row_bytes, act, t0, n, out, s)
+    batch_body::<R, K, false, false>(w, row_bytes, act, t0, n, out, s)
 }
 
 /// `rowsk_batch` with each token's products in 512-bit vectors (two 32-value sub-blocks per
@@ -697,18 +695,38 @@ pub unsafe fn rowsk_batch_zmm<const R: usize, const K: u32>(
     out: &mut BatchOut,
     s: &mut BatchScratch,
 ) {
-    batch_body::<R, K, true>(w, row_bytes, act, t0, n, out, s)
+    batch_body::<R, K, true, false>(w, row_bytes, act, t0, n, out, s)
 }
 
-/// The body of `rowsk_batch` (Z = false) and `rowsk_batch_zmm` (Z = true), inlined into each
-/// with its instruction set.
+/// `rowsk_batch_zmm` with each block's products taken unscaled by the AVX-512 VNNI `vpdpbusd`
+/// and its scales applied to the sums (`k512_x86::Packed`, unpacked once for all the tokens);
+/// the integer sums are the same, so are the bits.
 ///
 /// # Safety
 ///
-/// As `rowsk_batch` (and `rowsk_batch_zmm` where Z); only called from those two, whose
-/// instruction sets it is compiled with.
+/// As `rowsk_batch_zmm`, and the CPU has AVX-512 VNNI (checked by `Isa::uses_vnni`).
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+pub unsafe fn rowsk_batch_vnni<const R: usize, const K: u32>(
+    w: &[u8],
+    row_bytes: usize,
+    act: &QuantAct,
+    t0: usize,
+    n: usize,
+    out: &mut BatchOut,
+    s: &mut BatchScratch,
+) {
+    batch_body::<R, K, true, true>(w, row_bytes, act, t0, n, out, s)
+}
+
+/// The body of `rowsk_batch` (Z = false), `rowsk_batch_zmm` (Z) and `rowsk_batch_vnni` (Z and
+/// V), inlined into each with its instruction set.
+///
+/// # Safety
+///
+/// As `rowsk_batch` (and `rowsk_batch_zmm` where Z, `rowsk_batch_vnni` where V); only called
+/// from those three, whose instruction sets it is compiled with.
 #[inline(always)]
-unsafe fn batch_body<const R: usize, const K: u32, const Z: bool>(
+unsafe fn batch_body<const R: usize, const K: u32, const Z: bool, const V: bool>(
     w: &[u8],
     row_bytes: usize,
     act: &QuantAct,
@@ -748,7 +766,15 @@ unsafe fn batch_body<const R: usize, const K: u32, const Z: bool>(
             prefetch_rows(base.wrapping_add(R * row_bytes), m * bb);
             for j in 0..m {
                 let blk = base.add(j * bb);
-                if Z {
+                if V {
+                    let k = super::k512_x86::unpack_packed::<K>(blk);
+                    for t in 0..n {
+                        let xi = act.idx(t0 + t, b0 + j);
+                        let xq = act.qs.as_ptr().add(xi * 256);
+                        let bs = _mm256_loadu_si256(act.bsums.as_ptr().add(xi * 16) as *const __m256i);
+                        (a[t][j], mn[t][j]) = k.dot::<K>(xq, bs);
+                    }
+                } else if Z {
                     let (u, sv, sums16) = super::k512_x86::unpack::<K>(blk);
                     for t in 0..n {
                         let xi = act.idx(t0 + t, b0 + j);
