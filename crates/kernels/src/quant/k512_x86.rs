@@ -285,15 +285,15 @@ pub(crate) unsafe fn unpack_packed<const K: u32>(blk: *const u8) -> Packed {
 impl Packed {
     /// The block against one token's codes `xq` and 16-value sums `bs`, as
     /// `x86_512::dot_unpacked` gives it: the scaled sums in 8 i32 lanes, and the min sums (Q2_K,
-    /// Q4_K, Q5_K) or zero (Q3_K's and Q6_K's stored offset, 4 and 32, taken off the first
-    /// through the sums) — the same totals.
+    /// Q4_K, Q5_K) or zero (the stored offset of Q3_K and Q6_K, `offset_shift`, taken off the
+    /// first through the sums, `x86::offset_or_mins`) — the same totals.
     ///
     /// # Safety
     ///
     /// `xq` points to the block's 256 activation codes; the CPU has AVX-512 F, BW and VNNI;
     /// inlined only into functions compiled for them.
     #[inline(always)]
-    pub(crate) unsafe fn dot<const K: u32>(&self, xq: *const i8, bs: __m256i) -> (__m256i, __m256i) {
+    pub(crate) unsafe fn dot(&self, offset_shift: Option<i32>, xq: *const i8, bs: __m256i) -> (__m256i, __m256i) {
         let z = _mm512_setzero_si512();
         let mut d = [z; 4];
         for c in 0..4 {
@@ -302,11 +302,6 @@ impl Packed {
         let v = _mm512_dpwssd_epi32(z, _mm512_packs_epi32(d[0], d[1]), self.s01);
         let v = _mm512_dpwssd_epi32(v, _mm512_packs_epi32(d[2], d[3]), self.s23);
         let v = _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
-        let m = _mm256_madd_epi16(self.sums16, bs);
-        match K {
-            11 => (_mm256_sub_epi32(v, _mm256_slli_epi32::<2>(m)), _mm256_setzero_si256()),
-            14 => (_mm256_sub_epi32(v, _mm256_slli_epi32::<5>(m)), _mm256_setzero_si256()),
-            _ => (v, m),
-        }
+        x86::offset_or_mins(offset_shift, v, _mm256_madd_epi16(self.sums16, bs))
     }
 }

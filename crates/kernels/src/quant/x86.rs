@@ -488,7 +488,7 @@ impl KGroup {
             let xq = act.qs.as_ptr().add(xi * 256);
             let bs = _mm256_loadu_si256(act.bsums.as_ptr().add(xi * 16) as *const __m256i);
             let (a, mn) = if V {
-                super::k512_x86::unpack_packed::<K>(blk).dot::<K>(xq, bs)
+                super::k512_x86::unpack_packed::<K>(blk).dot(f.offset_shift, xq, bs)
             } else if Z {
                 let (u, sv, sums16) = super::k512_x86::unpack::<K>(blk);
                 super::x86_512::dot_unpacked(f.offset_shift, &u, &sv, sums16, xq, bs)
@@ -772,7 +772,7 @@ unsafe fn batch_body<const R: usize, const K: u32, const Z: bool, const V: bool>
                         let xi = act.idx(t0 + t, b0 + j);
                         let xq = act.qs.as_ptr().add(xi * 256);
                         let bs = _mm256_loadu_si256(act.bsums.as_ptr().add(xi * 16) as *const __m256i);
-                        (a[t][j], mn[t][j]) = k.dot::<K>(xq, bs);
+                        (a[t][j], mn[t][j]) = k.dot(f.offset_shift, xq, bs);
                     }
                 } else if Z {
                     let (u, sv, sums16) = super::k512_x86::unpack::<K>(blk);
@@ -996,7 +996,19 @@ pub(crate) unsafe fn dot_unpacked(
     for k in 0..8 {
         v = dp_scaled(v, u[k], _mm256_loadu_si256(xq.add(32 * k) as *const __m256i), sv[k]);
     }
-    let m = _mm256_madd_epi16(sums16, bs);
+    offset_or_mins(offset_shift, v, _mm256_madd_epi16(sums16, bs))
+}
+
+/// A block's (scaled sums `v`, `m` = its 16-value activation sums times their factors) as
+/// the K-quant kernels return them: where the codes carry a stored offset (`offset_shift`,
+/// log2 of it), `m` times the offset comes off `v` and the second part is zero; otherwise `m`
+/// is the min sums, kept.
+///
+/// # Safety
+///
+/// Needs only AVX2 (the callers' target features include it).
+#[inline(always)]
+pub(crate) unsafe fn offset_or_mins(offset_shift: Option<i32>, v: __m256i, m: __m256i) -> (__m256i, __m256i) {
     match offset_shift {
         Some(sh) => (_mm256_sub_epi32(v, _mm256_sll_epi32(m, _mm_cvtsi32_si128(sh))), _mm256_setzero_si256()),
         None => (v, m),

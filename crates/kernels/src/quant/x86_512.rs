@@ -1002,9 +1002,5 @@ pub(crate) unsafe fn dot_unpacked(
         v = _mm512_add_epi32(v, _mm512_madd_epi16(_mm512_maddubs_epi16(u[c], x), sv[c]));
     }
     let v = _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
-    let m = _mm256_madd_epi16(sums16, bs);
-    match offset_shift {
-        Some(sh) => (_mm256_sub_epi32(v, _mm256_sll_epi32(m, _mm_cvtsi32_si128(sh))), _mm256_setzero_si256()),
-        None => (v, m),
-    }
+    super::x86::offset_or_mins(offset_shift, v, _mm256_madd_epi16(sums16, bs))
 }
